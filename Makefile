@@ -1,0 +1,35 @@
+# ema-pg — `make help` lists the targets. Every target installs what it needs into .venv.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+
+.DEFAULT_GOAL := help
+
+help: ## List the targets
+	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-20s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)   # the CPU build, before anything can pull a CUDA one
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP) ## Create .venv: torch 2.13.0 first, then the project with its dev extra
+
+test: setup ## Run the fast test suite (slow tests excluded)
+	$(PY) -m pytest -m "not slow" -q
+
+test-full: setup ## Run every test, slow ones included
+	$(PY) -m pytest -q
+
+lint: setup ## Ruff over the code
+	$(VENV)/bin/ruff check ema_pg tests analysis benchmarks
+
+clean: ## Remove caches (keeps .venv and runs/)
+	rm -rf .pytest_cache **/__pycache__
+
+.PHONY: help setup test test-full lint clean

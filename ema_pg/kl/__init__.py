@@ -1,0 +1,124 @@
+"""The KL-estimator registry (DESIGN.md, "KL-estimator contract").
+
+>>> from ema_pg.kl import KLInputs, get_estimator, ESTIMATORS
+>>> est = get_estimator("topk_reverse", k=32, tail="corrected", iw_clip=(0.0, 10.0))
+>>> est.topk_source, est.needs_full_logits
+('policy_old', False)
+
+Every estimator is a pure function of the tensors in :class:`KLInputs` that returns a (B, T)
+per-token estimate. Names follow Table 1, Alg 1-2 and Appendix H of the paper:
+
+- ``k1 k2 k3 k3pp k4 k5`` (sampled, :mod:`ema_pg.kl.sampled`), parameter ``iw_clip``;
+- ``exact_reverse exact_forward`` (full logits, :mod:`ema_pg.kl.exact`);
+- ``topk_reverse topk_forward`` (:mod:`ema_pg.kl.topk`), parameters ``k``, ``tail``, ``iw_clip``;
+- ``topk_fdiv`` (:mod:`ema_pg.kl.fdiv`), parameters ``k``, ``divergence``, ``alpha``, ``iw_clip``;
+- ``none`` (no KL).
+
+``sequence_kl_penalty`` (eq. 10-12) is the reward-side penalty of the WARP baseline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .base import Estimator, KLInputs
+from .exact import exact_forward, exact_reverse
+from .fdiv import DIVERGENCES, topk_fdiv
+from .sampled import k1, k2, k3, k3pp, k4, k5
+from .sequence import sequence_kl_penalty
+from .topk import TAILS, topk_forward, topk_reverse
+
+
+def no_kl(inp: KLInputs) -> Tensor:
+    """No KL regularization: zeros, (B, T)."""
+    return torch.zeros_like(inp.logp)
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """What the registry knows of one estimator: its function, defaults and needs."""
+
+    fn: Callable[..., Tensor]
+    defaults: dict = field(default_factory=dict)
+    topk_source: str | None = None  # for k > 0; "policy_old" | "anchor"
+    needs_full_logits: bool = False
+    summary: str = ""
+
+
+_SAMPLED_OFF = (1.0, 1.0)  # k1-k3: GRPO practice, no off-policy correction
+_SAMPLED_ON = (0.0, 10.0)  # our unbiased estimators: lenient clip (Fig 9)
+
+ESTIMATORS: dict[str, EstimatorSpec] = {
+    "none": EstimatorSpec(no_kl, summary="no KL term"),
+    "k1": EstimatorSpec(k1, {"iw_clip": _SAMPLED_OFF}, summary="-log w; unbiased value, zero gradient"),
+    "k2": EstimatorSpec(k2, {"iw_clip": _SAMPLED_OFF}, summary="(log w)^2/2; biased value, reverse-KL gradient"),
+    "k3": EstimatorSpec(k3, {"iw_clip": _SAMPLED_OFF}, summary="-log w + w - 1; unbiased value, forward-KL gradient"),
+    "k3pp": EstimatorSpec(k3pp, {"iw_clip": _SAMPLED_ON}, summary="r K3 (eq. 22); unbiased reverse KL"),
+    "k4": EstimatorSpec(k4, {"iw_clip": _SAMPLED_ON}, summary="r sg(-log w) (eq. 23); unbiased reverse KL"),
+    "k5": EstimatorSpec(k5, {"iw_clip": _SAMPLED_ON}, summary="sg(w) log w + log r (eq. 24); unbiased forward KL"),
+    "exact_reverse": EstimatorSpec(exact_reverse, needs_full_logits=True, summary="exact KL(pi||ref), O(V)"),
+    "exact_forward": EstimatorSpec(exact_forward, needs_full_logits=True, summary="exact KL(ref||pi), O(V)"),
+    "topk_reverse": EstimatorSpec(
+        topk_reverse, {"k": 32, "tail": "corrected", "iw_clip": (0.0, 10.0)}, "policy_old",
+        summary="Top-k reverse KL (Alg 1)",
+    ),
+    "topk_forward": EstimatorSpec(
+        topk_forward, {"k": 32, "tail": "corrected", "iw_clip": (0.0, 2.5)}, "anchor",
+        summary="Top-k forward KL (Alg 2)",
+    ),
+    "topk_fdiv": EstimatorSpec(
+        topk_fdiv, {"k": 32, "divergence": "reverse_kl", "alpha": 0.5, "iw_clip": (0.0, 10.0)}, "policy_old",
+        summary="Top-k f-divergence (App. H, Table 5)",
+    ),
+}
+
+
+def _check_iw_clip(name: str, iw_clip) -> tuple[float, float]:
+    try:
+        lo, hi = (float(x) for x in iw_clip)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: iw_clip must be a pair (s_min, s_max), e.g. (0.0, 10.0); got {iw_clip!r}") from None
+    if not (0.0 <= lo <= hi):
+        raise ValueError(
+            f"{name}: iw_clip=({lo}, {hi}) needs 0 <= s_min <= s_max; use (1.0, 1.0) for no "
+            "off-policy correction, (0.0, 10.0) for a lenient clip"
+        )
+    return (lo, hi)
+
+
+def get_estimator(name: str, **params) -> Estimator:
+    """Build a registered estimator bound to ``params`` (unknown names/params raise ValueError)."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {name!r}; choose one of: {', '.join(ESTIMATORS)}")
+    spec = ESTIMATORS[name]
+    unknown = set(params) - set(spec.defaults)
+    if unknown:
+        valid = ", ".join(spec.defaults) or "none"
+        raise ValueError(f"KL estimator {name!r} takes no parameter(s) {sorted(unknown)}; valid: {valid}")
+    p = {**spec.defaults, **params}
+    if "iw_clip" in p:
+        p["iw_clip"] = _check_iw_clip(name, p["iw_clip"])
+    if "k" in p:
+        if isinstance(p["k"], bool) or int(p["k"]) != p["k"] or p["k"] < 0:
+            raise ValueError(f"{name}: k must be an integer >= 0 (k=0 is the sampled estimator); got {p['k']!r}")
+        p["k"] = int(p["k"])
+    if "tail" in p and p["tail"] not in TAILS:
+        raise ValueError(f"{name}: unknown tail {p['tail']!r}; choose one of: {', '.join(TAILS)}")
+    if "divergence" in p:
+        if p["divergence"] not in DIVERGENCES:
+            raise ValueError(f"{name}: unknown divergence {p['divergence']!r}; choose one of: {', '.join(DIVERGENCES)}")
+        if p["divergence"] == "alpha" and float(p["alpha"]) in (0.0, 1.0):
+            raise ValueError(f"{name}: alpha-divergence needs alpha not in {{0, 1}} (those limits are the KLs); got {p['alpha']}")
+    source = spec.topk_source
+    if name == "topk_fdiv" and p["divergence"] == "forward_kl":
+        source = "anchor"
+    if p.get("k", 0) == 0:
+        source = None
+    return Estimator(name=name, fn=spec.fn, params=p, topk_source=source, needs_full_logits=spec.needs_full_logits)
+
+
+__all__ = ["ESTIMATORS", "DIVERGENCES", "TAILS", "Estimator", "EstimatorSpec", "KLInputs", "get_estimator", "sequence_kl_penalty"]

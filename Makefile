@@ -20,6 +20,12 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) ## Create .venv: torch 2.13.0 first, then the project with its dev extra
 
+demo: setup ## Train a tiny policy with EMA-PG on the toy task (a few minutes); prints run folder and plot
+	$(PY) -m ema_pg.train experiment=demo $(ARGS)
+
+train: setup ## Train with the default config; pass overrides as ARGS="kl=k3 anchor=fixed"
+	$(PY) -m ema_pg.train $(ARGS)
+
 test: setup ## Run the fast test suite (slow tests excluded)
 	$(PY) -m pytest -m "not slow" -q
 
@@ -32,4 +38,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup test test-full lint clean
+.PHONY: help setup demo train test test-full lint clean

@@ -1,0 +1,234 @@
+"""Typed config schema (Hydra structured configs) and start-up validation.
+
+Every knob is documented where it is defined: type, default, meaning, and the paper's
+equation where it has one. The YAML files under ``conf/`` are validated against these
+dataclasses, so an unknown key or a wrongly typed value fails when the config is composed;
+:func:`validate` then checks ranges and combinations with messages that say what to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A config value out of range or an invalid combination; the message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  #: local model directory (save_pretrained); None = tiny model + cold start
+    hidden_size: int = 128  #: tiny model width
+    num_layers: int = 4  #: tiny model depth
+    num_heads: int = 4  #: attention heads
+    num_kv_heads: int = 2  #: key/value heads (grouped-query attention)
+    max_positions: int = 512  #: context length of the tiny model
+    tokenizer_vocab: int = 512  #: BPE vocabulary size when a tokenizer is trained on the task text
+    dtype: str = "float32"  #: float32 | bfloat16 | float16 (the anchor's master copy stays fp32)
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 600  #: cold-start SFT steps (0 = start RL from the random model)
+    batch_size: int = 64  #: demonstrations per SFT step
+    lr: float = 2e-3  #: SFT learning rate
+    num_demos: int = 4000  #: size of the demonstration pool
+    cache_dir: str = "${oc.env:EMA_PG_CACHE,.cache/ema_pg}/cold_start"  #: where base policies are cached
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "hf"  #: hf | vllm (GPU extra)
+    temperature: float = 1.0  #: sampling temperature (log-probs are of the same tempered distribution)
+    top_p: float = 1.0  #: nucleus sampling mass
+    max_new_tokens: int = 8  #: policy tokens per response (all turns together)
+    stop: List[str] = field(default_factory=list)  #: stop strings that end a turn
+    max_obs_tokens: int = 256  #: cap on the tokens of one environment observation
+    eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
+    gpu_memory_utilization: float = 0.5  #: vLLM only
+
+
+@dataclass
+class KLConfig:
+    name: str = "topk_reverse"  #: a registry key of ema_pg.kl.ESTIMATORS
+    k: Optional[int] = None  #: top-k size (Alg 1-2); 0 = sampled estimator
+    tail: Optional[str] = None  #: none | paper | corrected (see ema_pg.kl.topk)
+    iw_clip: Optional[List[float]] = None  #: [s_min, s_max] clip of the off-policy weight; [1, 1] = none
+    divergence: Optional[str] = None  #: topk_fdiv only: Table 5 divergence
+    alpha: Optional[float] = None  #: topk_fdiv alpha-divergence only
+
+
+@dataclass
+class AnchorConfig:
+    name: str = "ema"  #: ema | fixed (eta = 1) | none (no anchor model, beta must be 0)
+    eta: float = 0.9  #: EMA coefficient, theta_ema <- eta theta_ema + (1 - eta) theta (eq. 2); 1.0 = fixed
+    update_every: int = 10  #: T_ema: iterations between EMA updates (Alg 3, line 25)
+    eval_every: int = 0  #: evaluate the anchor policy itself every N iterations (0 = never)
+
+
+@dataclass
+class AlgoConfig:
+    beta: float = 0.001  #: KL coefficient (eq. 1; paper 0.001)
+    group_size: int = 8  #: N samples per prompt (Appendix A)
+    prompts_per_step: int = 16  #: prompts per RL iteration (B)
+    eps_low: float = 0.2  #: lower clip (Appendix A)
+    eps_high: float = 0.28  #: clip-higher upper clip (Appendix A)
+    adv_norm: str = "group"  #: group | global | none (Appendix A, Fig 9)
+    loss_agg: str = "seq-mean-token-mean"  #: seq-mean-token-mean | token-mean | seq-mean-token-sum-norm
+    ppo_epochs: int = 1  #: Lambda: passes over each batch (Alg 3, line 13)
+    minibatch_size: int = 0  #: sequences per update; 0 = the whole batch (one update per epoch)
+    iterations: int = 100  #: RL iterations (Alg 3, line 2)
+    eval_every: int = 20  #: iterations between evaluations and checkpoints
+    grad_clip: float = 1.0  #: gradient-norm clip (0 = off)
+    warmup_steps: int = 0  #: linear LR warm-up length, in optimizer steps
+    reward_kl: str = "none"  #: none | sequence: subtract beta * sequence KL from the reward (WARP, eq. 10-12)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6  #: AdamW learning rate (paper: 1e-6 for full fine-tuning)
+    weight_decay: float = 0.0  #: decoupled weight decay
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  #: Adam betas
+
+
+@dataclass
+class TrainerConfig:
+    name: str = "cpu"  #: cpu | gpu | ddp | deepspeed
+    accelerator: str = "cpu"  #: Lightning accelerator
+    devices: Any = 1  #: Lightning devices
+    strategy: str = "auto"  #: Lightning strategy (ddp, deepspeed_stage_2, ...)
+    precision: str = "32-true"  #: Lightning precision
+    num_threads: int = 0  #: torch CPU threads (0 = leave as is)
+    progress_bar: bool = True  #: Lightning's progress bar
+    checkpoint_every: int = 0  #: iterations between checkpoints (0 = at every evaluation)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "csv"  #: csv (always on) | wandb | tensorboard (added beside the csv logger)
+    project: str = "ema-pg"  #: wandb project
+    offline: bool = True  #: wandb offline unless set to false
+
+
+@dataclass
+class MonitorConfig:
+    every: int = 0  #: iterations between tr(F) stability estimates (eq. 28); 0 = off
+    num_sequences: int = 8  #: responses per estimate
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: Any = MISSING  #: the task group (fields depend on the task)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    seed: int = 0  #: seeds the model, the prompts and the sampler
+    run_dir: str = "${hydra:runtime.output_dir}"  #: where this run writes everything
+    resume: Optional[str] = None  #: a run folder to continue from its last checkpoint
+    name: str = "run"  #: a short label for the run (experiments set it)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+
+
+def kl_params(kl_cfg) -> dict:
+    """The estimator parameters that are set (not None) and that the estimator takes."""
+    from .kl import ESTIMATORS
+
+    if kl_cfg.name not in ESTIMATORS:
+        raise ConfigError(f"kl.name={kl_cfg.name!r} is not a KL estimator; choose one of: {', '.join(ESTIMATORS)}")
+    takes = ESTIMATORS[kl_cfg.name].defaults
+    out = {}
+    for key in ("k", "tail", "iw_clip", "divergence", "alpha"):
+        v = kl_cfg.get(key)
+        if v is None:
+            continue
+        if key not in takes:
+            raise ConfigError(f"kl.{key}={v} is set but kl={kl_cfg.name} takes only: {', '.join(takes) or 'nothing'}; "
+                              f"remove kl.{key} or pick an estimator that has it")
+        out[key] = tuple(v) if key == "iw_clip" else v
+    return out
+
+
+def validate(cfg, vocab_size: int | None = None) -> None:
+    """Range and combination checks; raises ConfigError naming the knob and the fix."""
+    from .kl import get_estimator
+    from .losses import ADV_NORMS, LOSS_AGGS
+
+    a, an = cfg.algo, cfg.anchor
+
+    def bad(msg: str):
+        raise ConfigError(msg)
+
+    if a.group_size < 2:
+        bad(f"algo.group_size must be >= 2 for group-baselined advantages; got {a.group_size} (the paper uses 5-16)")
+    if a.prompts_per_step < 1:
+        bad(f"algo.prompts_per_step must be >= 1; got {a.prompts_per_step}")
+    if a.beta < 0:
+        bad(f"algo.beta must be >= 0; got {a.beta} (paper: 0.001)")
+    if not (0 <= a.eps_low < 1) or a.eps_high < 0:
+        bad(f"algo.eps_low must be in [0, 1) and algo.eps_high >= 0; got {a.eps_low}, {a.eps_high} (paper: 0.2, 0.28)")
+    if a.adv_norm not in ADV_NORMS:
+        bad(f"algo.adv_norm={a.adv_norm!r}; choose one of: {', '.join(ADV_NORMS)}")
+    if a.loss_agg not in LOSS_AGGS:
+        bad(f"algo.loss_agg={a.loss_agg!r}; choose one of: {', '.join(LOSS_AGGS)}")
+    if a.ppo_epochs < 1:
+        bad(f"algo.ppo_epochs must be >= 1; got {a.ppo_epochs}")
+    n = a.prompts_per_step * a.group_size
+    if a.minibatch_size < 0 or (a.minibatch_size and n % a.minibatch_size):
+        bad(f"algo.minibatch_size={a.minibatch_size} must divide prompts_per_step*group_size={n} (or be 0 = whole batch)")
+    if a.iterations < 1 or a.eval_every < 1:
+        bad(f"algo.iterations and algo.eval_every must be >= 1; got {a.iterations}, {a.eval_every}")
+    if a.reward_kl not in ("none", "sequence"):
+        bad(f"algo.reward_kl={a.reward_kl!r}; choose none or sequence")
+    if an.name not in ("ema", "fixed", "none"):
+        bad(f"anchor.name={an.name!r}; choose one of: ema, fixed, none")
+    if not (0.0 <= an.eta <= 1.0):
+        bad(f"anchor.eta must be in [0, 1] (1.0 = fixed anchor; the paper recommends 0.9-0.95); got {an.eta}")
+    if an.update_every < 1:
+        bad(f"anchor.update_every must be >= 1 (paper: 10); got {an.update_every}")
+    if an.name == "fixed" and an.eta != 1.0:
+        bad(f"anchor=fixed needs anchor.eta=1.0; got {an.eta} (use anchor=ema for eta < 1)")
+    if an.name == "none" and (a.beta != 0.0 or cfg.kl.name != "none"):
+        bad("anchor=none keeps no anchor model: set algo.beta=0 and kl=none (or choose anchor=ema / anchor=fixed)")
+    if cfg.optim.lr <= 0:
+        bad(f"optim.lr must be > 0; got {cfg.optim.lr}")
+    if cfg.rollout.temperature < 0 or not (0 < cfg.rollout.top_p <= 1):
+        bad(f"rollout.temperature must be >= 0 and rollout.top_p in (0, 1]; got {cfg.rollout.temperature}, {cfg.rollout.top_p}")
+    if cfg.rollout.temperature == 0:
+        bad("rollout.temperature=0 (greedy) gives identical samples in a group and zero advantages; use > 0 for training")
+    if cfg.rollout.max_new_tokens < 1:
+        bad(f"rollout.max_new_tokens must be >= 1; got {cfg.rollout.max_new_tokens}")
+    try:
+        est = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"kl: {e}") from None
+    if vocab_size is not None and est.k > vocab_size:
+        bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
+    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
+        bad(f"model.dtype={cfg.model.dtype!r}; choose float32, bfloat16 or float16")
+    if cfg.trainer.name == "deepspeed" or "deepspeed" in str(cfg.trainer.strategy):
+        import torch
+
+        if not torch.cuda.is_available():
+            bad("trainer=deepspeed needs CUDA (and the gpu extra); on this machine use trainer=cpu")
+    if cfg.trainer.accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            bad(f"trainer={cfg.trainer.name} asks for a GPU but CUDA is not available; use trainer=cpu")

@@ -1,0 +1,93 @@
+"""Evaluate a policy on a task's eval splits, and the ``python -m ema_pg.evaluate`` command.
+
+    python -m ema_pg.evaluate runs/<run>            # the run's final policy (last checkpoint)
+    python -m ema_pg.evaluate path/to/model_dir task=toy_add
+
+Writes ``eval.json`` ({"splits": {name: {metric: float, "n": int}}, "avg": float}) beside the
+run or model and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+
+@torch.no_grad()
+def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, progress: bool = True,
+                    splits: dict | None = None, desc: str = "eval") -> dict:
+    """{"splits": {name: {metric: mean reward, "n": n}}, "avg": mean over splits} with greedy decoding."""
+    metric = getattr(task, "metric", "em")
+    splits = splits if splits is not None else task.eval_splits()
+    out = {}
+    total = sum(math.ceil(len(v) / batch_size) for v in splits.values())
+    bar = tqdm(total=total, desc=desc, disable=not progress, leave=False)
+    for name, prompts in splits.items():
+        scores = []
+        for i in range(0, len(prompts), batch_size):
+            chunk = prompts[i : i + batch_size]
+            ro = sampler.generate(model, [p.text for p in chunk], 1, temperature=rollout_cfg.eval_temperature,
+                                  top_p=1.0, max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop),
+                                  on_stop=task.on_stop_fn(chunk, 1) if hasattr(task, "on_stop_fn") else None, seed=0)
+            scores += [task.reward(chunk[j], text) for j, text in zip(ro.prompt_index, ro.responses)]
+            bar.update(1)
+        out[name] = {metric: sum(scores) / max(len(scores), 1), "n": len(scores)}
+    bar.close()
+    avg = sum(v[metric] for v in out.values()) / max(len(out), 1)
+    return {"splits": out, "avg": avg, "metric": metric}
+
+
+def format_table(result: dict) -> str:
+    metric = result.get("metric", "em")
+    names = list(result["splits"])
+    head = "| " + " | ".join(["split"] + names + ["avg"]) + " |"
+    sep = "|" + "---|" * (len(names) + 2)
+    row = "| " + " | ".join([metric] + [f"{result['splits'][n][metric]:.3f}" for n in names] + [f"{result['avg']:.3f}"]) + " |"
+    return "\n".join([head, sep, row])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from omegaconf import OmegaConf
+
+    from .models import load_model_dir
+    from .rollout import build_sampler
+    from .tasks import build_task
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", help="a run folder (uses its last checkpoint) or a saved model directory")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. task=toy_add rollout.max_new_tokens=8")
+    ap.add_argument("--out", default=None, help="where to write eval.json (default: inside target)")
+    a = ap.parse_args(argv)
+    target = Path(a.target)
+    if (target / "config.yaml").is_file():
+        cfg = OmegaConf.load(target / "config.yaml")
+        from .train import load_policy_from_run
+
+        model, tok = load_policy_from_run(target, cfg)
+    else:
+        from hydra import compose, initialize_config_dir
+
+        from .config import register_configs
+
+        register_configs()
+        conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
+        with initialize_config_dir(conf_dir, version_base="1.3"):
+            cfg = compose("config", overrides=list(a.overrides))
+        model, tok = load_model_dir(target)
+    if a.overrides and (target / "config.yaml").is_file():
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(a.overrides))
+    task = build_task(cfg.task)
+    result = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout)
+    out = Path(a.out) if a.out else target / "eval.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(format_table(result))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Causal LMs and tokenizers from local paths only: tiny ones built from a config, or a saved
+directory (``model.path``). Nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+class ModelPathError(ValueError):
+    """A model path that is missing or does not hold a loadable model/tokenizer."""
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequency: int = 2) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on ``texts``; digits are split one per token (arithmetic stays learnable)."""
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+    fast.padding_side = "left"
+    return fast
+
+
+def build_tiny_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
+                     num_kv_heads: int = 2, intermediate_size: int | None = None, max_positions: int = 512,
+                     tie_embeddings: bool = True, seed: int = 0, pad_token_id: int = 0, eos_token_id: int = 1,
+                     bos_token_id: int = 2) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2-architecture causal LM."""
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ValueError(f"model: hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}), "
+                         f"and num_heads by num_kv_heads ({num_kv_heads})")
+    cfg = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=tie_embeddings, attention_dropout=0.0,
+        pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=bos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    return model
+
+
+def load_model_dir(path: str | os.PathLike, dtype: torch.dtype | None = None):
+    """(model, tokenizer) from a local directory written by ``save_pretrained``. Clear errors otherwise."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelPathError(f"model.path={str(path)!r} does not exist; give a local directory holding a saved "
+                             "model (config.json + weights + tokenizer files). Models are never downloaded.")
+    if not p.is_dir():
+        raise ModelPathError(f"model.path={str(path)!r} is a file; it must be a directory from save_pretrained()")
+    if not (p / "config.json").is_file():
+        raise ModelPathError(f"model.path={str(path)!r} has no config.json; it is not a saved model directory")
+    try:
+        cfg = json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ModelPathError(f"model.path={str(path)!r}: config.json is not valid JSON ({e})") from None
+    if "model_type" not in cfg:
+        raise ModelPathError(f"model.path={str(path)!r}: config.json has no model_type")
+    try:
+        tok = PreTrainedTokenizerFast.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the path in it
+        raise ModelPathError(f"model.path={str(path)!r}: no loadable tokenizer ({type(e).__name__}: {e})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=dtype or torch.float32)
+    except Exception as e:  # noqa: BLE001
+        raise ModelPathError(f"model.path={str(path)!r}: weights could not be loaded ({type(e).__name__}: {e})") from None
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def save_model_dir(model, tokenizer, path: str | os.PathLike) -> Path:
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(p))
+    tokenizer.save_pretrained(str(p))
+    return p

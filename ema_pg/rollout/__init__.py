@@ -1,0 +1,19 @@
+"""Samplers behind one interface (:class:`Sampler`): ``hf`` (default, CPU/GPU) and ``vllm`` (GPU extra)."""
+
+from __future__ import annotations
+
+from .base import OnStop, Rollouts, Sampler
+from .hf import HFSampler, sample_token
+
+
+def build_sampler(cfg, tokenizer) -> Sampler:
+    if cfg.name == "hf":
+        return HFSampler(tokenizer, max_obs_tokens=cfg.get("max_obs_tokens", 256))
+    if cfg.name == "vllm":
+        from .vllm import VLLMSampler
+
+        return VLLMSampler(tokenizer, cfg)
+    raise ValueError(f"unknown rollout backend {cfg.name!r}; choose one of: hf, vllm")
+
+
+__all__ = ["OnStop", "Rollouts", "Sampler", "HFSampler", "build_sampler", "sample_token"]

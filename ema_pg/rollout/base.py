@@ -1,0 +1,56 @@
+"""The rollout interface: prompts in, token ids and a loss mask out.
+
+Layout of a :class:`Rollouts` batch of N = B*n rows: columns [0, P) hold the left-padded
+prompts, columns [P, L) the response. A response may interleave policy tokens (loss mask 1)
+with environment observation tokens (loss mask 0, attention 1) and padding (both 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+from torch import Tensor
+
+#: Called when a row's text matches a stop string: (row, response_text_so_far) -> observation
+#: text to append (generation then continues), or None to end the row.
+OnStop = Callable[[int, str], "str | None"]
+
+
+@dataclass
+class Rollouts:
+    input_ids: Tensor  # (N, L) long
+    attention_mask: Tensor  # (N, L) long; 0 on padding (left of prompts, holes in responses)
+    loss_mask: Tensor  # (N, L) long; 1 on policy-generated response tokens only
+    prompt_len: int  # P
+    prompt_index: list[int]  # (N,) which prompt each row answers
+    responses: list[str] = field(default_factory=list)  # decoded responses (observations included)
+    sample_logp: Tensor | None = None  # (N, L-P) log-prob of each sampled token under the sampler
+
+    @property
+    def position_ids(self) -> Tensor:
+        return (self.attention_mask.cumsum(-1) - 1).clamp(min=0)  # (N, L)
+
+    @property
+    def response_mask(self) -> Tensor:
+        """(N, T) loss mask of the response columns, T = L - P."""
+        return self.loss_mask[:, self.prompt_len:]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: Tensor | list[int]) -> "Rollouts":
+        rows_t = torch.as_tensor(rows, dtype=torch.long)
+        r = rows_t.tolist()
+        return Rollouts(
+            self.input_ids[rows_t], self.attention_mask[rows_t], self.loss_mask[rows_t], self.prompt_len,
+            [self.prompt_index[i] for i in r], [self.responses[i] for i in r] if self.responses else [],
+            None if self.sample_logp is None else self.sample_logp[rows_t],
+        )
+
+
+class Sampler(Protocol):
+    def generate(self, model, prompts: list[str], n: int, *, temperature: float, top_p: float,
+                 max_new_tokens: int, stop: list[str] | None = None, on_stop: OnStop | None = None,
+                 seed: int = 0) -> Rollouts: ...

@@ -1,0 +1,124 @@
+"""Rollouts over a Hugging Face causal LM with a reused KV cache.
+
+One sampling loop serves single- and multi-turn tasks: when a row's text ends with a stop
+string, ``on_stop`` may return an observation; its tokens are fed through the model into the
+same cache (loss mask 0) and sampling continues, so earlier turns are never recomputed.
+Position ids always come from the attention mask, here and in :mod:`ema_pg.heads`, so the
+sampler's log-probs and the scorer's agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from .base import OnStop, Rollouts
+
+
+def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
+    """(N,) tokens from (N, V) logits: greedy at temperature 0, else temperature + nucleus."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    if top_p < 1.0:
+        sp, si = probs.sort(-1, descending=True)
+        drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
+        sp = sp.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, si, sp)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class HFSampler:
+    """Sampling loop with a KV cache. ``tokenizer`` must pad on the left."""
+
+    def __init__(self, tokenizer, max_obs_tokens: int = 256):
+        self.tok = tokenizer
+        self.max_obs_tokens = max_obs_tokens
+
+    @torch.no_grad()
+    def generate(self, model, prompts: list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int = 32, stop: list[str] | None = None, on_stop: OnStop | None = None,
+                 seed: int = 0) -> Rollouts:
+        tok, dev = self.tok, next(model.parameters()).device
+        gen = torch.Generator(device=dev).manual_seed(int(seed))
+        rows = [i for i in range(len(prompts)) for _ in range(n)]
+        enc = tok([prompts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False)
+        ids, am = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)  # (N, P)
+        N, P = ids.shape
+        eos, pad = tok.eos_token_id, tok.pad_token_id
+        stop = list(stop or [])
+
+        was_training = model.training
+        model.eval()
+        cache = DynamicCache(config=model.config)
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
+        next_logits = out.logits[:, -1].float()  # (N, V)
+        cols_ids, cols_am, cols_lm, cols_lp = [], [], [], []
+        active = torch.ones(N, dtype=torch.bool, device=dev)
+        n_policy = torch.zeros(N, dtype=torch.long, device=dev)
+        resp_ids: list[list[int]] = [[] for _ in range(N)]
+        last_pos = pos[:, -1].clone()
+
+        def feed(block: Tensor, block_am: Tensor) -> None:
+            """Run a (N, W) block through the model; refresh next_logits of rows whose last column is real."""
+            nonlocal next_logits, last_pos
+            full_am = torch.cat([am] + cols_am, 1)  # (N, L) including the block
+            bpos = last_pos[:, None] + block_am.cumsum(-1)  # positions continue past real tokens only
+            bpos = torch.where(block_am.bool(), bpos, last_pos[:, None].clamp(min=0))
+            o = model(input_ids=block, attention_mask=full_am, position_ids=bpos, past_key_values=cache, use_cache=True)
+            real_last = block_am[:, -1].bool()
+            next_logits = torch.where(real_last[:, None], o.logits[:, -1].float(), next_logits)
+            last_pos = last_pos + block_am.sum(-1)
+
+        while active.any():
+            logp_all = torch.log_softmax(next_logits / max(temperature, 1e-6), -1) if temperature > 0 else None
+            nxt = sample_token(next_logits, temperature, top_p, gen)
+            nxt = torch.where(active, nxt, torch.full_like(nxt, pad))
+            a = active.long()
+            cols_ids.append(nxt[:, None]); cols_am.append(a[:, None]); cols_lm.append(a[:, None])
+            cols_lp.append(logp_all.gather(-1, nxt[:, None]) * a[:, None] if logp_all is not None else torch.zeros_like(nxt[:, None], dtype=torch.float))
+            n_policy += a
+            observations: dict[int, str] = {}
+            for r in active.nonzero().flatten().tolist():
+                t = int(nxt[r])
+                resp_ids[r].append(t)
+                if t == eos:
+                    active[r] = False
+                    continue
+                if stop:
+                    tail = tok.decode(resp_ids[r][-16:], skip_special_tokens=False)
+                    if any(tail.endswith(s) for s in stop):
+                        obs = on_stop(r, tok.decode(resp_ids[r], skip_special_tokens=False)) if on_stop else None
+                        if obs is None:
+                            active[r] = False
+                            continue
+                        observations[r] = obs
+                if n_policy[r] >= max_new_tokens:
+                    active[r] = False
+            feed(nxt[:, None], a[:, None])
+            if observations:
+                enc_obs = {r: tok(o, add_special_tokens=False)["input_ids"][: self.max_obs_tokens] for r, o in observations.items()}
+                W = max(len(v) for v in enc_obs.values())
+                block = torch.full((N, W), pad, dtype=torch.long, device=dev)
+                block_am = torch.zeros((N, W), dtype=torch.long, device=dev)
+                for r, v in enc_obs.items():  # left-pad inside the block: each row's last column is real
+                    if v:
+                        block[r, W - len(v):] = torch.tensor(v, device=dev)
+                        block_am[r, W - len(v):] = 1
+                    resp_ids[r].extend(v)
+                cols_ids.append(block); cols_am.append(block_am); cols_lm.append(torch.zeros_like(block_am))
+                cols_lp.append(torch.zeros((N, W), device=dev))
+                feed(block, block_am)
+        model.train(was_training)
+        resp = torch.cat(cols_ids, 1)
+        return Rollouts(
+            input_ids=torch.cat([ids, resp], 1),
+            attention_mask=torch.cat([am] + cols_am, 1),
+            loss_mask=torch.cat([torch.zeros_like(am)] + cols_lm, 1),
+            prompt_len=P,
+            prompt_index=rows,
+            responses=[tok.decode([t for t in r if t != eos], skip_special_tokens=True) for r in resp_ids],
+            sample_logp=torch.cat(cols_lp, 1),
+        )

@@ -1,0 +1,87 @@
+"""Supervised cold start: a short warm-up on task demonstrations that yields a "base" policy.
+
+Like the cold start of reasoning models, it teaches the format and some skill, so that RL
+starts from low but non-zero reward. The result is a model directory, cached under
+``sft.cache_dir`` by a hash of everything that determines it (task, model, tokenizer, SFT
+knobs, seed) and reused by every run that asks for the same thing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from tqdm.auto import tqdm
+
+from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int) -> str:
+    blob = json.dumps(
+        {"model": OmegaConf.to_container(model_cfg, resolve=True), "task": OmegaConf.to_container(task_cfg, resolve=True),
+         "sft": {k: v for k, v in OmegaConf.to_container(sft_cfg, resolve=True).items() if k != "cache_dir"},
+         "seed": seed, "version": 1},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_size: int, lr: float, seed: int,
+              progress: bool = True) -> list[float]:
+    """Cross-entropy on the response tokens (+ EOS) of (prompt, response) pairs; returns losses."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    eos = tokenizer.eos_token
+    model.train()
+    losses = []
+    tok_r = tokenizer.padding_side
+    tokenizer.padding_side = "right"
+    for _ in tqdm(range(steps), desc="cold start (SFT)", disable=not progress, leave=False):
+        batch = rng.sample(demos, min(batch_size, len(demos)))
+        p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in batch]
+        full = tokenizer([p + r + eos for p, r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        labels = full["input_ids"].clone()
+        labels[full["attention_mask"] == 0] = -100
+        for i, p in enumerate(p_ids):
+            labels[i, : len(p)] = -100
+        out = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"], labels=labels)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(out.loss))
+    tokenizer.padding_side = tok_r
+    model.eval()
+    return losses
+
+
+def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int):
+    """(model, tokenizer, model_dir) of the cached base policy, built on first use."""
+    key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed)
+    d = Path(sft_cfg.cache_dir).expanduser() / f"{task.name}-{key}"
+    if (d / "config.json").is_file():
+        log.info("cold start: reusing %s", d)
+        model, tok = load_model_dir(d)
+        return model, tok, d
+    tok = train_bpe_tokenizer(task.corpus(), vocab_size=model_cfg.tokenizer_vocab)
+    model = build_tiny_model(
+        len(tok), hidden_size=model_cfg.hidden_size, num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads,
+        num_kv_heads=model_cfg.num_kv_heads, max_positions=model_cfg.max_positions, seed=seed,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+    )
+    if sft_cfg.steps > 0:
+        torch.manual_seed(seed)
+        demos = task.demonstrations(sft_cfg.num_demos, seed)
+        losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed)
+        log.info("cold start: %d SFT steps, final loss %.3f", sft_cfg.steps, losses[-1])
+    tmp = d.with_name(d.name + ".tmp")
+    save_model_dir(model, tok, tmp)
+    tmp.replace(d) if not d.exists() else None
+    return model, tok, d

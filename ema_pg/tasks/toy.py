@@ -1,0 +1,61 @@
+"""Toy task: multi-digit addition with an exact reward.
+
+Prompt ``"37+58="``, correct response ``"95"`` followed by end-of-sequence; reward 1.0 for
+the exact sum, else 0.0 (whitespace ignored). With ``reverse_answer`` (the default) the sum is
+written least-significant digit first (``"59"``), the order in which carries are computed: a
+tiny causal model learns it in minutes on a CPU, while most-significant-first stays near
+chance for thousands of SFT steps. Operand pairs are split into train and held-out
+eval sets by a hash, so eval prompts never appear in training or in the cold-start data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from .base import Prompt
+
+
+class AdditionTask:
+    name = "toy_add"
+
+    def __init__(self, digits: int = 2, eval_size: int = 256, heldout_mod: int = 10, reverse_answer: bool = True,
+                 seed: int = 0):
+        if digits < 1 or digits > 6:
+            raise ValueError(f"task.digits must be in [1, 6]; got {digits}")
+        self.digits, self.eval_size, self.heldout_mod, self.seed = digits, eval_size, heldout_mod, seed
+        self.reverse_answer = reverse_answer
+        self.lo, self.hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+
+    def _heldout(self, a: int, b: int) -> bool:
+        h = hashlib.blake2b(f"{a}+{b}".encode(), digest_size=4).digest()
+        return int.from_bytes(h, "little") % self.heldout_mod == 0
+
+    def _prompt(self, a: int, b: int) -> Prompt:
+        ans = str(a + b)[::-1] if self.reverse_answer else str(a + b)
+        return Prompt(text=f"{a}+{b}=", answer=ans, meta={"a": a, "b": b})
+
+    def _draw(self, rng: random.Random, heldout: bool) -> Prompt:
+        while True:
+            a, b = rng.randint(self.lo, self.hi), rng.randint(self.lo, self.hi)
+            if self._heldout(a, b) == heldout:
+                return self._prompt(a, b)
+
+    def sample(self, n: int, seed: int) -> list[Prompt]:
+        rng = random.Random(f"train-{self.seed}-{seed}")
+        return [self._draw(rng, heldout=False) for _ in range(n)]
+
+    def eval_splits(self) -> dict[str, list[Prompt]]:
+        rng = random.Random(f"eval-{self.seed}")
+        return {"heldout": [self._draw(rng, heldout=True) for _ in range(self.eval_size)]}
+
+    def reward(self, prompt: Prompt, response: str) -> float:
+        return float(response.strip() == prompt.answer)
+
+    def corpus(self) -> list[str]:
+        rng = random.Random(f"corpus-{self.seed}")
+        return [p.text + p.answer for p in (self._draw(rng, heldout=False) for _ in range(2000))]
+
+    def demonstrations(self, n: int, seed: int) -> list[tuple[str, str]]:
+        rng = random.Random(f"demo-{self.seed}-{seed}")
+        return [(p.text, p.answer) for p in (self._draw(rng, heldout=False) for _ in range(n))]

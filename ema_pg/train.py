@@ -99,21 +99,23 @@ def _loggers(cfg, run_dir: Path, resume_step: int | None):
 
 
 def resolve_resume(cfg) -> DictConfig:
-    """The resumed run's saved config with this command's explicit overrides on top."""
+    """The config of a resumed run.
+
+    From the command line: the run's saved ``config.yaml`` with this command's explicit
+    overrides on top (``resume=RUN algo.iterations=400``). From Python: ``cfg`` as given
+    (load the saved config, change what you want, set ``resume``).
+    """
     run_dir = Path(cfg.resume)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"resume={cfg.resume!r} is not a run folder (no config.yaml there)")
-    saved = OmegaConf.load(run_dir / "config.yaml")
-    overrides = []
-    try:
-        from hydra.core.hydra_config import HydraConfig
+    from hydra.core.hydra_config import HydraConfig
 
-        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
-    except ValueError:  # not under @hydra.main: take overrides from cfg._overrides if any
-        overrides = list(cfg.get("_overrides", []) or [])
-    merged = OmegaConf.merge(saved, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides if "=" in o]))
-    merged.run_dir, merged.resume = str(run_dir), str(run_dir)
-    return merged
+    if HydraConfig.initialized():
+        saved = OmegaConf.load(run_dir / "config.yaml")
+        overrides = [o.lstrip("+") for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
+        cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
+    cfg.run_dir, cfg.resume = str(run_dir), str(run_dir)
+    return cfg
 
 
 def train(cfg: DictConfig) -> tuple[dict, dict]:

@@ -1,0 +1,34 @@
+"""Compose the real Hydra config and shrink it to seconds-long runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf, open_dict
+
+from ema_pg.config import register_configs
+
+CONF = str(Path(__file__).resolve().parent.parent / "conf")
+TINY = [
+    "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.tokenizer_vocab=300",
+    "sft.steps=20", "sft.batch_size=16", "sft.num_demos=200", "task.eval_size=16",
+    "algo.prompts_per_step=4", "algo.group_size=4", "algo.iterations=4", "algo.eval_every=2",
+    "rollout.max_new_tokens=4", "optim.lr=1e-3", "kl.k=8", "trainer.progress_bar=false",
+]
+
+
+def compose_cfg(overrides: list[str] = (), tmp_path: Path | None = None, tiny: bool = True):
+    register_configs()
+    with initialize_config_dir(CONF, version_base="1.3"):
+        cfg = compose("config", overrides=(TINY if tiny else []) + list(overrides))
+    with open_dict(cfg):
+        if tmp_path is not None:
+            cfg.run_dir = str(tmp_path / "run")
+            if not any(o.startswith("sft.cache_dir=") for o in overrides):
+                cfg.sft.cache_dir = str(tmp_path.parent / "cold_start_cache")
+    return cfg
+
+
+def resolved(cfg):
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))

@@ -1,0 +1,92 @@
+"""Every option of every config group composes; bad configs fail at start with a clear message."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+
+from ema_pg.config import ConfigError, validate
+from helpers import CONF, compose_cfg
+
+GROUPS = ["model", "task", "rollout", "kl", "anchor", "algo", "trainer", "logger", "experiment"]
+
+
+def options(group):
+    return sorted(p.stem for p in (Path(CONF) / group).glob("*.yaml"))
+
+
+def test_groups_have_options():
+    for g in GROUPS:
+        assert options(g), g
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes_and_validates(group, option):
+    extra = ["model.path=/tmp/x"] if (group, option) == ("model", "local") else []
+    cfg = compose_cfg([f"{group}={option}"] + extra, tiny=group != "experiment")
+    needs_cuda = (group == "trainer" and option in ("gpu", "deepspeed")) or (group == "rollout" and option == "vllm")
+    if needs_cuda and not torch.cuda.is_available():
+        if group == "trainer":
+            with pytest.raises(ConfigError, match="CUDA"):
+                validate(cfg)
+        return
+    from ema_pg.kl import ESTIMATORS
+
+    if "k" not in ESTIMATORS[cfg.kl.name].defaults:
+        cfg.kl.k = None  # the tiny overrides set kl.k for the top-k estimators
+    validate(cfg, vocab_size=512)
+
+
+def test_kl_group_names_are_registry_keys():
+    from ema_pg.kl import ESTIMATORS
+
+    assert set(options("kl")) == set(ESTIMATORS)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["anchor.eta=1.5"], "anchor.eta must be in \\[0, 1\\]"),
+        (["algo.group_size=1"], "group_size must be >= 2"),
+        (["kl.k=4096"], "larger than the vocabulary"),
+        (["kl=k3", "kl.k=8"], "kl.k=8 is set but kl=k3 takes only: iw_clip"),
+        (["kl.name=k9"], "choose one of: none, k1"),
+        (["kl.tail=full"], "none, paper, corrected"),
+        (["kl.iw_clip=[2.0,1.0]"], "s_min <= s_max"),
+        (["algo.minibatch_size=5"], "must divide"),
+        (["algo.adv_norm=batch"], "group, global, none"),
+        (["anchor=fixed", "anchor.eta=0.9"], "anchor=fixed needs anchor.eta=1.0"),
+        (["anchor=none", "algo.beta=0.01"], "anchor=none keeps no anchor model"),
+        (["rollout.temperature=0"], "greedy"),
+    ],
+)
+def test_bad_values_fail_with_what_to_change(overrides, match):
+    cfg = compose_cfg(overrides)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, vocab_size=300)
+
+
+def test_typos_and_wrong_types_fail_at_composition():
+    with pytest.raises(ConfigCompositionException, match="betta"):
+        compose_cfg(["algo.betta=0.1"])
+    with pytest.raises(ConfigCompositionException, match="eta"):
+        compose_cfg(["anchor.eta=high"])
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg(["kl=topk_backward"])
+
+
+def test_deepspeed_on_cpu_says_it_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ConfigError, match="trainer=deepspeed needs CUDA"):
+        validate(compose_cfg(["trainer=deepspeed"]))
+
+
+def test_vllm_on_cpu_says_it_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    from ema_pg.rollout import build_sampler
+
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        build_sampler(compose_cfg(["rollout=vllm"]).rollout, tokenizer=None)

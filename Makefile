@@ -26,6 +26,15 @@ demo: setup ## Train a tiny policy with EMA-PG on the toy task (a few minutes); 
 train: setup ## Train with the default config; pass overrides as ARGS="kl=k3 anchor=fixed"
 	$(PY) -m ema_pg.train $(ARGS)
 
+reproduce-fig4: setup ## Fig 4: bias-variance of Top-k KL gradients (writes reproductions/fig4/)
+	$(PY) analysis/fig4_bias_variance.py --tasks $(or $(TASKS),32) --out reproductions/fig4
+
+reproduce-stability: setup ## EMA stability lemma: simulated phase diagram (writes reproductions/stability/)
+	$(PY) analysis/stability.py --out reproductions/stability
+
+bench-step: setup ## Time one RL step beside TRL's GRPOTrainer (pip install -e '.[bench]' for TRL)
+	$(PY) benchmarks/rl_step.py --out benchmarks/results/rl_step.json
+
 test: setup ## Run the fast test suite (slow tests excluded)
 	$(PY) -m pytest -m "not slow" -q
 
@@ -38,4 +47,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup demo train test test-full lint clean
+.PHONY: help setup demo train reproduce-fig4 reproduce-stability bench-step test test-full lint clean

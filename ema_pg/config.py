@@ -33,7 +33,9 @@ class ModelConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 600  #: cold-start SFT steps (0 = start RL from the random model)
+    steps: int = 1500  #: at most this many cold-start SFT steps (0 = start RL from the random model)
+    stop_at_reward: float = 0.15  #: stop SFT once greedy reward on training prompts reaches this (0 = run all steps)
+    check_every: int = 20  #: SFT steps between those checks
     batch_size: int = 64  #: demonstrations per SFT step
     lr: float = 2e-3  #: SFT learning rate
     num_demos: int = 4000  #: size of the demonstration pool

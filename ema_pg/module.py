@@ -25,6 +25,7 @@ from .heads import head
 from .kl import KLInputs, get_estimator, sequence_kl_penalty
 from .kl.sampled import k3_core
 from .losses import advantages, grpo_loss, masked_mean
+from .monitor import StabilityMonitor
 from .rollout import build_sampler
 
 
@@ -35,6 +36,7 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.estimator = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
         self.sampler = build_sampler(cfg.rollout, tokenizer)
+        self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, cfg.anchor.eta, cfg.algo.beta)
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
         self.eval_history: list[dict] = []
 
@@ -112,6 +114,8 @@ class GRPOModule(L.LightningModule):
                     sums[key] = sums.get(key, 0.0) + float(v)
         t4 = time.perf_counter()
         self.iteration += 1
+        if self.anchor is not None and self.monitor.due(self.iteration):  # eq. 28, off by default
+            metrics.update(self.monitor(self.policy, ro, lr=float(sched.get_last_lr()[0]), temperature=r.temperature))
 
         # 4. metrics (namespaced; the README has the table)
         with torch.no_grad():

@@ -1,7 +1,9 @@
 """Supervised cold start: a short warm-up on task demonstrations that yields a "base" policy.
 
 Like the cold start of reasoning models, it teaches the format and some skill, so that RL
-starts from low but non-zero reward. The result is a model directory, cached under
+starts from low but non-zero reward: SFT stops as soon as the greedy reward on a probe of
+*training* prompts reaches ``sft.stop_at_reward`` (the eval splits are never looked at), which
+keeps the base policy's level similar across seeds. The result is a model directory, cached under
 ``sft.cache_dir`` by a hash of everything that determines it (task, model, tokenizer, SFT
 knobs, seed) and reused by every run that asks for the same thing.
 """
@@ -19,6 +21,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
+from .rollout import HFSampler
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +37,11 @@ def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int) -> str:
 
 
 def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_size: int, lr: float, seed: int,
-              progress: bool = True) -> list[float]:
-    """Cross-entropy on the response tokens (+ EOS) of (prompt, response) pairs; returns losses."""
+              progress: bool = True, stop_fn=None, check_every: int = 20) -> list[float]:
+    """Cross-entropy on the response tokens (+ EOS) of (prompt, response) pairs; returns losses.
+
+    ``stop_fn()`` (optional) is called every ``check_every`` steps; SFT ends when it returns True.
+    """
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     eos = tokenizer.eos_token
@@ -43,7 +49,7 @@ def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_
     losses = []
     tok_r = tokenizer.padding_side
     tokenizer.padding_side = "right"
-    for _ in tqdm(range(steps), desc="cold start (SFT)", disable=not progress, leave=False):
+    for step in tqdm(range(steps), desc="cold start (SFT)", disable=not progress, leave=False, mininterval=2.0):
         batch = rng.sample(demos, min(batch_size, len(demos)))
         p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in batch]
         full = tokenizer([p + r + eos for p, r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -56,7 +62,14 @@ def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
+        if stop_fn is not None and (step + 1) % check_every == 0:
+            tokenizer.padding_side = tok_r
+            done = stop_fn()
+            tokenizer.padding_side = "right"
+            model.train()
+            if done:
+                break
     tokenizer.padding_side = tok_r
     model.eval()
     return losses
@@ -79,8 +92,19 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int):
     if sft_cfg.steps > 0:
         torch.manual_seed(seed)
         demos = task.demonstrations(sft_cfg.num_demos, seed)
-        losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed)
-        log.info("cold start: %d SFT steps, final loss %.3f", sft_cfg.steps, losses[-1])
+        stop_fn = None
+        if sft_cfg.stop_at_reward > 0:
+            probe = task.sample(128, seed=-1 - seed)  # training prompts, never the eval splits
+            sampler = HFSampler(tok)
+
+            def stop_fn() -> bool:
+                ro = sampler.generate(model, [p.text for p in probe], 1, temperature=0.0, max_new_tokens=16)
+                r = sum(task.reward(probe[i], t) for i, t in zip(ro.prompt_index, ro.responses)) / len(probe)
+                return r >= sft_cfg.stop_at_reward
+
+        losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
+                           stop_fn=stop_fn, check_every=sft_cfg.check_every)
+        log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(d.name + ".tmp")
     save_model_dir(model, tok, tmp)
     tmp.replace(d) if not d.exists() else None

@@ -67,3 +67,30 @@ def test_state_round_trip():
     assert b.updates == 1
     for pa, pb in zip(a.model.parameters(), b.model.parameters()):
         assert torch.equal(pa, pb)
+
+
+def test_fisher_trace_is_the_mean_squared_score_norm():
+    """Eq. 28 on a tiny LM: equals the mean of per-sequence ||grad log pi(y|x)||^2 computed by hand."""
+    from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+    from ema_pg.monitor import StabilityMonitor, fisher_trace
+    from ema_pg.rollout import HFSampler
+    from ema_pg.tasks.toy import AdditionTask
+
+    tok = train_bpe_tokenizer(AdditionTask().corpus(), vocab_size=300)
+    m = build_tiny_model(len(tok), hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    ro = HFSampler(tok).generate(m, ["1+2=", "33+4="], 2, temperature=1.0, max_new_tokens=4, seed=0)
+    got = fisher_trace(m, ro, [0, 3])
+    want = 0.0
+    for r in (0, 3):
+        m.zero_grad()
+        out = m(input_ids=ro.input_ids[r:r + 1], attention_mask=ro.attention_mask[r:r + 1],
+                position_ids=ro.position_ids[r:r + 1]).logits[0, ro.prompt_len - 1:-1]
+        lp = torch.log_softmax(out, -1).gather(-1, ro.input_ids[r, ro.prompt_len:, None])[:, 0]
+        (lp * ro.loss_mask[r, ro.prompt_len:]).sum().backward()
+        want += sum(float((p.grad ** 2).sum()) for p in m.parameters() if p.grad is not None) / 2
+    assert abs(got - want) < 1e-4 * want
+    mon = StabilityMonitor(every=1, num_sequences=2, eta=0.9, beta=1.0)
+    out = mon(m, ro, lr=1.5 / fisher_trace(m, ro, [0, 1]))  # bound = 1.5: between eta and 1 + eta
+    assert out["anchor/regime"] == 1 and abs(out["anchor/alpha_beta_trF"] - 1.5) < 1e-2
+    assert mon(m, ro, lr=1e-9)["anchor/regime"] == 0

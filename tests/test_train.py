@@ -94,3 +94,11 @@ def test_evaluate_cli_on_a_run_folder(full_run, capsys):
     assert out["splits"]["heldout"]["n"] == 16 and "| em |" in capsys.readouterr().out
     # the CLI evaluates the final policy: its number equals the run's own final evaluation
     assert out["avg"] == json.loads((objs["run_dir"] / "eval.json").read_text())["avg"]
+
+
+def test_stability_monitor_logs_when_on(tmp_path):
+    _, objs = train(compose_cfg(["algo.iterations=2", "monitor.every=1", "monitor.num_sequences=2"], tmp_path))
+    df = pd.read_csv(objs["run_dir"] / "metrics.csv")
+    for c in ("anchor/trF", "anchor/alpha_beta_trF", "anchor/regime", "monitor/seconds"):
+        assert df[c].notna().sum() == 2, c
+    assert (df["anchor/trF"].dropna() > 0).all()

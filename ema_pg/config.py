@@ -29,6 +29,8 @@ class ModelConfig:
     max_positions: int = 512  #: context length of the tiny model
     tokenizer_vocab: int = 512  #: BPE vocabulary size when a tokenizer is trained on the task text
     dtype: str = "float32"  #: float32 | bfloat16 | float16 (the anchor's master copy stays fp32)
+    head_chunk_tokens: int = 0  #: tokens per chunk of the log-prob head (0 = sized by head_chunk_mb)
+    head_chunk_mb: float = 256.0  #: memory budget of one chunk of logits (and its softmax/grad buffers)
 
 
 @dataclass

@@ -13,6 +13,7 @@ Departures from the paper's Algorithm 3, all deliberate:
 
 from __future__ import annotations
 
+import logging
 import time
 
 import lightning as L
@@ -28,6 +29,8 @@ from .losses import advantages, grpo_loss, masked_mean
 from .monitor import StabilityMonitor
 from .rollout import build_sampler
 
+log = logging.getLogger(__name__)
+
 
 class GRPOModule(L.LightningModule):
     def __init__(self, cfg, policy, tokenizer, task, anchor: EMAAnchor | None = None):
@@ -38,6 +41,12 @@ class GRPOModule(L.LightningModule):
         self.sampler = build_sampler(cfg.rollout, tokenizer)
         self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, cfg.anchor.eta, cfg.algo.beta)
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
+        if self.estimator.needs_full_logits:
+            V = policy.get_output_embeddings().weight.shape[0]
+            n = cfg.algo.prompts_per_step * cfg.algo.group_size * cfg.rollout.max_new_tokens
+            log.warning("kl=%s needs full logits: the policy, pi_old and the anchor each hold (tokens x %d) float32 "
+                        "logits, about %.2f GiB per batch of %d responses (Top-k estimators keep O(k) per token)",
+                        self.estimator.name, V, 3 * n * V * 4 / 2**30, n // cfg.rollout.max_new_tokens)
         self.eval_history: list[dict] = []
 
     # ------------------------------------------------------------------ one RL iteration
@@ -59,14 +68,16 @@ class GRPOModule(L.LightningModule):
 
         # 2. old and anchor log-probs, index sets (Alg 3, lines 6-11)
         full = self.estimator.needs_full_logits
+        ch = self._chunk(len(ro) * mask.shape[1])
         with torch.no_grad():
             old = head(self.policy, ro, k=k if src == "policy_old" else 0, full_logits=full, entropy=True,
-                       temperature=r.temperature)
+                       temperature=r.temperature, chunk=ch)
             t2 = time.perf_counter()
             ref = None
             if self.anchor is not None:
                 ref = head(self.anchor.model, ro, k=k if src == "anchor" else 0,
-                           index=old.topk_idx if src == "policy_old" else None, full_logits=full, temperature=r.temperature)
+                           index=old.topk_idx if src == "policy_old" else None, full_logits=full, temperature=r.temperature,
+                           chunk=ch)
         q = old.topk_idx if src == "policy_old" else (ref.topk_idx if src == "anchor" else None)  # (N, T, k)
         q_ref = ref.index_logp if src == "policy_old" else (ref.topk_logp if src == "anchor" else None)
         if a.reward_kl == "sequence" and ref is not None:  # WARP: sequence-level KL in the reward (eq. 10-12)
@@ -90,7 +101,7 @@ class GRPOModule(L.LightningModule):
                 rows = order[s : s + mb].to(self.device)
                 sub = ro.select(rows)
                 qi = None if q is None else q[rows]
-                cur = head(self.policy, sub, index=qi, full_logits=full, temperature=r.temperature)
+                cur = head(self.policy, sub, index=qi, full_logits=full, temperature=r.temperature, chunk=ch)
                 kl = None
                 if token_kl:
                     kl = self.estimator(KLInputs(
@@ -139,6 +150,13 @@ class GRPOModule(L.LightningModule):
         self.log("kl", metrics.get("train/kl", 0.0), prog_bar=True, logger=False)
         self.last_metrics = metrics
         return None
+
+    def _chunk(self, n_tokens: int) -> int:
+        from .chunked import auto_chunk
+
+        m = self.cfg.model
+        V = self.policy.get_output_embeddings().weight.shape[0]
+        return m.head_chunk_tokens or auto_chunk(n_tokens, V, m.head_chunk_mb)
 
     def _on_stop(self, prompts, n):
         return self.task.on_stop_fn(prompts, n) if hasattr(self.task, "on_stop_fn") else None

@@ -81,8 +81,9 @@ class HFSampler:
             cols_lp.append(logp_all.gather(-1, nxt[:, None]) * a[:, None] if logp_all is not None else torch.zeros_like(nxt[:, None], dtype=torch.float))
             n_policy += a
             observations: dict[int, str] = {}
+            toks, counts = nxt.tolist(), n_policy.tolist()
             for r in active.nonzero().flatten().tolist():
-                t = int(nxt[r])
+                t = toks[r]
                 resp_ids[r].append(t)
                 if t == eos:
                     active[r] = False
@@ -95,7 +96,7 @@ class HFSampler:
                             active[r] = False
                             continue
                         observations[r] = obs
-                if n_policy[r] >= max_new_tokens:
+                if counts[r] >= max_new_tokens:
                     active[r] = False
             feed(nxt[:, None], a[:, None])
             if observations:

@@ -1,0 +1,135 @@
+"""Chunked log-prob / top-k / logsumexp head: O(k) memory per token, never O(V) per token.
+
+From final hidden states h (N, H) and the output embedding W (V, H), logits z = h W^T / tau
+are formed C tokens at a time. Per token it returns log pi(y_n), logsumexp, the top-k
+indices (int32) and log-probs, log-probs at given indices, and the entropy. The only
+per-token state kept is O(k); the only (., V) tensor alive is one chunk of C x V logits.
+
+The gradient path (:class:`ChunkedLogProb`) is a custom autograd function whose forward
+saves h, W, the indices and the logsumexp (O(N k)), and whose backward recomputes each
+chunk's logits: with g_t the incoming gradient of log pi(y_n) and g_i those of log pi at the
+index set,
+
+    d z_n = (e_{y_n} g_t + sum_i e_{q_i} g_i - (g_t + sum_i g_i) softmax(z_n)) / tau
+    dh    = dz W,   dW = dz^T h                                  (chunk by chunk)
+
+so neither the forward nor the backward ever holds an (N, V) tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def acc_dtype(h: Tensor) -> torch.dtype:
+    """Logits are formed in float32 for half-precision inputs, else in the input's dtype."""
+    return torch.float32 if h.dtype in (torch.float16, torch.bfloat16) else h.dtype
+
+
+def auto_chunk(n_tokens: int, vocab: int, budget_mb: float = 256.0, bytes_per: int = 4, copies: int = 3) -> int:
+    """Tokens per chunk so that ``copies`` (C, V) float buffers fit in ``budget_mb``."""
+    c = int(budget_mb * 2**20 // (vocab * bytes_per * copies))
+    return max(1, min(n_tokens, c))
+
+
+@dataclass
+class ChunkedOut:
+    logp: Tensor  # (N,) log pi(y_n)
+    lse: Tensor  # (N,) logsumexp of z_n
+    topk_idx: Tensor | None = None  # (N, k) int32
+    topk_logp: Tensor | None = None  # (N, k)
+    index_logp: Tensor | None = None  # (N, k')
+    entropy: Tensor | None = None  # (N,)
+
+
+@torch.no_grad()
+def chunked_head_nograd(h: Tensor, W: Tensor, targets: Tensor, *, k: int = 0, index: Tensor | None = None,
+                        entropy: bool = False, temperature: float = 1.0, chunk: int = 0) -> ChunkedOut:
+    """No-grad pass (pi_old, the anchor): O(N k) outputs, one (C, V) chunk at a time."""
+    N, V = h.shape[0], W.shape[0]
+    C = chunk or auto_chunk(N, V)
+    f32 = acc_dtype(h)
+    logp = torch.empty(N, dtype=f32, device=h.device)
+    lse = torch.empty(N, dtype=f32, device=h.device)
+    tk_i = torch.empty(N, k, dtype=torch.int32, device=h.device) if k else None
+    tk_l = torch.empty(N, k, dtype=f32, device=h.device) if k else None
+    ix_l = torch.empty(N, index.shape[-1], dtype=f32, device=h.device) if index is not None else None
+    ent = torch.empty(N, dtype=f32, device=h.device) if entropy else None
+    for s in range(0, N, C):
+        e = min(N, s + C)
+        z = (h[s:e] @ W.T).to(f32)  # (C, V)
+        if temperature != 1.0:
+            z.div_(temperature)
+        l = torch.logsumexp(z, -1)  # (C,)
+        lse[s:e] = l
+        logp[s:e] = z.gather(-1, targets[s:e, None].long())[:, 0] - l
+        if k:
+            v, i = z.topk(k, -1)  # (C, k)
+            tk_i[s:e], tk_l[s:e] = i.to(torch.int32), v - l[:, None]
+        if index is not None:
+            ix_l[s:e] = z.gather(-1, index[s:e].long()) - l[:, None]
+        if entropy:
+            z.sub_(l[:, None])  # log p in place
+            ent[s:e] = -(z.exp() * z).sum(-1)
+    return ChunkedOut(logp=logp, lse=lse, topk_idx=tk_i, topk_logp=tk_l, index_logp=ix_l, entropy=ent)
+
+
+class ChunkedLogProb(torch.autograd.Function):
+    """(log pi(y_n), log pi at index) with a chunk-recomputing backward. Inputs: h (N, H), W (V, H)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, W: Tensor, targets: Tensor, index: Tensor | None, temperature: float, chunk: int):
+        out = chunked_head_nograd(h, W, targets, index=index, temperature=temperature, chunk=chunk)
+        ctx.save_for_backward(h, W, targets, out.lse, *([index] if index is not None else []))
+        ctx.has_index, ctx.temperature, ctx.chunk = index is not None, temperature, chunk
+        if index is None:
+            return out.logp, torch.empty(0, device=h.device)
+        return out.logp, out.index_logp
+
+    @staticmethod
+    def backward(ctx, g_logp: Tensor, g_index: Tensor):
+        if ctx.has_index:
+            h, W, targets, lse, index = ctx.saved_tensors
+        else:
+            (h, W, targets, lse), index = ctx.saved_tensors, None
+        N, V = h.shape[0], W.shape[0]
+        C = ctx.chunk or auto_chunk(N, V)
+        tau = ctx.temperature
+        need_h, need_W = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gh = torch.zeros_like(h) if need_h else None
+        acc = acc_dtype(h)
+        gW = torch.zeros(W.shape, dtype=acc, device=W.device) if need_W else None
+        g_logp = g_logp.to(acc) if g_logp is not None else torch.zeros(N, dtype=acc, device=h.device)
+        for s in range(0, N, C):
+            e = min(N, s + C)
+            z = (h[s:e] @ W.T).to(acc)  # (C, V), recomputed
+            if tau != 1.0:
+                z.div_(tau)
+            p = z.sub_(lse[s:e, None]).exp_()  # softmax, in place: one (C, V) buffer
+            gt = g_logp[s:e]  # (C,)
+            total = gt.clone()
+            if index is not None and g_index is not None and g_index.numel():
+                gi = g_index[s:e].to(acc)  # (C, k)
+                total += gi.sum(-1)
+            dz = p.mul_(-total[:, None])  # -(g_t + sum g_i) softmax
+            dz.scatter_add_(-1, targets[s:e, None].long(), gt[:, None])
+            if index is not None and g_index is not None and g_index.numel():
+                dz.scatter_add_(-1, index[s:e].long(), gi)
+            if tau != 1.0:
+                dz.div_(tau)
+            dz = dz.to(h.dtype)
+            if need_h:
+                gh[s:e] = dz @ W
+            if need_W:
+                gW += (dz.T @ h[s:e]).to(acc)
+        return gh, (gW.to(W.dtype) if need_W else None), None, None, None, None
+
+
+def chunked_logprobs(h: Tensor, W: Tensor, targets: Tensor, index: Tensor | None = None, temperature: float = 1.0,
+                     chunk: int = 0) -> tuple[Tensor, Tensor | None]:
+    """Differentiable (log pi(y_n) (N,), log pi at index (N, k) or None) with O(N k) saved state."""
+    logp, ix = ChunkedLogProb.apply(h, W, targets, index, temperature, chunk)
+    return logp, (ix if index is not None else None)

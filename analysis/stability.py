@@ -112,7 +112,7 @@ def plot(df: pd.DataFrame, out: Path) -> None:
     ax.set_ylabel(r"EMA coefficient $\eta$")
     ax.set_xlim(df.x.min(), df.x.max())
     ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
-    ax.set_title(f"EMA lag dynamics: agreement with Lemma 4.2 = {df.agree.mean():.3f}", fontsize=9)
+    ax.set_title(f"EMA lag dynamics: agreement with Lemma 4.2 = {df.agree.mean():.4f} ({int(df.agree.sum())}/{len(df)} cells)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "phase_diagram.png", dpi=140)
     fig.savefig(out / "phase_diagram.pdf")

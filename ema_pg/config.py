@@ -53,6 +53,7 @@ class RolloutConfig:
     stop: List[str] = field(default_factory=list)  #: stop strings that end a turn
     max_obs_tokens: int = 256  #: cap on the tokens of one environment observation
     eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
+    reuse_old_logprobs: bool = True  #: take log pi_old, its top-k and entropy from the sampler (no second pass)
     gpu_memory_utilization: float = 0.5  #: vLLM only
 
 

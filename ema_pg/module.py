@@ -1,7 +1,7 @@
 """GRPOModule: one RL iteration of Algorithm 3 per ``training_step``, read top to bottom.
 
     prompts  -> rollouts (B*G responses) -> rewards -> advantages
-    no_grad: old log-probs + top-k of pi_old ; anchor log-probs (+ its top-k for forward KL)
+    no_grad: old log-probs + top-k of pi_old (from the sampler, which computed them) ; anchor log-probs
     for epoch in ppo_epochs: for minibatch: loss = agg(-J + beta * KL); step
     EMAAnchor callback: theta_ema <- eta theta_ema + (1 - eta) theta every T_ema iterations
 
@@ -22,7 +22,7 @@ import torch
 from .anchor import EMAAnchor
 from .config import kl_params
 from .evaluate import evaluate_policy
-from .heads import head
+from .heads import HeadOut, head
 from .kl import KLInputs, get_estimator, sequence_kl_penalty
 from .kl.sampled import k3_core
 from .losses import advantages, grpo_loss, masked_mean
@@ -57,21 +57,27 @@ class GRPOModule(L.LightningModule):
         metrics, t0 = {}, time.perf_counter()
 
         # 1. prompts and rollouts from pi_old = the current policy
+        full = self.estimator.needs_full_logits
+        reuse = r.reuse_old_logprobs and not full  # pi_old from the sampler itself (it saw every distribution)
         prompts = self.task.sample(a.prompts_per_step, seed=seed)
         ro = self.sampler.generate(self.policy, [p.text for p in prompts], a.group_size, temperature=r.temperature,
                                    top_p=r.top_p, max_new_tokens=r.max_new_tokens, stop=list(r.stop),
-                                   on_stop=self._on_stop(prompts, a.group_size), seed=seed)
+                                   on_stop=self._on_stop(prompts, a.group_size), seed=seed,
+                                   topk=k if reuse and src == "policy_old" else 0, entropy=reuse)
         mask = ro.response_mask  # (N, T): policy tokens only (no prompt, observation or padding)
         rewards = torch.tensor([self.task.reward(prompts[i], txt) for i, txt in zip(ro.prompt_index, ro.responses)],
                                dtype=torch.float32, device=self.device)  # (N,)
         t1 = time.perf_counter()
 
         # 2. old and anchor log-probs, index sets (Alg 3, lines 6-11)
-        full = self.estimator.needs_full_logits
         ch = self._chunk(len(ro) * mask.shape[1])
         with torch.no_grad():
-            old = head(self.policy, ro, k=k if src == "policy_old" else 0, full_logits=full, entropy=True,
-                       temperature=r.temperature, chunk=ch)
+            if reuse and ro.sample_logp is not None:
+                old = HeadOut(logp=ro.sample_logp, topk_idx=ro.sample_topk_idx, topk_logp=ro.sample_topk_logp,
+                              entropy=ro.sample_entropy)
+            else:
+                old = head(self.policy, ro, k=k if src == "policy_old" else 0, full_logits=full, entropy=True,
+                           temperature=r.temperature, chunk=ch)
             t2 = time.perf_counter()
             ref = None
             if self.anchor is not None:

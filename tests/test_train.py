@@ -102,3 +102,15 @@ def test_stability_monitor_logs_when_on(tmp_path):
     for c in ("anchor/trF", "anchor/alpha_beta_trF", "anchor/regime", "monitor/seconds"):
         assert df[c].notna().sum() == 2, c
     assert (df["anchor/trF"].dropna() > 0).all()
+
+
+def test_old_logprobs_from_the_sampler_equal_a_second_pass(tmp_path):
+    """rollout.reuse_old_logprobs only removes a forward pass: the run's numbers stay the same."""
+    runs = {}
+    for reuse in (True, False):
+        _, objs = train(compose_cfg(["algo.iterations=2", "algo.ppo_epochs=2", "algo.minibatch_size=8",
+                                     f"rollout.reuse_old_logprobs={reuse}"], tmp_path / str(reuse)))
+        runs[reuse] = comparable(pd.read_csv(objs["run_dir"] / "metrics.csv"))
+    for col in ("train/loss", "train/kl", "train/entropy", "train/ratio_mean", "train/reward_mean"):
+        a, b = runs[True][col].dropna().to_numpy(), runs[False][col].dropna().to_numpy()
+        assert len(a) == 2 and abs(a - b).max() <= 1e-4 * max(1.0, abs(b).max()), col

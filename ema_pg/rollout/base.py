@@ -26,7 +26,10 @@ class Rollouts:
     prompt_len: int  # P
     prompt_index: list[int]  # (N,) which prompt each row answers
     responses: list[str] = field(default_factory=list)  # decoded responses (observations included)
-    sample_logp: Tensor | None = None  # (N, L-P) log-prob of each sampled token under the sampler
+    sample_logp: Tensor | None = None  # (N, T) log pi_old of each sampled token, T = L - P
+    sample_topk_idx: Tensor | None = None  # (N, T, k) pi_old's top-k at each response position
+    sample_topk_logp: Tensor | None = None  # (N, T, k)
+    sample_entropy: Tensor | None = None  # (N, T)
 
     @property
     def position_ids(self) -> Tensor:
@@ -46,7 +49,8 @@ class Rollouts:
         return Rollouts(
             self.input_ids[rows_t], self.attention_mask[rows_t], self.loss_mask[rows_t], self.prompt_len,
             [self.prompt_index[i] for i in r], [self.responses[i] for i in r] if self.responses else [],
-            None if self.sample_logp is None else self.sample_logp[rows_t],
+            *(None if x is None else x[rows_t] for x in (self.sample_logp, self.sample_topk_idx, self.sample_topk_logp,
+                                                           self.sample_entropy)),
         )
 
 

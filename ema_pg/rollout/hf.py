@@ -26,7 +26,9 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
         drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) is a draw from p (faster than multinomial)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)
 
 
 class HFSampler:
@@ -39,7 +41,10 @@ class HFSampler:
     @torch.no_grad()
     def generate(self, model, prompts: list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 32, stop: list[str] | None = None, on_stop: OnStop | None = None,
-                 seed: int = 0) -> Rollouts:
+                 seed: int = 0, topk: int = 0, entropy: bool = False) -> Rollouts:
+        """Sample ``n`` responses per prompt. The sampler sees pi_old's whole next-token distribution
+        at every step, so it also returns log pi_old(y_n) (``sample_logp``) and, when asked, pi_old's
+        top-``topk`` indices and log-probs and its entropy: the training step needs no second pass."""
         tok, dev = self.tok, next(model.parameters()).device
         gen = torch.Generator(device=dev).manual_seed(int(seed))
         rows = [i for i in range(len(prompts)) for _ in range(n)]
@@ -56,6 +61,7 @@ class HFSampler:
         out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
         next_logits = out.logits[:, -1].float()  # (N, V)
         cols_ids, cols_am, cols_lm, cols_lp = [], [], [], []
+        cols_ti, cols_tl, cols_en = [], [], []
         active = torch.ones(N, dtype=torch.bool, device=dev)
         n_policy = torch.zeros(N, dtype=torch.long, device=dev)
         resp_ids: list[list[int]] = [[] for _ in range(N)]
@@ -73,12 +79,17 @@ class HFSampler:
             last_pos = last_pos + block_am.sum(-1)
 
         while active.any():
-            logp_all = torch.log_softmax(next_logits / max(temperature, 1e-6), -1) if temperature > 0 else None
+            logp_all = torch.log_softmax(next_logits / temperature, -1) if temperature > 0 else None
             nxt = sample_token(next_logits, temperature, top_p, gen)
             nxt = torch.where(active, nxt, torch.full_like(nxt, pad))
             a = active.long()
             cols_ids.append(nxt[:, None]); cols_am.append(a[:, None]); cols_lm.append(a[:, None])
             cols_lp.append(logp_all.gather(-1, nxt[:, None]) * a[:, None] if logp_all is not None else torch.zeros_like(nxt[:, None], dtype=torch.float))
+            if topk and logp_all is not None:
+                v, i = logp_all.topk(topk, -1)  # (N, k)
+                cols_ti.append(i[:, None]); cols_tl.append(v[:, None])
+            if entropy and logp_all is not None:
+                cols_en.append(-(logp_all.exp() * logp_all).sum(-1, keepdim=True))
             n_policy += a
             observations: dict[int, str] = {}
             toks, counts = nxt.tolist(), n_policy.tolist()
@@ -111,6 +122,11 @@ class HFSampler:
                     resp_ids[r].extend(v)
                 cols_ids.append(block); cols_am.append(block_am); cols_lm.append(torch.zeros_like(block_am))
                 cols_lp.append(torch.zeros((N, W), device=dev))
+                if cols_ti:
+                    cols_ti.append(torch.zeros((N, W, topk), dtype=torch.long, device=dev))
+                    cols_tl.append(torch.zeros((N, W, topk), device=dev))
+                if cols_en:
+                    cols_en.append(torch.zeros((N, W), device=dev))
                 feed(block, block_am)
         model.train(was_training)
         resp = torch.cat(cols_ids, 1)
@@ -122,4 +138,7 @@ class HFSampler:
             prompt_index=rows,
             responses=[tok.decode([t for t in r if t != eos], skip_special_tokens=True) for r in resp_ids],
             sample_logp=torch.cat(cols_lp, 1),
+            sample_topk_idx=torch.cat(cols_ti, 1) if cols_ti else None,
+            sample_topk_logp=torch.cat(cols_tl, 1) if cols_tl else None,
+            sample_entropy=torch.cat(cols_en, 1) if cols_en else None,
         )

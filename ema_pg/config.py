@@ -225,6 +225,15 @@ def validate(cfg, vocab_size: int | None = None) -> None:
         raise ConfigError(f"kl: {e}") from None
     if vocab_size is not None and est.k > vocab_size:
         bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
+    if cfg.logger.name not in ("csv", "wandb", "tensorboard"):
+        bad(f"logger={cfg.logger.name!r}; choose one of: csv, wandb, tensorboard")
+    if cfg.logger.name in ("wandb", "tensorboard"):
+        import importlib.util
+
+        found = importlib.util.find_spec(cfg.logger.name) or (cfg.logger.name == "tensorboard"
+                                                              and importlib.util.find_spec("tensorboardX"))
+        if not found:
+            bad(f"logger={cfg.logger.name} needs its package: pip install -e '.[{cfg.logger.name}]' (or use logger=csv)")
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
         bad(f"model.dtype={cfg.model.dtype!r}; choose float32, bfloat16 or float16")
     if cfg.trainer.name == "deepspeed" or "deepspeed" in str(cfg.trainer.strategy):

@@ -26,6 +26,12 @@ def test_every_option_composes_and_validates(group, option):
     extra = ["model.path=/tmp/x"] if (group, option) == ("model", "local") else []
     cfg = compose_cfg([f"{group}={option}"] + extra, tiny=group != "experiment")
     needs_cuda = (group == "trainer" and option in ("gpu", "deepspeed")) or (group == "rollout" and option == "vllm")
+    import importlib.util
+
+    if group == "logger" and option != "csv" and not importlib.util.find_spec(option):
+        with pytest.raises(ConfigError, match="pip install"):
+            validate(cfg)
+        return
     if needs_cuda and not torch.cuda.is_available():
         if group == "trainer":
             with pytest.raises(ConfigError, match="CUDA"):
@@ -90,3 +96,14 @@ def test_vllm_on_cpu_says_it_needs_cuda():
 
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         build_sampler(compose_cfg(["rollout=vllm"]).rollout, tokenizer=None)
+
+
+def test_missing_logger_package_says_how_to_install(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
+        pytest.skip("tensorboard is installed")
+    from ema_pg.train import train
+
+    with pytest.raises(ConfigError, match=r"pip install -e '.\[tensorboard\]'"):
+        train(compose_cfg(["logger=tensorboard", "algo.iterations=1", "algo.eval_every=1"], tmp_path))

@@ -26,9 +26,13 @@ from .rollout import HFSampler
 log = logging.getLogger(__name__)
 
 
+ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_positions", "tokenizer_vocab")
+
+
 def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int) -> str:
+    """Hash of what determines the base policy: architecture, task, SFT knobs, seed (not run-time knobs)."""
     blob = json.dumps(
-        {"model": OmegaConf.to_container(model_cfg, resolve=True), "task": OmegaConf.to_container(task_cfg, resolve=True),
+        {"model": {k: model_cfg[k] for k in ARCH_KEYS}, "task": OmegaConf.to_container(task_cfg, resolve=True),
          "sft": {k: v for k, v in OmegaConf.to_container(sft_cfg, resolve=True).items() if k != "cache_dir"},
          "seed": seed, "version": 1},
         sort_keys=True,

@@ -114,3 +114,21 @@ def test_old_logprobs_from_the_sampler_equal_a_second_pass(tmp_path):
     for col in ("train/loss", "train/kl", "train/entropy", "train/ratio_mean", "train/reward_mean"):
         a, b = runs[True][col].dropna().to_numpy(), runs[False][col].dropna().to_numpy()
         assert len(a) == 2 and abs(a - b).max() <= 1e-4 * max(1.0, abs(b).max()), col
+
+
+def test_anchor_policy_is_evaluated_when_asked(tmp_path):
+    _, objs = train(compose_cfg(["algo.iterations=2", "anchor.eval_every=2", "anchor.eta=0.5", "anchor.update_every=1"],
+                                tmp_path))
+    df = pd.read_csv(objs["run_dir"] / "metrics.csv")
+    assert df["eval_anchor/avg/em"].notna().sum() == 2  # iterations 0 and 2
+    assert df["eval_anchor/heldout/em"].notna().sum() == 2
+
+
+def test_cold_start_key_ignores_run_time_knobs():
+    from ema_pg.sft import cold_start_key
+
+    a = compose_cfg([])
+    b = compose_cfg(["model.head_chunk_tokens=7", "model.dtype=bfloat16", "sft.cache_dir=/elsewhere"])
+    c = compose_cfg(["model.hidden_size=48"])
+    key = lambda cfg: cold_start_key(cfg.model, cfg.task, cfg.sft, 0)  # noqa: E731
+    assert key(a) == key(b) != key(c)

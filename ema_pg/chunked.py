@@ -122,9 +122,9 @@ class ChunkedLogProb(torch.autograd.Function):
                 dz.div_(tau)
             dz = dz.to(h.dtype)
             if need_h:
-                gh[s:e] = dz @ W
+                torch.mm(dz, W, out=gh[s:e])  # (C, H), written in place
             if need_W:
-                gW += (dz.T @ h[s:e]).to(acc)
+                gW.addmm_(dz.T.to(acc), h[s:e].to(acc))  # (V, H) accumulated in place: no per-chunk temporary
         return gh, (gW.to(W.dtype) if need_W else None), None, None, None, None
 
 

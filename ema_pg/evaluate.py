@@ -62,13 +62,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("target", help="a run folder (uses its last checkpoint) or a saved model directory")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. task=toy_add rollout.max_new_tokens=8")
     ap.add_argument("--out", default=None, help="where to write eval.json (default: inside target)")
+    ap.add_argument("--baseline", choices=["none", "cot", "rag"], default="none",
+                    help="Table 2 baselines for search tasks: cot = answer without search, rag = retrieve with the question")
+    ap.add_argument("--initial", action="store_true", help="evaluate a run's initial (base) policy, not its last checkpoint")
     a = ap.parse_args(argv)
     target = Path(a.target)
     if (target / "config.yaml").is_file():
         cfg = OmegaConf.load(target / "config.yaml")
         from .train import load_policy_from_run
 
-        model, tok = load_policy_from_run(target, cfg)
+        model, tok = load_policy_from_run(target, cfg, initial=a.initial)
     else:
         from hydra import compose, initialize_config_dir
 
@@ -82,8 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     if a.overrides and (target / "config.yaml").is_file():
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(a.overrides))
     task = build_task(cfg.task)
-    result = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout)
-    out = Path(a.out) if a.out else target / "eval.json"
+    splits = None
+    if a.baseline != "none":
+        splits = {k: task.baseline_prompts(v, a.baseline) for k, v in task.eval_splits().items()}
+    result = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, splits=splits)
+    result["baseline"] = a.baseline
+    name = "eval.json" if a.baseline == "none" and not a.initial else f"eval_{'base' if a.initial else ''}{a.baseline}.json"
+    out = Path(a.out) if a.out else target / name
     out.write_text(json.dumps(result, indent=2))
     print(format_table(result))
     print(f"wrote {out}")

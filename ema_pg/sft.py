@@ -29,10 +29,11 @@ log = logging.getLogger(__name__)
 ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_positions", "tokenizer_vocab")
 
 
-def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int) -> str:
+def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = ()) -> str:
     """Hash of what determines the base policy: architecture, task, SFT knobs, seed (not run-time knobs)."""
     blob = json.dumps(
         {"model": {k: model_cfg[k] for k in ARCH_KEYS}, "task": OmegaConf.to_container(task_cfg, resolve=True),
+         "probe": list(probe),
          "sft": {k: v for k, v in OmegaConf.to_container(sft_cfg, resolve=True).items() if k != "cache_dir"},
          "seed": seed, "version": 1},
         sort_keys=True,
@@ -40,10 +41,26 @@ def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _sft_batch(tokenizer, batch, eos: str, mask_fn=None):
+    """Right-padded ids and labels: -100 on padding, the prompt, and ``mask_fn(response)`` char spans."""
+    texts = [p + r + eos for p, r in batch]
+    full = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False, return_offsets_mapping=True)
+    labels = full["input_ids"].clone()
+    labels[full["attention_mask"] == 0] = -100
+    for i, (p, r) in enumerate(batch):
+        spans = [(0, len(p))] + ([(len(p) + a, len(p) + b) for a, b in mask_fn(r)] if mask_fn else [])
+        for j, (s, e) in enumerate(full["offset_mapping"][i].tolist()):
+            if e > s and any(s < b and e > a for a, b in spans):
+                labels[i, j] = -100
+    full.pop("offset_mapping")
+    return full, labels
+
+
 def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_size: int, lr: float, seed: int,
-              progress: bool = True, stop_fn=None, check_every: int = 20) -> list[float]:
+              progress: bool = True, stop_fn=None, check_every: int = 20, mask_fn=None) -> list[float]:
     """Cross-entropy on the response tokens (+ EOS) of (prompt, response) pairs; returns losses.
 
+    ``mask_fn(response)`` (optional) gives character spans with no loss (environment text);
     ``stop_fn()`` (optional) is called every ``check_every`` steps; SFT ends when it returns True.
     """
     rng = random.Random(seed)
@@ -55,12 +72,7 @@ def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_
     tokenizer.padding_side = "right"
     for step in tqdm(range(steps), desc="cold start (SFT)", disable=not progress, leave=False, mininterval=2.0):
         batch = rng.sample(demos, min(batch_size, len(demos)))
-        p_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p, _ in batch]
-        full = tokenizer([p + r + eos for p, r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
-        labels = full["input_ids"].clone()
-        labels[full["attention_mask"] == 0] = -100
-        for i, p in enumerate(p_ids):
-            labels[i, : len(p)] = -100
+        full, labels = _sft_batch(tokenizer, batch, eos, mask_fn)
         out = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"], labels=labels)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -79,9 +91,9 @@ def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_
     return losses
 
 
-def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int):
+def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int = 16, stop: tuple = ()):
     """(model, tokenizer, model_dir) of the cached base policy, built on first use."""
-    key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed)
+    key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop))
     d = Path(sft_cfg.cache_dir).expanduser() / f"{task.name}-{key}"
     if (d / "config.json").is_file():
         log.info("cold start: reusing %s", d)
@@ -102,12 +114,13 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int):
             sampler = HFSampler(tok)
 
             def stop_fn() -> bool:
-                ro = sampler.generate(model, [p.text for p in probe], 1, temperature=0.0, max_new_tokens=16)
+                ro = sampler.generate(model, [p.text for p in probe], 1, temperature=0.0, max_new_tokens=max_new_tokens,
+                                      stop=list(stop), on_stop=task.on_stop_fn(probe, 1) if hasattr(task, "on_stop_fn") else None)
                 r = sum(task.reward(probe[i], t) for i, t in zip(ro.prompt_index, ro.responses)) / len(probe)
                 return r >= sft_cfg.stop_at_reward
 
         losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
-                           stop_fn=stop_fn, check_every=sft_cfg.check_every)
+                           stop_fn=stop_fn, check_every=sft_cfg.check_every, mask_fn=getattr(task, "masked_spans", None))
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(d.name + ".tmp")
     save_model_dir(model, tok, tmp)

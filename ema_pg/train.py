@@ -53,16 +53,17 @@ def build_policy(cfg, task):
     if cfg.model.path:
         model, tok = load_model_dir(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
         return model, tok
-    model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, cfg.seed)
+    model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, cfg.seed, max_new_tokens=cfg.rollout.max_new_tokens,
+                               stop=tuple(cfg.rollout.stop))
     return model.to(DTYPES[cfg.model.dtype]), tok
 
 
-def load_policy_from_run(run_dir: Path, cfg):
-    """The policy of a run's last checkpoint (or its initial policy if none was written)."""
+def load_policy_from_run(run_dir: Path, cfg, initial: bool = False):
+    """The policy of a run's last checkpoint (its initial policy if ``initial`` or no checkpoint)."""
     task = build_task(cfg.task)
     model, tok = build_policy(cfg, task)
     ckpt = Path(run_dir) / "checkpoints" / "last.ckpt"
-    if ckpt.is_file():
+    if ckpt.is_file() and not initial:
         sd = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
         model.load_state_dict({k.removeprefix("policy."): v for k, v in sd.items() if k.startswith("policy.")})
     return model, tok

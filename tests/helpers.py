@@ -12,7 +12,7 @@ from ema_pg.config import register_configs
 CONF = str(Path(__file__).resolve().parent.parent / "conf")
 TINY = [
     "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.tokenizer_vocab=300",
-    "sft.steps=20", "sft.batch_size=16", "sft.num_demos=200", "task.eval_size=16",
+    "sft.steps=20", "sft.batch_size=16", "sft.num_demos=200",
     "algo.prompts_per_step=4", "algo.group_size=4", "algo.iterations=4", "algo.eval_every=2",
     "rollout.max_new_tokens=4", "optim.lr=1e-3", "kl.k=8", "trainer.progress_bar=false",
 ]
@@ -21,7 +21,9 @@ TINY = [
 def compose_cfg(overrides: list[str] = (), tmp_path: Path | None = None, tiny: bool = True):
     register_configs()
     with initialize_config_dir(CONF, version_base="1.3"):
-        cfg = compose("config", overrides=(TINY if tiny else []) + list(overrides))
+        task_set = any(o.startswith("task=") for o in overrides)
+        tiny_task = ["task.eval_size=16"] if tiny and not task_set else []
+        cfg = compose("config", overrides=(TINY + tiny_task if tiny else []) + list(overrides))
     with open_dict(cfg):
         if tmp_path is not None:
             cfg.run_dir = str(tmp_path / "run")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from .base import Prompt, Task
+from .search import SearchQATask
 from .toy import AdditionTask
 
-TASKS = {"toy_add": AdditionTask}
+TASKS = {"toy_add": AdditionTask, "search_qa": SearchQATask}
 
 
 def build_task(cfg) -> Task:
@@ -14,7 +15,10 @@ def build_task(cfg) -> Task:
     name = cfg["name"]
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
-    return TASKS[name](**kw)
+    try:
+        return TASKS[name](**kw)
+    except TypeError as e:  # an unknown task knob
+        raise ValueError(f"task={name}: {e}; check the task.* keys against conf/task/{name}.yaml") from None
 
 
 __all__ = ["Prompt", "Task", "TASKS", "build_task"]

@@ -1,0 +1,174 @@
+"""Search-agent QA in the Search-R1 format, over the synthetic world or Search-R1 parquet files.
+
+A response interleaves policy text and environment observations::
+
+    <search> query </search>
+    <information>Doc 1(Title: t) text
+    Doc 2(Title: t) text ...</information>        <- appended by the environment, loss mask 0
+    <answer> answer </answer>
+
+Generation stops at ``</search>`` (the environment answers with the top-``topk`` passages and
+generation resumes) or ``</answer>`` (the episode ends), at most ``max_turns`` searches. A
+turn that closes ``</search>`` without a well-formed ``<search>`` gets an observation that
+says how to search or answer: it is not an error. The reward is exact match, after SQuAD
+normalization, of the last ``<answer>`` against any gold answer; a malformed response scores 0.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+
+from ..base import Prompt
+from .retriever import BM25Retriever, HTTPRetriever
+from .world import build_world, questions
+
+SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.S)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+INVALID = ("\nMy previous action is invalid. To search, write <search> query </search>. "
+           "To answer, write <answer> answer </answer>.\n")
+SPLITS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle")
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD normalization: lower case, drop punctuation and articles, fold white space."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def exact_match(prediction: str, golds: list[str]) -> float:
+    p = normalize_answer(prediction)
+    return float(any(p == normalize_answer(g) for g in golds))
+
+
+def extract_answer(response: str) -> str | None:
+    found = ANSWER_RE.findall(response)
+    return found[-1].strip() if found else None
+
+
+def format_passages(docs: list[dict]) -> str:
+    lines = []
+    for i, d in enumerate(docs, 1):
+        title, _, text = d["contents"].partition("\n")
+        lines.append(f"Doc {i}(Title: {title}) {text}")
+    return "\n<information>" + "\n".join(lines) + "</information>\n"
+
+
+class SearchQATask:
+    """``task=search_qa``: the synthetic world by default, Search-R1 parquet files with ``data_dir``."""
+
+    name = "search_qa"
+    metric = "em"
+
+    def __init__(self, seed: int = 0, topk: int = 3, max_turns: int = 4, per_split: int = 100,
+                 retriever: str = "bm25", retriever_url: str | None = None, data_dir: str | None = None,
+                 n_people: int = 400, n_orgs: int = 120, prompt_template: str = "Question: {question}\n"):
+        if topk < 1 or max_turns < 1:
+            raise ValueError(f"task.topk and task.max_turns must be >= 1; got {topk}, {max_turns}")
+        self.seed, self.topk, self.max_turns, self.template = seed, topk, max_turns, prompt_template
+        self.data_dir = data_dir
+        if retriever not in ("bm25", "http"):
+            raise ValueError(f"task.retriever={retriever!r}; choose bm25 or http")
+        if retriever == "bm25" and data_dir:
+            raise ValueError("with task.data_dir (a real corpus) use task.retriever=http and a retrieval server")
+        if retriever == "http" and not retriever_url:
+            raise ValueError("task.retriever=http needs task.retriever_url (e.g. http://127.0.0.1:8000)")
+        if data_dir:
+            from .data import load_search_r1
+
+            self.train_set, self.eval_sets = load_search_r1(data_dir)
+            self.world = None
+            docs = []
+        else:
+            self.world = build_world(seed, n_people=n_people, n_orgs=n_orgs)
+            qs = questions(self.world, seed, per_split)
+            self.train_set = [self._prompt(q.question, q.answers, q.split, q.hops) for q in qs["train"]]
+            self.eval_sets = {s: [self._prompt(q.question, q.answers, s, q.hops) for q in qs[s]] for s in SPLITS}
+            docs = self.world.docs
+        self.retriever = HTTPRetriever(retriever_url) if retriever == "http" else BM25Retriever(docs)
+
+    def _prompt(self, question: str, answers: list[str], split: str, hops: int = 1) -> Prompt:
+        return Prompt(text=self.template.format(question=question), answer=answers[0],
+                      meta={"answers": list(answers), "split": split, "hops": hops, "question": question})
+
+    # ------------------------------------------------------------------ Task protocol
+    def sample(self, n: int, seed: int) -> list[Prompt]:
+        rng = random.Random(f"search-train-{self.seed}-{seed}")
+        return [rng.choice(self.train_set) for _ in range(n)]
+
+    def eval_splits(self) -> dict[str, list[Prompt]]:
+        return self.eval_sets
+
+    def reward(self, prompt: Prompt, response: str) -> float:
+        ans = extract_answer(prompt.meta.get("prefix", "") + response)  # only text after the instruction counts
+        return 0.0 if ans is None else exact_match(ans, prompt.meta["answers"])
+
+    def on_stop_fn(self, prompts: list[Prompt], n: int):
+        """The environment for one batch: called with (row, response so far) at every stop string."""
+        turns: dict[int, int] = {}
+        seen: dict[int, int] = {}  # length of the response up to the end of the row's last observation
+
+        def on_stop(row: int, text: str) -> str | None:
+            if text.rstrip().endswith("</answer>"):
+                return None
+            turns[row] = turns.get(row, 0) + 1
+            if turns[row] > self.max_turns:
+                return None
+            action = text[seen.get(row, 0):]  # what the policy wrote since the last observation
+            found = SEARCH_RE.findall(action)
+            query = found[-1].strip() if found else ""
+            obs = INVALID if not query else format_passages(self.retriever.retrieve([query], self.topk)[0])
+            seen[row] = len(text) + len(obs)
+            return obs
+
+        return on_stop
+
+    def corpus(self) -> list[str]:
+        """Text for the tokenizer: passages, questions and the action format."""
+        fmt = "<search> </search> <information>Doc 1(Title: ) </information> <answer> </answer>" + INVALID
+        docs = [] if self.world is None else [f"{t} {x}" for t, x in self.world.docs]
+        qs = [p.text for p in self.train_set] + [p.text for v in self.eval_sets.values() for p in v]
+        return docs + qs + [fmt] * 50
+
+    def demonstrations(self, n: int, seed: int) -> list[tuple[str, str]]:
+        """Cold-start trajectories: one search with the question's entity, then the answer.
+
+        Only single-hop questions are demonstrated (as for a base model, multi-hop behaviour is
+        left for RL to discover); ``<information>`` spans are masked out of the SFT loss.
+        """
+        rng = random.Random(f"search-demo-{self.seed}-{seed}")
+        singles = [p for p in self.train_set if p.meta["hops"] == 1]
+        out = []
+        for _ in range(n):
+            p = rng.choice(singles)
+            q = p.meta["question"]
+            entity = re.sub(r"^(Where was|What is the birthplace of|Who founded) | born\?$|\?$", "", q).strip()
+            obs = format_passages(self.retriever.retrieve([entity], self.topk)[0])
+            out.append((p.text, f"<search> {entity} </search>{obs}<answer> {p.answer} </answer>"))
+        return out
+
+    def baseline_prompts(self, prompts: list[Prompt], mode: str) -> list[Prompt]:
+        """Table 2's baselines that need no RL, as prompts for the same policy.
+
+        ``cot``: answer without search (the prompt ends with ``<answer>``); ``rag``: retrieve with the
+        question itself, show the passages, then the policy answers.
+        """
+        if mode not in ("cot", "rag"):
+            raise ValueError(f"unknown baseline {mode!r}; choose cot or rag")
+        out = []
+        for p in prompts:
+            if mode == "cot":
+                prefix = "<answer>"
+            else:
+                q = p.meta["question"]
+                prefix = f"<search> {q} </search>" + format_passages(self.retriever.retrieve([q], self.topk)[0]) + "<answer>"
+            out.append(Prompt(text=p.text + prefix, answer=p.answer, meta={**p.meta, "prefix": prefix}))
+        return out
+
+    @staticmethod
+    def masked_spans(response: str) -> list[tuple[int, int]]:
+        """Character spans of environment text inside a demonstration (no SFT loss there)."""
+        return [(m.start(), m.end()) for m in re.finditer(r"\n<information>.*?</information>\n", response, re.S)]

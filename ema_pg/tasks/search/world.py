@@ -1,0 +1,169 @@
+"""A seeded synthetic world for search-agent QA: entities, relations, a corpus, seven question sets.
+
+The policy knows nothing of this world: names are made of random syllables, so every answer
+has to be found by searching the corpus. Relations: person born in a city in a birth year;
+city located in a country; organization founded by a person, headquartered in a city.
+
+Eval splits mirror Table 2's datasets (what each tests, not their text):
+
+============  ==========================================================  ============
+split         question                                                    paper analog
+============  ==========================================================  ============
+nq            single hop, popular people (birthplace)                     NQ
+triviaqa      single hop, popular people, paraphrased questions           TriviaQA
+popqa         single hop, long-tail people and organizations              PopQA
+hotpotqa      two-hop bridge: person -> city -> country                   HotpotQA
+2wiki         comparison of two people's birth years                      2WikiMultiHopQA
+musique       three hops: organization -> founder -> city -> country      MuSiQue
+bamboogle     two hops: organization -> headquarters -> country, on       Bamboogle
+              organizations that no training question mentions
+============  ==========================================================  ============
+
+Training questions come from the nq and hotpotqa analogues, on people disjoint from theirs.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+SYL = ["ka", "lo", "mi", "ren", "tor", "va", "shi", "dun", "bel", "qui", "ros", "fen", "gal", "mor", "ti", "zan",
+       "pol", "ed", "ur", "nix", "sa", "bri", "cor", "hal", "jun", "lek", "mar", "nod", "ost", "per"]
+
+
+@dataclass
+class Person:
+    name: str
+    city: str
+    year: int
+    popular: bool
+
+
+@dataclass
+class Org:
+    name: str
+    founder: str
+    city: str
+    year: int
+    heldout: bool
+
+
+@dataclass
+class World:
+    countries: list[str]
+    city_country: dict[str, str]
+    people: dict[str, Person]
+    orgs: dict[str, Org]
+    docs: list[tuple[str, str]] = field(default_factory=list)  # (title, text)
+
+
+def _name(rng: random.Random, used: set[str], parts: int) -> str:
+    while True:
+        n = " ".join("".join(rng.choice(SYL) for _ in range(rng.randint(2, 3))).capitalize() for _ in range(parts))
+        if n not in used:
+            used.add(n)
+            return n
+
+
+PERSON_T = ["{p} was born in {c} in {y}.", "Born in {y} in the city of {c}, {p} grew up there.",
+            "{p} ({y}) is a native of {c}.", "The birthplace of {p} is {c}; {p} was born in {y}."]
+CITY_T = ["{c} is a city in {k}.", "{c} lies in the country of {k}.", "The city of {c} is located in {k}."]
+ORG_T = ["{o} was founded by {p} in {y}. Its headquarters are in {c}.",
+         "Founded in {y} by {p}, {o} is headquartered in {c}."]
+DISTRACT_T = ["Admirers of {p} once met in {c}.", "A street in {c} is named after {p}.",
+              "{p} gave a famous speech in {c} in {y}."]
+
+
+def build_world(seed: int = 0, n_people: int = 400, n_cities: int = 80, n_countries: int = 20, n_orgs: int = 120,
+                popular_frac: float = 0.4, heldout_orgs: float = 0.25, distractors: int = 300) -> World:
+    rng = random.Random(f"world-{seed}")
+    used: set[str] = set()
+    countries = [_name(rng, used, 1) for _ in range(n_countries)]
+    cities = [_name(rng, used, 1) for _ in range(n_cities)]
+    city_country = {c: rng.choice(countries) for c in cities}
+    people = {}
+    for i in range(n_people):
+        n = _name(rng, used, 2)
+        people[n] = Person(n, rng.choice(cities), rng.randint(1900, 1999), popular=i < popular_frac * n_people)
+    names = list(people)
+    orgs = {}
+    for i in range(n_orgs):
+        n = _name(rng, used, 1) + " " + rng.choice(["Labs", "Institute", "Company", "Foundation", "Works"])
+        orgs[n] = Org(n, rng.choice(names), rng.choice(cities), rng.randint(1950, 2020),
+                      heldout=i >= (1 - heldout_orgs) * n_orgs)
+    w = World(countries, city_country, people, orgs)
+    for p in people.values():  # popular people have two documents in different wordings
+        for t in rng.sample(PERSON_T, 2 if p.popular else 1):
+            w.docs.append((p.name, t.format(p=p.name, c=p.city, y=p.year)))
+    for c, k in city_country.items():
+        w.docs.append((c, rng.choice(CITY_T).format(c=c, k=k)))
+    for o in orgs.values():
+        w.docs.append((o.name, rng.choice(ORG_T).format(o=o.name, p=o.founder, y=o.year, c=o.city)))
+    for _ in range(distractors):  # mention a person beside a city that is not their birthplace
+        p = people[rng.choice(names)]
+        c = rng.choice([x for x in cities if x != p.city])
+        w.docs.append((p.name, rng.choice(DISTRACT_T).format(p=p.name, c=c, y=rng.randint(1900, 2020))))
+    rng.shuffle(w.docs)
+    return w
+
+
+@dataclass
+class Question:
+    question: str
+    answers: list[str]
+    split: str
+    hops: int
+    entities: list[str]
+
+
+def _people_split(w: World, popular: bool, rng: random.Random) -> tuple[list[str], list[str]]:
+    xs = sorted(n for n, p in w.people.items() if p.popular == popular)
+    rng.shuffle(xs)
+    cut = int(0.7 * len(xs))
+    return xs[:cut], xs[cut:]  # (train people, eval people)
+
+
+def questions(w: World, seed: int = 0, per_split: int = 100) -> dict[str, list[Question]]:
+    """The training questions ("train") and the seven eval splits, each a deterministic function of seed."""
+    rng = random.Random(f"questions-{seed}")
+    pop_train, pop_eval = _people_split(w, True, rng)
+    tail_train, tail_eval = _people_split(w, False, rng)
+    country = lambda city: w.city_country[city]  # noqa: E731
+    P = w.people
+
+    def birthplace(n, tmpl="Where was {p} born?"):
+        return Question(tmpl.format(p=n), [P[n].city], "", 1, [n])
+
+    def bridge(n):
+        return Question(f"In which country was {n} born?", [country(P[n].city)], "", 2, [n])
+
+    para = ["{p} was born in which city?", "What is the birthplace of {p}?", "Which city is {p} from?"]
+    out: dict[str, list[Question]] = {}
+    train = [birthplace(n) for n in pop_train + tail_train] + [bridge(n) for n in pop_train + tail_train]
+    rng.shuffle(train)
+    out["train"] = train
+    pick = lambda xs, k: rng.sample(xs, min(k, len(xs)))  # noqa: E731
+    out["nq"] = [birthplace(n) for n in pick(pop_eval, per_split)]
+    out["triviaqa"] = [birthplace(n, rng.choice(para)) for n in pick(pop_eval, per_split)]
+    public_orgs = sorted(o for o, v in w.orgs.items() if not v.heldout)
+    pq = [birthplace(n) for n in pick(tail_eval, per_split // 2)]
+    pq += [Question(f"Who founded {o}?", [w.orgs[o].founder], "", 1, [o]) for o in pick(public_orgs, per_split - len(pq))]
+    out["popqa"] = pq
+    out["hotpotqa"] = [bridge(n) for n in pick(pop_eval + tail_eval, per_split)]
+    comp = []
+    pool = pop_eval + tail_eval
+    while len(comp) < per_split:
+        a, b = rng.sample(pool, 2)
+        if P[a].year != P[b].year:
+            first = a if P[a].year < P[b].year else b
+            comp.append(Question(f"Who was born first, {a} or {b}?", [first], "", 2, [a, b]))
+    out["2wiki"] = comp
+    out["musique"] = [Question(f"In which country was the founder of {o} born?", [country(P[w.orgs[o].founder].city)],
+                               "", 3, [o]) for o in pick(public_orgs, per_split)]
+    held = sorted(o for o, v in w.orgs.items() if v.heldout)
+    out["bamboogle"] = [Question(f"In which country is {o} headquartered?", [country(w.orgs[o].city)], "", 2, [o])
+                        for o in pick(held, per_split)]
+    for name, qs in out.items():
+        for q in qs:
+            q.split = name
+    return out

@@ -1,0 +1,113 @@
+"""The search-agent world, retrievers, Search-R1 environment, SFT masks and the parquet path."""
+
+import pytest
+
+from ema_pg.tasks.search import SearchQATask, exact_match, normalize_answer
+from ema_pg.tasks.search.retriever import BM25Retriever, HTTPRetriever, serve
+from ema_pg.tasks.search.task import INVALID, SPLITS
+from ema_pg.tasks.search.world import build_world, questions
+
+
+@pytest.fixture(scope="module")
+def task():
+    return SearchQATask(seed=0, n_people=200, n_orgs=60, per_split=30)
+
+
+def test_world_is_deterministic_and_answers_are_in_the_corpus():
+    a, b = build_world(3, n_people=50, n_orgs=10), build_world(3, n_people=50, n_orgs=10)
+    assert a.docs == b.docs and build_world(4, n_people=50, n_orgs=10).docs != a.docs
+    qs = questions(a, 3, per_split=10)
+    text = " ".join(t for _, t in a.docs)
+    for q in qs["nq"] + qs["hotpotqa"] + qs["musique"]:
+        assert q.answers[0] in text
+
+
+def test_seven_splits_and_no_leak_from_training(task):
+    assert list(task.eval_splits()) == list(SPLITS)
+    train_q = " ".join(p.meta["question"] for p in task.train_set)
+    for p in task.eval_splits()["bamboogle"]:  # held-out organizations never appear in training questions
+        org = p.meta["question"].removeprefix("In which country is ").removesuffix(" headquartered?")
+        assert org not in train_q
+    nq_people = {p.meta["question"][len("Where was "):-len(" born?")] for p in task.eval_splits()["nq"]}
+    assert not any(f"was {n} born" in train_q for n in nq_people)
+    hops = {s: {p.meta["hops"] for p in v} for s, v in task.eval_splits().items()}
+    assert hops["nq"] == {1} and hops["hotpotqa"] == {2} and hops["musique"] == {3}
+    assert {p.meta["hops"] for p in task.train_set} == {1, 2}
+
+
+def test_bm25_finds_the_entity_and_http_server_agrees(task):
+    p = task.eval_splits()["nq"][0]
+    name = p.meta["question"][len("Where was "):-len(" born?")]
+    docs = task.retriever.retrieve([name], 3)[0]
+    assert len(docs) == 3 and any(d["contents"].startswith(name + "\n") for d in docs)
+    srv, url = serve(task.retriever)
+    try:
+        remote = HTTPRetriever(url).retrieve([name, "no such thing"], 3)
+        assert [d["contents"] for d in remote[0]] == [d["contents"] for d in docs] and len(remote) == 2
+    finally:
+        srv.shutdown()
+    with pytest.raises(ConnectionError, match="did not answer"):
+        HTTPRetriever("http://127.0.0.1:9", timeout=2).retrieve(["x"])
+
+
+def test_squad_normalization_and_em():
+    assert normalize_answer("  The Karsville. ") == "karsville"
+    assert exact_match("the  karsville!", ["Karsville"]) == 1.0 and exact_match("Kars", ["Karsville"]) == 0.0
+
+
+def test_environment_turns(task):
+    p = task.eval_splits()["nq"][0]
+    name = p.meta["question"][len("Where was "):-len(" born?")]
+    env = task.on_stop_fn([p], 1)
+    obs = env(0, f"<search> {name} </search>")
+    assert obs.startswith("\n<information>Doc 1(Title: ") and obs.endswith("</information>\n") and "Doc 3(" in obs
+    text = f"<search> {name} </search>" + obs + "I think </search>"  # closes a search it never opened
+    assert env(0, text) == INVALID
+    text += INVALID + f"<search> {name} </search>"  # the INVALID message's own tags are not parsed as an action
+    assert env(0, text).startswith("\n<information>")
+    assert env(0, text + "<answer> x </answer>") is None
+    env2 = SearchQATask(seed=0, n_people=50, n_orgs=10, max_turns=1, per_split=5).on_stop_fn([p], 1)
+    assert env2(0, "<search> a </search>").startswith("\n<information>") and env2(0, "... <search> b </search>") is None
+
+
+def test_reward_is_last_answer_em_and_never_raises(task):
+    p = task.eval_splits()["nq"][0]
+    assert task.reward(p, f"<answer> wrong </answer> then <answer> {p.answer} </answer>") == 1.0
+    for junk in ["", "<answer>", "</answer><answer>", "\x00\xff", "<search> x </search>", p.answer]:
+        assert task.reward(p, junk) == 0.0  # malformed: no complete <answer> tag
+
+
+def test_sft_masks_the_observations(task):
+    from ema_pg.models import train_bpe_tokenizer
+    from ema_pg.sft import _sft_batch
+
+    tok = train_bpe_tokenizer(task.corpus(), vocab_size=600)
+    tok.padding_side = "right"
+    (prompt, resp), = task.demonstrations(1, 0)
+    assert "<information>" in resp and resp.endswith("</answer>")
+    full, labels = _sft_batch(tok, [(prompt, resp)], tok.eos_token, task.masked_spans)
+    ids, lab = full["input_ids"][0], labels[0]
+    trained = tok.decode(ids[lab != -100])
+    assert "<search>" in trained and "<answer>" in trained and "Doc 1" not in trained and "Question" not in trained
+    assert "Doc 1" in tok.decode(ids)
+
+
+def test_search_r1_parquet_path(tmp_path):
+    pd = pytest.importorskip("pandas")
+    row = lambda src, q, a: {"data_source": src, "prompt": [{"role": "user", "content": f"Answer: {q}"}],  # noqa: E731
+                             "reward_model": {"ground_truth": {"target": a}}, "extra_info": {"split": "x", "index": 0}}
+    pd.DataFrame([row("nq", "who?", ["Ann"]), row("hotpotqa", "where?", ["Paris", "paris, fr"])]).to_parquet(tmp_path / "train.parquet")
+    pd.DataFrame([row("nq", "q1", ["A"]), row("bamboogle", "q2", ["B"])]).to_parquet(tmp_path / "test.parquet")
+    srv, url = serve(BM25Retriever([("T", "text")]))
+    try:
+        t = SearchQATask(data_dir=str(tmp_path), retriever="http", retriever_url=url)
+    finally:
+        srv.shutdown()
+    assert len(t.train_set) == 2 and t.train_set[0].text == "Answer: who?"
+    assert set(t.eval_splits()) == {"nq", "bamboogle"}
+    assert t.reward(t.train_set[1], "<answer> Paris, FR </answer>") == 1.0
+    pd.DataFrame([{"data_source": "nq", "prompt": "x"}]).to_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match="malformed Search-R1 row"):
+        SearchQATask(data_dir=str(tmp_path), retriever="http", retriever_url="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="use task.retriever=http"):
+        SearchQATask(data_dir=str(tmp_path))

@@ -111,3 +111,42 @@ def test_search_r1_parquet_path(tmp_path):
         SearchQATask(data_dir=str(tmp_path), retriever="http", retriever_url="http://127.0.0.1:9")
     with pytest.raises(ValueError, match="use task.retriever=http"):
         SearchQATask(data_dir=str(tmp_path))
+
+
+def test_observations_from_the_environment_have_loss_mask_zero():
+    """Real sampler + search environment: every observation token is attended to with loss mask 0."""
+    import torch
+
+    from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+    from ema_pg.rollout import HFSampler
+
+    t = SearchQATask(seed=0, n_people=40, n_orgs=10, per_split=4, max_turns=2)
+    tok = train_bpe_tokenizer(t.corpus(), vocab_size=400)
+    m = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).eval()
+    ps = t.eval_splits()["nq"][:2]
+    # stop "" fires after every token; a token that is not a search is answered with INVALID,
+    # twice (max_turns = 2), then the row ends
+    ro = HFSampler(tok).generate(m, [p.text for p in ps], 2, temperature=1.0, max_new_tokens=10, stop=[""],
+                                 on_stop=t.on_stop_fn(ps, 2), seed=0)
+    inv = tok(INVALID, add_special_tokens=False)["input_ids"]
+    for r in range(len(ro)):
+        am, lm = ro.attention_mask[r, ro.prompt_len:], ro.loss_mask[r, ro.prompt_len:]
+        resp = ro.input_ids[r, ro.prompt_len:]
+        obs = (am == 1) & (lm == 0)
+        assert resp[obs].tolist() == inv * 2 and int(lm.sum()) == 3
+        assert t.reward(ps[r // 2], ro.responses[r]) == 0.0
+
+
+def test_search_task_trains_end_to_end(tmp_path):
+    import json
+
+    from ema_pg.train import train
+    from helpers import compose_cfg
+
+    cfg = compose_cfg(["task=search_qa", "task.n_people=40", "task.n_orgs=10", "task.per_split=3",
+                       "rollout.max_new_tokens=12", "rollout.stop=[\"</search>\",\"</answer>\"]", "algo.iterations=1",
+                       "algo.eval_every=1", "model.tokenizer_vocab=400"], tmp_path)
+    metrics, objs = train(cfg)
+    ev = json.loads((objs["run_dir"] / "eval.json").read_text())
+    assert list(ev["splits"]) == list(SPLITS) and all(v["n"] >= 1 for v in ev["splits"].values())

@@ -83,3 +83,30 @@ def test_top_p_keeps_the_nucleus():
     draws = {int(sample_token(logits, 1.0, 0.7, g)) for _ in range(300)}
     assert draws == {0, 1}
     assert int(sample_token(logits, 0.0, 1.0, None)) == 0
+
+
+def test_ragged_observations_are_packed_and_scored_exactly(policy):
+    """Rows observe at different steps (holes while sampling); the packed batch scores identically."""
+    m, tok = policy
+    calls = {}
+
+    def on_stop(row, text):
+        calls[row] = calls.get(row, 0) + 1
+        if row % 3 == 0 and calls[row] == 1:
+            return " <obs>a long observation for this row only</obs>"
+        if row % 3 == 1 and calls[row] == 3:
+            return " <obs>short</obs>"
+        return None if calls[row] >= 5 else ""  # "" = continue without text
+
+    ro = HFSampler(tok).generate(m, ["1+1=", "22+3=", "4="], 2, temperature=1.0, max_new_tokens=8, stop=[""],
+                                 on_stop=on_stop, seed=5)
+    am = ro.attention_mask[:, ro.prompt_len:]
+    lengths = am.sum(1)
+    assert torch.equal(am, (torch.arange(am.shape[1])[None] < lengths[:, None]).long())  # no holes left
+    assert am.shape[1] == int(lengths.max())
+    with torch.no_grad():
+        h = head(m, ro)
+    mask = ro.response_mask.bool()
+    assert (h.logp - ro.sample_logp)[mask].abs().max() < 1e-5
+    obs_tokens = ((am == 1) & (ro.response_mask == 0)).sum(1).tolist()
+    assert obs_tokens[0] > obs_tokens[1] > 0 and obs_tokens[2] == 0

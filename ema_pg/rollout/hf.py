@@ -110,9 +110,9 @@ class HFSampler:
                 if counts[r] >= max_new_tokens:
                     active[r] = False
             feed(nxt[:, None], a[:, None])
-            if observations:
-                enc_obs = {r: tok(o, add_special_tokens=False)["input_ids"][: self.max_obs_tokens] for r, o in observations.items()}
-                W = max(len(v) for v in enc_obs.values())
+            enc_obs = {r: tok(o, add_special_tokens=False)["input_ids"][: self.max_obs_tokens] for r, o in observations.items()}
+            W = max((len(v) for v in enc_obs.values()), default=0)
+            if W > 0:  # an empty observation just lets the row continue
                 block = torch.full((N, W), pad, dtype=torch.long, device=dev)
                 block_am = torch.zeros((N, W), dtype=torch.long, device=dev)
                 for r, v in enc_obs.items():  # left-pad inside the block: each row's last column is real
@@ -129,16 +129,29 @@ class HFSampler:
                     cols_en.append(torch.zeros((N, W), device=dev))
                 feed(block, block_am)
         model.train(was_training)
-        resp = torch.cat(cols_ids, 1)
+        # Pack each row's real response tokens to the left. Holes (columns where a row had nothing:
+        # other rows' observations, finished rows) are masked and do not advance positions, so
+        # scoring the packed batch is exactly scoring what was sampled, without the holes' cost.
+        keep = torch.cat(cols_am, 1).bool()  # (N, T_full)
+        T = int(keep.sum(1).max())
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :T]  # real columns first
+        real = torch.arange(T, device=dev)[None, :] < keep.sum(1, keepdim=True)  # (N, T)
+
+        def pack(cols, fill=0):
+            x = torch.cat(cols, 1)
+            idx = order if x.dim() == 2 else order[..., None].expand(-1, -1, x.shape[-1])
+            y = x.gather(1, idx)
+            return torch.where(real if y.dim() == 2 else real[..., None], y, torch.full_like(y, fill))
+
         return Rollouts(
-            input_ids=torch.cat([ids, resp], 1),
-            attention_mask=torch.cat([am] + cols_am, 1),
-            loss_mask=torch.cat([torch.zeros_like(am)] + cols_lm, 1),
+            input_ids=torch.cat([ids, pack(cols_ids, pad)], 1),
+            attention_mask=torch.cat([am, real.long()], 1),
+            loss_mask=torch.cat([torch.zeros_like(am), pack(cols_lm)], 1),
             prompt_len=P,
             prompt_index=rows,
             responses=[tok.decode([t for t in r if t != eos], skip_special_tokens=True) for r in resp_ids],
-            sample_logp=torch.cat(cols_lp, 1),
-            sample_topk_idx=torch.cat(cols_ti, 1) if cols_ti else None,
-            sample_topk_logp=torch.cat(cols_tl, 1) if cols_tl else None,
-            sample_entropy=torch.cat(cols_en, 1) if cols_en else None,
+            sample_logp=pack(cols_lp),
+            sample_topk_idx=pack(cols_ti) if cols_ti else None,
+            sample_topk_logp=pack(cols_tl) if cols_tl else None,
+            sample_entropy=pack(cols_en) if cols_en else None,
         )

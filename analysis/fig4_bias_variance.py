@@ -215,7 +215,7 @@ def check_claims(res: pd.DataFrame, crit: pd.DataFrame) -> str:
     ]
     t = crit.pivot_table(index="K", columns="M32", values="B_crit_corrected")
     tp = crit.pivot_table(index="K", columns="M32", values="B_crit_paper")
-    fmt = lambda v: "never" if v != v else str(int(v))  # noqa: E731
+    fmt = lambda v: "never" if v != v else str(int(v))
     table = ["", "Critical sample size (smallest B on the grid where Top-k beats truncated KL), corrected tail / paper tail:",
              "", "| K | " + " | ".join(f"M32 = {m}" for m in t.columns) + " |", "|---|" + "---|" * len(t.columns)]
     for k in t.index:

@@ -80,8 +80,8 @@ def simulate(xs: np.ndarray, etas: np.ndarray, d: int = 16, steps: int = 3000, a
     sim = np.where(unstable.numpy(), 2, np.where(flips.numpy(), 1, 0))
     lemma = np.where(x.numpy() <= eta.numpy(), 0, np.where(x.numpy() < 1 + eta.numpy(), 1, 2))
     # steady-state lag vs eq. 62: delta* = alpha ((1 - eta) I + alpha beta F)^-1 g
-    I = torch.eye(d, dtype=torch.float64)
-    star = torch.stack([alpha * torch.linalg.solve((1 - e) * I + alpha * b * F, g) for e, b in zip(eta, beta)])
+    eye = torch.eye(d, dtype=torch.float64)
+    star = torch.stack([alpha * torch.linalg.solve((1 - e) * eye + alpha * b * F, g) for e, b in zip(eta, beta)])
     final = prev_delta
     rel = ((final - star).norm(dim=-1) / star.norm(dim=-1)).numpy()
     chi_max = np.abs(eta.numpy()[:, None] - (alpha * beta.numpy()[:, None]) * evals.numpy()[None, :]).max(-1)

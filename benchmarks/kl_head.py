@@ -112,10 +112,10 @@ def child(method: str, phase: str, N: int, V: int, H: int, device: str, chunk: i
             with torch.no_grad():
                 lp = torch.log_softmax(h @ W.T, -1)
                 q = lp.topk(K, -1).indices
-                lpt = lp.gather(-1, t[:, None])
+                kept = [lp.gather(-1, t[:, None])]  # what the training step keeps: O(N k)
                 del lp
                 lr = torch.log_softmax(h @ W_ref.T, -1)
-                lrq, lrt = lr.gather(-1, q), lr.gather(-1, t[:, None])
+                kept += [lr.gather(-1, q), lr.gather(-1, t[:, None])]
         else:  # exact: both full log-prob tensors are kept for the KL
             with torch.no_grad():
                 lp = torch.log_softmax(h @ W.T, -1)

@@ -52,7 +52,7 @@ def bench_ours(model_dir: Path, root: Path, a) -> dict:
     train(cfg)
     df = pd.read_csv(root / "ours" / "metrics.csv")
     df = df[df["time/step_s"].notna()].sort_values("step").iloc[a.warmup:]
-    med = lambda c: float(df[c].median())  # noqa: E731
+    med = lambda c: float(df[c].median())
     tokens = float((df["train/response_len"] * a.prompts * a.group).median())
     return {"step_s": med("time/step_s"), "sampling_s": med("time/rollout_s"), "old_logp_s": med("time/old_logp_s"),
             "anchor_logp_s": med("time/anchor_s"), "update_s": med("time/update_s"),

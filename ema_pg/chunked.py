@@ -63,16 +63,16 @@ def chunked_head_nograd(h: Tensor, W: Tensor, targets: Tensor, *, k: int = 0, in
         z = (h[s:e] @ W.T).to(f32)  # (C, V)
         if temperature != 1.0:
             z.div_(temperature)
-        l = torch.logsumexp(z, -1)  # (C,)
-        lse[s:e] = l
-        logp[s:e] = z.gather(-1, targets[s:e, None].long())[:, 0] - l
+        lz = torch.logsumexp(z, -1)  # (C,)
+        lse[s:e] = lz
+        logp[s:e] = z.gather(-1, targets[s:e, None].long())[:, 0] - lz
         if k:
             v, i = z.topk(k, -1)  # (C, k)
-            tk_i[s:e], tk_l[s:e] = i.to(torch.int32), v - l[:, None]
+            tk_i[s:e], tk_l[s:e] = i.to(torch.int32), v - lz[:, None]
         if index is not None:
-            ix_l[s:e] = z.gather(-1, index[s:e].long()) - l[:, None]
+            ix_l[s:e] = z.gather(-1, index[s:e].long()) - lz[:, None]
         if entropy:
-            z.sub_(l[:, None])  # log p in place
+            z.sub_(lz[:, None])  # log p in place
             ent[s:e] = -(z.exp() * z).sum(-1)
     return ChunkedOut(logp=logp, lse=lse, topk_idx=tk_i, topk_logp=tk_l, index_logp=ix_l, entropy=ent)
 

@@ -9,7 +9,7 @@ dataclasses, so an unknown key or a wrongly typed value fails when the config is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  #: local model directory (save_pretrained); None = tiny model + cold start
+    path: str | None = None  #: local model directory (save_pretrained); None = tiny model + cold start
     hidden_size: int = 128  #: tiny model width
     num_layers: int = 4  #: tiny model depth
     num_heads: int = 4  #: attention heads
@@ -50,7 +50,7 @@ class RolloutConfig:
     temperature: float = 1.0  #: sampling temperature (log-probs are of the same tempered distribution)
     top_p: float = 1.0  #: nucleus sampling mass
     max_new_tokens: int = 8  #: policy tokens per response (all turns together)
-    stop: List[str] = field(default_factory=list)  #: stop strings that end a turn
+    stop: list[str] = field(default_factory=list)  #: stop strings that end a turn
     max_obs_tokens: int = 256  #: cap on the tokens of one environment observation
     eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
     reuse_old_logprobs: bool = True  #: take log pi_old, its top-k and entropy from the sampler (no second pass)
@@ -60,11 +60,11 @@ class RolloutConfig:
 @dataclass
 class KLConfig:
     name: str = "topk_reverse"  #: a registry key of ema_pg.kl.ESTIMATORS
-    k: Optional[int] = None  #: top-k size (Alg 1-2); 0 = sampled estimator
-    tail: Optional[str] = None  #: none | paper | corrected (see ema_pg.kl.topk)
-    iw_clip: Optional[List[float]] = None  #: [s_min, s_max] clip of the off-policy weight; [1, 1] = none
-    divergence: Optional[str] = None  #: topk_fdiv only: Table 5 divergence
-    alpha: Optional[float] = None  #: topk_fdiv alpha-divergence only
+    k: int | None = None  #: top-k size (Alg 1-2); 0 = sampled estimator
+    tail: str | None = None  #: none | paper | corrected (see ema_pg.kl.topk)
+    iw_clip: list[float] | None = None  #: [s_min, s_max] clip of the off-policy weight; [1, 1] = none
+    divergence: str | None = None  #: topk_fdiv only: Table 5 divergence
+    alpha: float | None = None  #: topk_fdiv alpha-divergence only
 
 
 @dataclass
@@ -97,7 +97,7 @@ class AlgoConfig:
 class OptimConfig:
     lr: float = 1e-6  #: AdamW learning rate (paper: 1e-6 for full fine-tuning)
     weight_decay: float = 0.0  #: decoupled weight decay
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  #: Adam betas
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  #: Adam betas
 
 
 @dataclass
@@ -140,7 +140,7 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     seed: int = 0  #: seeds the model, the prompts and the sampler
     run_dir: str = "${hydra:runtime.output_dir}"  #: where this run writes everything
-    resume: Optional[str] = None  #: a run folder to continue from its last checkpoint
+    resume: str | None = None  #: a run folder to continue from its last checkpoint
     name: str = "run"  #: a short label for the run (experiments set it)
 
 

@@ -71,7 +71,7 @@ def head(model, batch: Rollouts, *, k: int = 0, index: Tensor | None = None, ful
     B, T, H = hid.shape
     h, W, t = hid.reshape(B * T, H), output_layer(model), targets.reshape(B * T)
     ix = None if index is None else index.reshape(B * T, -1)
-    shape = lambda x: x.view(B, T, *x.shape[1:])  # noqa: E731
+    shape = lambda x: x.view(B, T, *x.shape[1:])
     grad = torch.is_grad_enabled() and (h.requires_grad or W.requires_grad)
     out = HeadOut(logp=None)  # type: ignore[arg-type]
     if grad:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

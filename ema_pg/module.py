@@ -52,7 +52,7 @@ class GRPOModule(L.LightningModule):
     # ------------------------------------------------------------------ one RL iteration
     def training_step(self, batch, batch_idx):
         a, r, k = self.cfg.algo, self.cfg.rollout, self.estimator.k
-        t, seed = self.iteration, self.cfg.seed * 1_000_003 + self.iteration
+        seed = self.cfg.seed * 1_000_003 + self.iteration  # prompts, sampling and minibatch order
         src = self.estimator.topk_source
         metrics, t0 = {}, time.perf_counter()
 
@@ -155,7 +155,6 @@ class GRPOModule(L.LightningModule):
         self.log("reward", metrics["train/reward_mean"], prog_bar=True, logger=False)
         self.log("kl", metrics.get("train/kl", 0.0), prog_bar=True, logger=False)
         self.last_metrics = metrics
-        return None
 
     def _chunk(self, n_tokens: int) -> int:
         from .chunked import auto_chunk

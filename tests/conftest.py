@@ -1,5 +1,5 @@
-import torch
 import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)

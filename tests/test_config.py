@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CONF, compose_cfg
 from hydra.errors import ConfigCompositionException
 
 from ema_pg.config import ConfigError, validate
-from helpers import CONF, compose_cfg
 
 GROUPS = ["model", "task", "rollout", "kl", "anchor", "algo", "trainer", "logger", "experiment"]
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "analysis"))
-from fig4_bias_variance import critical_sizes, gradient_moments, run, tune_scale  # noqa: E402
+from fig4_bias_variance import critical_sizes, gradient_moments, run, tune_scale
 
-from ema_pg.kl import KLInputs, get_estimator  # noqa: E402
+from ema_pg.kl import KLInputs, get_estimator
 
 
 def brute_force(est, z, z_ref, q):
@@ -81,7 +81,7 @@ def test_scale_tuning_hits_the_mass():
 
 def test_small_grid_orderings():
     res = run(tasks=2, vocab=2000, masses=(0.5,), ks=(8, 64), bs=(1, 64, 4096), progress=False)
-    get = lambda e, k, B: float(res[(res.estimator == e) & (res.K == k) & (res.B == B)].rel_rmse.iloc[0])  # noqa: E731
+    get = lambda e, k, B: float(res[(res.estimator == e) & (res.K == k) & (res.B == B)].rel_rmse.iloc[0])
     for k in (8, 64):
         for B in (1, 64, 4096):
             assert get("top-k (corrected tail)", k, B) < get("sampled (K4)", k, B)

@@ -16,7 +16,7 @@ WIDE = (0.0, 1e9)  # an iw_clip that never clips
 
 def logits_triplet(seed: int):
     g = torch.Generator().manual_seed(seed)
-    z = lambda s: torch.randn(V, generator=g, dtype=torch.float64) * s  # noqa: E731
+    z = lambda s: torch.randn(V, generator=g, dtype=torch.float64) * s
     return z(1.5), z(1.0), z(1.2)  # policy, anchor, sampling policy
 
 

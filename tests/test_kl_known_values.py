@@ -77,7 +77,7 @@ def test_batch_shapes_are_kept():
     lp, lr = torch.log_softmax(logits, -1), torch.log_softmax(ref, -1)
     tok = torch.randint(0, Vv, (B, T))
     idx = lp.detach().topk(k, -1).indices
-    g = lambda x, i: x.gather(-1, i)  # noqa: E731
+    g = lambda x, i: x.gather(-1, i)
     inp = KLInputs(logp=g(lp, tok[..., None])[..., 0], logp_old=g(lp, tok[..., None])[..., 0].detach(),
                    logp_ref=g(lr, tok[..., None])[..., 0], tokens=tok, topk_idx=idx, topk_logp=g(lp, idx),
                    topk_logp_ref=g(lr, idx), logits=logits, ref_logits=ref)

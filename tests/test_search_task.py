@@ -94,7 +94,7 @@ def test_sft_masks_the_observations(task):
 
 def test_search_r1_parquet_path(tmp_path):
     pd = pytest.importorskip("pandas")
-    row = lambda src, q, a: {"data_source": src, "prompt": [{"role": "user", "content": f"Answer: {q}"}],  # noqa: E731
+    row = lambda src, q, a: {"data_source": src, "prompt": [{"role": "user", "content": f"Answer: {q}"}],
                              "reward_model": {"ground_truth": {"target": a}}, "extra_info": {"split": "x", "index": 0}}
     pd.DataFrame([row("nq", "who?", ["Ann"]), row("hotpotqa", "where?", ["Paris", "paris, fr"])]).to_parquet(tmp_path / "train.parquet")
     pd.DataFrame([row("nq", "q1", ["A"]), row("bamboogle", "q2", ["B"])]).to_parquet(tmp_path / "test.parquet")
@@ -115,7 +115,6 @@ def test_search_r1_parquet_path(tmp_path):
 
 def test_observations_from_the_environment_have_loss_mask_zero():
     """Real sampler + search environment: every observation token is attended to with loss mask 0."""
-    import torch
 
     from ema_pg.models import build_tiny_model, train_bpe_tokenizer
     from ema_pg.rollout import HFSampler
@@ -141,8 +140,9 @@ def test_observations_from_the_environment_have_loss_mask_zero():
 def test_search_task_trains_end_to_end(tmp_path):
     import json
 
-    from ema_pg.train import train
     from helpers import compose_cfg
+
+    from ema_pg.train import train
 
     cfg = compose_cfg(["task=search_qa", "task.n_people=40", "task.n_orgs=10", "task.per_split=3",
                        "rollout.max_new_tokens=12", "rollout.stop=[\"</search>\",\"</answer>\"]", "algo.iterations=1",

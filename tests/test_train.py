@@ -4,11 +4,11 @@ import json
 
 import pandas as pd
 import pytest
+from helpers import compose_cfg
 from omegaconf import OmegaConf
 
 from ema_pg.config import ConfigError
 from ema_pg.train import train
-from helpers import compose_cfg
 
 REQUIRED = ["train/reward_mean", "train/loss", "train/kl", "train/clip_frac_low", "train/clip_frac_high",
             "train/entropy", "train/response_len", "anchor/lag_norm", "eval/heldout/em", "eval/avg/em"]
@@ -130,5 +130,5 @@ def test_cold_start_key_ignores_run_time_knobs():
     a = compose_cfg([])
     b = compose_cfg(["model.head_chunk_tokens=7", "model.dtype=bfloat16", "sft.cache_dir=/elsewhere"])
     c = compose_cfg(["model.hidden_size=48"])
-    key = lambda cfg: cold_start_key(cfg.model, cfg.task, cfg.sft, 0)  # noqa: E731
+    key = lambda cfg: cold_start_key(cfg.model, cfg.task, cfg.sft, 0)
     assert key(a) == key(b) != key(c)

@@ -19,8 +19,8 @@ per-token estimate. Names follow Table 1, Alg 1-2 and Appendix H of the paper:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -121,4 +121,4 @@ def get_estimator(name: str, **params) -> Estimator:
     return Estimator(name=name, fn=spec.fn, params=p, topk_source=source, needs_full_logits=spec.needs_full_logits)
 
 
-__all__ = ["ESTIMATORS", "DIVERGENCES", "TAILS", "Estimator", "EstimatorSpec", "KLInputs", "get_estimator", "sequence_kl_penalty"]
+__all__ = ["DIVERGENCES", "ESTIMATORS", "TAILS", "Estimator", "EstimatorSpec", "KLInputs", "get_estimator", "sequence_kl_penalty"]

@@ -8,8 +8,8 @@ s = sg(pi_theta(p) / pi_sampling(p)) clipped to ``iw_clip`` (the off-policy weig
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor

@@ -17,7 +17,7 @@ f(t) = (t-1)^2 / t, which is the Neyman divergence and what is implemented.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

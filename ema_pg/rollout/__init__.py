@@ -16,4 +16,4 @@ def build_sampler(cfg, tokenizer) -> Sampler:
     raise ValueError(f"unknown rollout backend {cfg.name!r}; choose one of: hf, vllm")
 
 
-__all__ = ["OnStop", "Rollouts", "Sampler", "HFSampler", "build_sampler", "sample_token"]
+__all__ = ["HFSampler", "OnStop", "Rollouts", "Sampler", "build_sampler", "sample_token"]

@@ -7,8 +7,9 @@ with environment observation tokens (loss mask 0, attention 1) and padding (both
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -43,7 +44,7 @@ class Rollouts:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def select(self, rows: Tensor | list[int]) -> "Rollouts":
+    def select(self, rows: Tensor | list[int]) -> Rollouts:
         rows_t = torch.as_tensor(rows, dtype=torch.long)
         r = rows_t.tolist()
         return Rollouts(

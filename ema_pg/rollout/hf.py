@@ -83,11 +83,14 @@ class HFSampler:
             nxt = sample_token(next_logits, temperature, top_p, gen)
             nxt = torch.where(active, nxt, torch.full_like(nxt, pad))
             a = active.long()
-            cols_ids.append(nxt[:, None]); cols_am.append(a[:, None]); cols_lm.append(a[:, None])
+            cols_ids.append(nxt[:, None])
+            cols_am.append(a[:, None])
+            cols_lm.append(a[:, None])
             cols_lp.append(logp_all.gather(-1, nxt[:, None]) * a[:, None] if logp_all is not None else torch.zeros_like(nxt[:, None], dtype=torch.float))
             if topk and logp_all is not None:
                 v, i = logp_all.topk(topk, -1)  # (N, k)
-                cols_ti.append(i[:, None]); cols_tl.append(v[:, None])
+                cols_ti.append(i[:, None])
+                cols_tl.append(v[:, None])
             if entropy and logp_all is not None:
                 cols_en.append(-(logp_all.exp() * logp_all).sum(-1, keepdim=True))
             n_policy += a
@@ -120,7 +123,9 @@ class HFSampler:
                         block[r, W - len(v):] = torch.tensor(v, device=dev)
                         block_am[r, W - len(v):] = 1
                     resp_ids[r].extend(v)
-                cols_ids.append(block); cols_am.append(block_am); cols_lm.append(torch.zeros_like(block_am))
+                cols_ids.append(block)
+                cols_am.append(block_am)
+                cols_lm.append(torch.zeros_like(block_am))
                 cols_lp.append(torch.zeros((N, W), device=dev))
                 if cols_ti:
                     cols_ti.append(torch.zeros((N, W, topk), dtype=torch.long, device=dev))

@@ -21,4 +21,4 @@ def build_task(cfg) -> Task:
         raise ValueError(f"task={name}: {e}; check the task.* keys against conf/task/{name}.yaml") from None
 
 
-__all__ = ["Prompt", "Task", "TASKS", "build_task"]
+__all__ = ["TASKS", "Prompt", "Task", "build_task"]

@@ -53,7 +53,7 @@ def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 0) -> t
     """Serve ``retriever`` on loopback in a daemon thread; returns (server, base url). ``server.shutdown()`` stops it."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server naming
+        def do_POST(self):
             if self.path != "/retrieve":
                 self.send_error(404)
                 return

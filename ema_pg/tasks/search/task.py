@@ -24,8 +24,8 @@ from ..base import Prompt
 from .retriever import BM25Retriever, HTTPRetriever
 from .world import build_world, questions
 
-SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.S)
-ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL)
+ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 INVALID = ("\nMy previous action is invalid. To search, write <search> query </search>. "
            "To answer, write <answer> answer </answer>.\n")
 SPLITS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle")
@@ -171,4 +171,4 @@ class SearchQATask:
     @staticmethod
     def masked_spans(response: str) -> list[tuple[int, int]]:
         """Character spans of environment text inside a demonstration (no SFT loss there)."""
-        return [(m.start(), m.end()) for m in re.finditer(r"\n<information>.*?</information>\n", response, re.S)]
+        return [(m.start(), m.end()) for m in re.finditer(r"\n<information>.*?</information>\n", response, re.DOTALL)]

@@ -128,7 +128,7 @@ def questions(w: World, seed: int = 0, per_split: int = 100) -> dict[str, list[Q
     rng = random.Random(f"questions-{seed}")
     pop_train, pop_eval = _people_split(w, True, rng)
     tail_train, tail_eval = _people_split(w, False, rng)
-    country = lambda city: w.city_country[city]  # noqa: E731
+    country = lambda city: w.city_country[city]
     P = w.people
 
     def birthplace(n, tmpl="Where was {p} born?"):
@@ -142,7 +142,7 @@ def questions(w: World, seed: int = 0, per_split: int = 100) -> dict[str, list[Q
     train = [birthplace(n) for n in pop_train + tail_train] + [bridge(n) for n in pop_train + tail_train]
     rng.shuffle(train)
     out["train"] = train
-    pick = lambda xs, k: rng.sample(xs, min(k, len(xs)))  # noqa: E731
+    pick = lambda xs, k: rng.sample(xs, min(k, len(xs)))
     out["nq"] = [birthplace(n) for n in pick(pop_eval, per_split)]
     out["triviaqa"] = [birthplace(n, rng.choice(para)) for n in pick(pop_eval, per_split)]
     public_orgs = sorted(o for o, v in w.orgs.items() if not v.heldout)

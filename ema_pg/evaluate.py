@@ -20,11 +20,14 @@ from tqdm.auto import tqdm
 
 @torch.no_grad()
 def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, progress: bool = True,
-                    splits: dict | None = None, desc: str = "eval") -> dict:
-    """{"splits": {name: {metric: mean reward, "n": n}}, "avg": mean over splits} with greedy decoding."""
+                    splits: dict | None = None, desc: str = "eval", show: int = 0) -> dict:
+    """{"splits": {name: {metric: mean reward, "n": n}}, "avg": mean over splits} with greedy decoding.
+
+    ``show`` > 0 also keeps that many (prompt, response, reward) samples per split under "samples".
+    """
     metric = getattr(task, "metric", "em")
     splits = splits if splits is not None else task.eval_splits()
-    out = {}
+    out, samples = {}, {}
     total = sum(math.ceil(len(v) / batch_size) for v in splits.values())
     bar = tqdm(total=total, desc=desc, disable=not progress, leave=False)
     for name, prompts in splits.items():
@@ -35,11 +38,18 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
                                   top_p=1.0, max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop),
                                   on_stop=task.on_stop_fn(chunk, 1) if hasattr(task, "on_stop_fn") else None, seed=0)
             scores += [task.reward(chunk[j], text) for j, text in zip(ro.prompt_index, ro.responses)]
+            if show and name not in samples:
+                samples[name] = [{"prompt": chunk[j].text, "gold": chunk[j].answer, "response": text,
+                                  "reward": task.reward(chunk[j], text)}
+                                 for j, text in list(zip(ro.prompt_index, ro.responses))[:show]]
             bar.update(1)
         out[name] = {metric: sum(scores) / max(len(scores), 1), "n": len(scores)}
     bar.close()
     avg = sum(v[metric] for v in out.values()) / max(len(out), 1)
-    return {"splits": out, "avg": avg, "metric": metric}
+    res = {"splits": out, "avg": avg, "metric": metric}
+    if show:
+        res["samples"] = samples
+    return res
 
 
 def format_table(result: dict) -> str:
@@ -65,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline", choices=["none", "cot", "rag"], default="none",
                     help="Table 2 baselines for search tasks: cot = answer without search, rag = retrieve with the question")
     ap.add_argument("--initial", action="store_true", help="evaluate a run's initial (base) policy, not its last checkpoint")
+    ap.add_argument("--show", type=int, default=0, help="print this many sample rollouts per split")
     a = ap.parse_args(argv)
     target = Path(a.target)
     if (target / "config.yaml").is_file():
@@ -88,11 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     splits = None
     if a.baseline != "none":
         splits = {k: task.baseline_prompts(v, a.baseline) for k, v in task.eval_splits().items()}
-    result = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, splits=splits)
+    result = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, splits=splits, show=a.show)
     result["baseline"] = a.baseline
     name = "eval.json" if a.baseline == "none" and not a.initial else f"eval_{'base' if a.initial else ''}{a.baseline}.json"
     out = Path(a.out) if a.out else target / name
     out.write_text(json.dumps(result, indent=2))
+    for name, xs in result.get("samples", {}).items():
+        for x in xs:
+            print(f"--- [{name}] {x['prompt'].strip()}   (gold: {x['gold']}, reward {x['reward']:.0f})\n{x['response']}")
     print(format_table(result))
     print(f"wrote {out}")
 

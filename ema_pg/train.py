@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from .anchor import EMAAnchor
 from .config import ConfigError, register_configs, validate
-from .models import load_model_dir
+from .models import ModelPathError, load_model_dir
 from .module import GRPOModule
 from .plotting import plot_run
 from .sft import cold_start
@@ -130,7 +130,10 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
         torch.set_num_threads(cfg.trainer.num_threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
-    task = build_task(cfg.task)
+    try:
+        task = build_task(cfg.task)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     policy, tok = build_policy(cfg, task)
     validate(cfg, vocab_size=policy.config.vocab_size)
     anchor = None
@@ -200,7 +203,7 @@ class _StopAtIterations(L.Callback):
 def main(cfg: DictConfig) -> float:
     try:
         metrics, objs = train(cfg)
-    except ConfigError as e:
+    except (ConfigError, ModelPathError) as e:
         log.error("config error: %s", e)
         raise SystemExit(f"config error: {e}") from None
     metric_key = next(k for k in metrics if k.startswith("eval/avg/"))

@@ -89,9 +89,11 @@ def test_evaluate_cli_on_a_run_folder(full_run, capsys):
     from ema_pg.evaluate import main
 
     _, _, objs = full_run
-    main([str(objs["run_dir"]), "--out", str(objs["run_dir"] / "eval_cli.json")])
+    main([str(objs["run_dir"]), "--out", str(objs["run_dir"] / "eval_cli.json"), "--show", "1"])
     out = json.loads((objs["run_dir"] / "eval_cli.json").read_text())
-    assert out["splits"]["heldout"]["n"] == 16 and "| em |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert out["splits"]["heldout"]["n"] == 16 and "| em |" in printed and "--- [heldout]" in printed
+    assert len(out["samples"]["heldout"]) == 1
     # the CLI evaluates the final policy: its number equals the run's own final evaluation
     assert out["avg"] == json.loads((objs["run_dir"] / "eval.json").read_text())["avg"]
 
@@ -132,3 +134,15 @@ def test_cold_start_key_ignores_run_time_knobs():
     c = compose_cfg(["model.hidden_size=48"])
     key = lambda cfg: cold_start_key(cfg.model, cfg.task, cfg.sft, 0)
     assert key(a) == key(b) != key(c)
+
+
+def test_command_line_errors_are_one_clear_line():
+    import subprocess
+    import sys
+
+    for args, want in ((["model=local", "model.path=/nope"], "model.path='/nope' does not exist"),
+                       (["task.digits=9"], "task.digits must be in [1, 6]"),
+                       (["anchor.eta=1.5"], "anchor.eta must be in [0, 1]")):
+        p = subprocess.run([sys.executable, "-m", "ema_pg.train", *args, "hydra.run.dir=/tmp/ema_pg_cli_err"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and want in p.stderr.splitlines()[-1] and "Traceback" not in p.stderr

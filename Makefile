@@ -35,6 +35,11 @@ reproduce-stability: setup ## EMA stability lemma: simulated phase diagram (writ
 bench-step: setup ## Time one RL step beside TRL's GRPOTrainer (pip install -e '.[bench]' for TRL)
 	$(PY) benchmarks/rl_step.py --out benchmarks/results/rl_step.json
 
+search-table: setup ## Search QA: the base policy's 7-split EM table, beside the CoT and RAG baselines
+	$(PY) -m ema_pg.evaluate base experiment=search $(ARGS)
+	$(PY) -m ema_pg.evaluate base experiment=search --baseline cot $(ARGS)
+	$(PY) -m ema_pg.evaluate base experiment=search --baseline rag $(ARGS)
+
 test: setup ## Run the fast test suite (slow tests excluded)
 	$(PY) -m pytest -m "not slow" -q
 
@@ -47,4 +52,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup demo train reproduce-fig4 reproduce-stability bench-step test test-full lint clean
+.PHONY: help setup demo train search-table reproduce-fig4 reproduce-stability bench-step test test-full lint clean

@@ -2,6 +2,8 @@
 
     python -m ema_pg.evaluate runs/<run>            # the run's final policy (last checkpoint)
     python -m ema_pg.evaluate path/to/model_dir task=toy_add
+    python -m ema_pg.evaluate base experiment=search  # the cold-start base policy of a config
+    python -m ema_pg.evaluate base experiment=search --baseline rag   # Table 2's RAG baseline
 
 Writes ``eval.json`` ({"splits": {name: {metric: float, "n": int}}, "avg": float}) beside the
 run or model and prints a table.
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     from .tasks import build_task
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("target", help="a run folder (uses its last checkpoint) or a saved model directory")
+    ap.add_argument("target", help="a run folder (its last checkpoint), a saved model directory, or 'base' "
+                    "(the cold-start base policy of the config given by the overrides)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. task=toy_add rollout.max_new_tokens=8")
     ap.add_argument("--out", default=None, help="where to write eval.json (default: inside target)")
     ap.add_argument("--baseline", choices=["none", "cot", "rag"], default="none",
@@ -92,8 +95,15 @@ def main(argv: list[str] | None = None) -> None:
         conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
         with initialize_config_dir(conf_dir, version_base="1.3"):
             cfg = compose("config", overrides=list(a.overrides))
-        model, tok = load_model_dir(target)
-    if a.overrides and (target / "config.yaml").is_file():
+        if a.target == "base":
+            from .train import build_policy
+
+            model, tok = build_policy(cfg, build_task(cfg.task))
+            target = Path("runs") / "eval" / f"{cfg.name}-s{cfg.seed}"
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            model, tok = load_model_dir(target)
+    if a.overrides and a.target != "base" and (target / "config.yaml").is_file():
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(a.overrides))
     task = build_task(cfg.task)
     splits = None
@@ -101,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         splits = {k: task.baseline_prompts(v, a.baseline) for k, v in task.eval_splits().items()}
     result = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, splits=splits, show=a.show)
     result["baseline"] = a.baseline
-    name = "eval.json" if a.baseline == "none" and not a.initial else f"eval_{'base' if a.initial else ''}{a.baseline}.json"
+    initial = a.initial or a.target == "base"
+    name = "eval.json" if a.baseline == "none" and not initial else f"eval_{'base_' if initial else ''}{a.baseline}.json"
     out = Path(a.out) if a.out else target / name
     out.write_text(json.dumps(result, indent=2))
     for name, xs in result.get("samples", {}).items():

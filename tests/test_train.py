@@ -146,3 +146,12 @@ def test_command_line_errors_are_one_clear_line():
         p = subprocess.run([sys.executable, "-m", "ema_pg.train", *args, "hydra.run.dir=/tmp/ema_pg_cli_err"],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and want in p.stderr.splitlines()[-1] and "Traceback" not in p.stderr
+
+
+def test_evaluate_base_policy_of_a_config(tmp_path, capsys):
+    from ema_pg.evaluate import main
+    from helpers import TINY
+
+    main(["base", *TINY, "task.eval_size=16", f"sft.cache_dir={tmp_path}/cache", "--out", str(tmp_path / "e.json")])
+    assert "| em |" in capsys.readouterr().out
+    assert json.loads((tmp_path / "e.json").read_text())["splits"]["heldout"]["n"] == 16

@@ -9,11 +9,14 @@ local corpus, for tests and for a corpus too big to load in every worker.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import bm25s
+
+logging.getLogger("bm25s").setLevel(logging.WARNING)  # an empty query is a policy action, not news
 
 
 class BM25Retriever:

@@ -32,8 +32,12 @@ reproduce-fig4: setup ## Fig 4: bias-variance of Top-k KL gradients (writes repr
 reproduce-stability: setup ## EMA stability lemma: simulated phase diagram (writes reproductions/stability/)
 	$(PY) analysis/stability.py --out reproductions/stability
 
-bench-step: setup ## Time one RL step beside TRL's GRPOTrainer (pip install -e '.[bench]' for TRL)
+bench-step: setup ## Time one RL step beside TRL's GRPOTrainer (installs the bench extra: TRL)
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/rl_step.py --out benchmarks/results/rl_step.json
+
+bench-head: setup ## Memory and time of the chunked Top-k head vs materialized logits (long on CPU)
+	$(PY) benchmarks/kl_head.py --max-gb 16 --out benchmarks/results/kl_head_cpu.json
 
 search-table: setup ## Search QA: the base policy's 7-split EM table, beside the CoT and RAG baselines
 	$(PY) -m ema_pg.evaluate base experiment=search $(ARGS)
@@ -52,4 +56,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup demo train search-table reproduce-fig4 reproduce-stability bench-step test test-full lint clean
+.PHONY: help setup demo train search-table reproduce-fig4 reproduce-stability bench-step bench-head test test-full lint clean

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import subprocess
+import warnings
 from pathlib import Path
 
 import hydra
@@ -32,6 +33,8 @@ from .sft import cold_start
 from .tasks import build_task
 
 log = logging.getLogger("ema_pg")
+# the run folder holds config.yaml before the CSV logger starts: its "not empty" warning is expected
+warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
 register_configs()
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

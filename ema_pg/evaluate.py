@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
 
             model, tok = build_policy(cfg, build_task(cfg.task))
             target = Path("runs") / "eval" / f"{cfg.name}-s{cfg.seed}"
-            target.mkdir(parents=True, exist_ok=True)
+            if not a.out:
+                target.mkdir(parents=True, exist_ok=True)
         else:
             model, tok = load_model_dir(target)
     if a.overrides and a.target != "base" and (target / "config.yaml").is_file():

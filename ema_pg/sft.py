@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
+import shutil
 import random
 from pathlib import Path
 
@@ -122,7 +124,10 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
         losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
                            stop_fn=stop_fn, check_every=sft_cfg.check_every, mask_fn=getattr(task, "masked_spans", None))
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
-    tmp = d.with_name(d.name + ".tmp")
+    tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
     save_model_dir(model, tok, tmp)
-    tmp.replace(d) if not d.exists() else None
+    if d.exists():  # another run finished the same cold start first: keep its copy
+        shutil.rmtree(tmp)
+    else:
+        tmp.replace(d)
     return model, tok, d

@@ -66,6 +66,11 @@ def test_environment_turns(task):
     text += INVALID + f"<search> {name} </search>"  # the INVALID message's own tags are not parsed as an action
     assert env(0, text).startswith("\n<information>")
     assert env(0, text + "<answer> x </answer>") is None
+    # the sampler truncates long observations (rollout.max_obs_tokens): the next turn is still read right
+    env3 = task.on_stop_fn([p], 1)
+    cut = f"<search> {name} </search>" + env3(0, f"<search> {name} </search>")[:40]
+    assert env3(0, cut + f" <search> {name} </search>").startswith("\n<information>")
+    assert env3(0, cut + f" <search> {name} </search>" + "x </search>") == INVALID  # closes without opening
     env2 = SearchQATask(seed=0, n_people=50, n_orgs=10, max_turns=1, per_split=5).on_stop_fn([p], 1)
     assert env2(0, "<search> a </search>").startswith("\n<information>") and env2(0, "... <search> b </search>") is None
 

@@ -112,6 +112,8 @@ class HFSampler:
                         observations[r] = obs
                 if counts[r] >= max_new_tokens:
                     active[r] = False
+            if not active.any():
+                break  # every row has ended: nothing left to feed
             feed(nxt[:, None], a[:, None])
             enc_obs = {r: tok(o, add_special_tokens=False)["input_ids"][: self.max_obs_tokens] for r, o in observations.items()}
             W = max((len(v) for v in enc_obs.values()), default=0)

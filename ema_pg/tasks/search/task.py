@@ -109,7 +109,7 @@ class SearchQATask:
     def on_stop_fn(self, prompts: list[Prompt], n: int):
         """The environment for one batch: called with (row, response so far) at every stop string."""
         turns: dict[int, int] = {}
-        seen: dict[int, int] = {}  # length of the response up to the end of the row's last observation
+        searches: dict[int, int] = {}  # well-formed searches already answered, per row
 
         def on_stop(row: int, text: str) -> str | None:
             if text.rstrip().endswith("</answer>"):
@@ -117,12 +117,15 @@ class SearchQATask:
             turns[row] = turns.get(row, 0) + 1
             if turns[row] > self.max_turns:
                 return None
-            action = text[seen.get(row, 0):]  # what the policy wrote since the last observation
-            found = SEARCH_RE.findall(action)
-            query = found[-1].strip() if found else ""
-            obs = INVALID if not query else format_passages(self.retriever.retrieve([query], self.topk)[0])
-            seen[row] = len(text) + len(obs)
-            return obs
+            # A turn is a new search iff the response holds one more closed <search> than before.
+            # Counting (our own INVALID message, which shows the tags, removed) does not depend on
+            # how much of earlier observations the sampler kept (it truncates them).
+            found = SEARCH_RE.findall(text.replace(INVALID, ""))
+            is_new = len(found) > searches.get(row, 0) and found[-1].strip()
+            searches[row] = len(found)
+            if not is_new:
+                return INVALID
+            return format_passages(self.retriever.retrieve([found[-1].strip()], self.topk)[0])
 
         return on_stop
 

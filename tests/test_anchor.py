@@ -47,9 +47,10 @@ def test_fp32_master_keeps_small_updates_a_bf16_copy_would_lose():
         an.update(pol)
     moved = torch.cat([(an.master[n] - start[n]).flatten() for n in start])
     assert moved.min() > 5e-4  # 100 steps of ~1e-5 accumulated in fp32
-    naive = [p.detach().clone() for p in an.model.parameters()]
-    for _ in range(5):  # the same steps done in bf16 arithmetic are lost in rounding
+    naive = [start[n].to(torch.bfloat16) for n in start]
+    for _ in range(100):  # the same steps done in bf16 arithmetic are lost in rounding
         naive = [(0.999 * a + 0.001 * p.detach()).to(torch.bfloat16) for a, p in zip(naive, pol.parameters())]
+    assert all(torch.equal(a, start[n].to(torch.bfloat16)) for a, n in zip(naive, start))  # never moved
     assert an.master["0.weight"].dtype == torch.float32
 
 

@@ -141,6 +141,7 @@ class Config:
     seed: int = 0  #: seeds the model, the prompts and the sampler
     run_dir: str = "${hydra:runtime.output_dir}"  #: where this run writes everything
     resume: str | None = None  #: a run folder to continue from its last checkpoint
+    if_exists: str = "error"  #: run_dir already holds a run: error | resume (finished runs are skipped; sweeps use this)
     name: str = "run"  #: a short label for the run (experiments set it)
 
 
@@ -197,6 +198,8 @@ def validate(cfg, vocab_size: int | None = None) -> None:
         bad(f"algo.minibatch_size={a.minibatch_size} must divide prompts_per_step*group_size={n} (or be 0 = whole batch)")
     if a.iterations < 1 or a.eval_every < 1:
         bad(f"algo.iterations and algo.eval_every must be >= 1; got {a.iterations}, {a.eval_every}")
+    if cfg.get("if_exists", "error") not in ("error", "resume"):
+        bad(f"if_exists={cfg.if_exists!r}; choose error (refuse to touch an existing run) or resume (continue it)")
     if a.reward_kl not in ("none", "sequence"):
         bad(f"algo.reward_kl={a.reward_kl!r}; choose none or sequence")
     if an.name not in ("ema", "fixed", "none"):

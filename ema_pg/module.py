@@ -180,6 +180,10 @@ class GRPOModule(L.LightningModule):
             m[f"eval_anchor/avg/{metric}"] = ra["avg"]
         self._log_metrics(m)
         self.eval_history.append({"iteration": self.iteration, **res})
+        if self._trainer is not None:  # callbacks that follow the evaluations (an Optuna pruner, for instance)
+            for cb in self.trainer.callbacks:
+                if hasattr(cb, "on_ema_pg_eval"):
+                    cb.on_ema_pg_eval(self.trainer, self, self.eval_history[-1])
         return res
 
     def on_train_start(self) -> None:

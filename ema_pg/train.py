@@ -122,8 +122,34 @@ def resolve_resume(cfg) -> DictConfig:
     return cfg
 
 
-def train(cfg: DictConfig) -> tuple[dict, dict]:
-    """Run (or resume) one training run; returns (final metrics, objects)."""
+def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
+    """The final metrics of a run folder that already finished ``iterations`` iterations (else None)."""
+    f = Path(run_dir) / "eval.json"
+    if not f.is_file():
+        return None
+    final = json.loads(f.read_text())
+    if final.get("iteration", -1) < iterations:
+        return None
+    return {f"eval/avg/{final.get('metric', 'em')}": final.get("avg", float("nan")), "iteration": final["iteration"],
+            "base/avg": final.get("base_avg", float("nan"))}
+
+
+def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
+    """Run (or resume) one training run; returns (final metrics, objects).
+
+    ``callbacks``: extra Lightning callbacks (an Optuna pruning callback, for instance).
+    With ``if_exists=resume`` a run folder that holds a finished run is skipped (its final
+    metrics are returned) and one that holds a checkpoint is resumed, so a killed sweep is
+    continued by running the same command again.
+    """
+    if not cfg.get("resume") and cfg.get("if_exists", "error") == "resume":
+        run_dir = Path(cfg.run_dir)
+        done = finished_metrics(run_dir, cfg.algo.iterations)
+        if done is not None:
+            log.info("%s already finished %d iterations: skipped", run_dir, done["iteration"])
+            return done, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True}
+        if (run_dir / "checkpoints" / "last.ckpt").is_file():
+            cfg.resume = str(run_dir)
     if cfg.get("resume"):
         cfg = resolve_resume(cfg)
     validate(cfg)
@@ -163,7 +189,7 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
 
     ckpt_cb = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="iter{epoch}", save_last=True,
                               save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
-    callbacks = [ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else [])
+    callbacks = [ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
     tc = cfg.trainer
     trainer = L.Trainer(
         accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, precision=tc.precision,
@@ -180,8 +206,10 @@ def train(cfg: DictConfig) -> tuple[dict, dict]:
                 lg.finalize("success")
             except Exception:  # noqa: BLE001 - closing must not mask the real error
                 pass
-    final = module.eval_history[-1] if module.eval_history else {}
-    (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+    final = dict(module.eval_history[-1]) if module.eval_history else {}
+    if module.eval_history and module.iteration >= cfg.algo.iterations:  # a finished run (not a pruned one)
+        final["base_avg"] = module.eval_history[0]["avg"]
+        (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
     plot = plot_run(run_dir)
     metric = final.get("metric", "em")
     metrics = {f"eval/avg/{metric}": final.get("avg", float("nan")), "iteration": module.iteration,

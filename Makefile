@@ -39,6 +39,30 @@ bench-step: setup ## Time one RL step beside TRL's GRPOTrainer (installs the ben
 bench-head: setup ## Memory and time of the chunked Top-k head vs materialized logits (long on CPU)
 	$(PY) benchmarks/kl_head.py --max-gb 16 --out benchmarks/results/kl_head_cpu.json
 
+SCALE ?= smoke
+sweep: setup ## Run one ablation sweep, one run after another: make sweep NAME=fig6_k [ARGS="seed=0 algo.iterations=200"]
+	@test -n "$(NAME)" || (echo "NAME=? one of: $$(ls sweeps/*.yaml | xargs -n1 basename | sed 's/.yaml//' | tr '\n' ' ')"; exit 2)
+	@head -4 sweeps/$(NAME).yaml
+	$(PY) -m ema_pg.train -m --config-dir sweeps --config-name $(NAME) $(ARGS)
+
+figures: setup ## Figures and tables of a finished sweep: make figures NAME=fig6_k RUNS=multirun/fig6_k/<time>
+	@test -n "$(NAME)" -a -n "$(RUNS)" || (echo "usage: make figures NAME=<sweep> RUNS=<its multirun folder>"; exit 2)
+	$(PY) -m ema_pg.reproduce $(NAME) --analysis-only --runs $(RUNS) --out $(or $(OUT),reproductions/$(NAME)/local)
+
+reproduce: setup ## Sweep + analysis of one figure: make reproduce NAME=fig6_k SCALE=smoke|mini|full
+	@test -n "$(NAME)" || (echo "NAME=? one of: $$(ls sweeps/*.yaml | xargs -n1 basename | sed 's/.yaml//' | tr '\n' ' ')"; exit 2)
+	$(PY) -m ema_pg.reproduce $(NAME) --scale $(SCALE) $(ARGS)
+
+reproduce-table2: setup ## Table 2: five methods x seeds on search QA, then results.md beside the paper's (SCALE=smoke|mini|full)
+	$(PY) -m ema_pg.reproduce table2 --scale $(SCALE) $(ARGS)
+
+optuna: setup ## Optuna study (SQLite): make optuna STUDY=ema_topk [TRIALS=20] [WORKERS=2]
+	$(PY) -m ema_pg.search conf/hparams_search/$(or $(STUDY),ema_topk).yaml $(if $(TRIALS),--n-trials $(TRIALS)) $(if $(WORKERS),--workers $(WORKERS)) $(ARGS)
+
+dashboard: setup ## Open an Optuna study in optuna-dashboard: make dashboard STUDY=ema_topk
+	$(PY) -m pip install -q optuna-dashboard
+	$(VENV)/bin/optuna-dashboard sqlite:///runs/optuna/$(or $(STUDY),ema_topk).db
+
 search-table: setup ## Search QA: the base policy's 7-split EM table, beside the CoT and RAG baselines
 	$(PY) -m ema_pg.evaluate base experiment=search $(ARGS)
 	$(PY) -m ema_pg.evaluate base experiment=search --baseline cot $(ARGS)
@@ -56,4 +80,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup demo train search-table reproduce-fig4 reproduce-stability bench-step bench-head test test-full lint clean
+.PHONY: help setup demo train sweep figures reproduce reproduce-table2 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-head test test-full lint clean

@@ -134,6 +134,31 @@ def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
             "base/avg": final.get("base_avg", float("nan"))}
 
 
+# knobs that may change when a run is continued (more iterations, another machine, quieter output)
+RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", "algo.iterations", "trainer.progress_bar", "trainer.num_threads")
+
+
+def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
+    """Keys whose values differ between a run folder's saved config and ``cfg`` (ignoring RESUMABLE_CHANGES)."""
+    def flat(c):
+        c = OmegaConf.create(OmegaConf.to_container(c, resolve=False))
+        for key in RESUMABLE_CHANGES:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(c, parent) if parent else c
+            if node is not None and leaf in node:
+                node.pop(leaf)
+        return pd_flat(OmegaConf.to_container(c, resolve=True))
+
+    def pd_flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(pd_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(saved), flat(cfg)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     """Run (or resume) one training run; returns (final metrics, objects).
 
@@ -144,6 +169,11 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     """
     if not cfg.get("resume") and cfg.get("if_exists", "error") == "resume":
         run_dir = Path(cfg.run_dir)
+        if (run_dir / "config.yaml").is_file():
+            diff = config_differences(OmegaConf.load(run_dir / "config.yaml"), cfg)
+            if diff:
+                raise ConfigError(f"{run_dir} holds a run with another config (differs in: {', '.join(diff[:6])}); "
+                                  "give this run another run_dir (or sweep dir), or delete that folder")
         done = finished_metrics(run_dir, cfg.algo.iterations)
         if done is not None:
             log.info("%s already finished %d iterations: skipped", run_dir, done["iteration"])

@@ -1,0 +1,241 @@
+"""Table 2: our search-agent table (7 splits + average, mean ± std over seeds) beside the paper's.
+
+    python analysis/table2.py --runs runs/reproduce/table2-mini --out reproductions/table2
+    (make reproduce-table2 SCALE=smoke|mini|full runs the sweep first, then this)
+
+Writes ``results.md`` (both tables, the paper's orderings checked on ours, provenance),
+``table2.csv`` (method x split: mean, std, n), ``table2_runs.csv`` (one row per run),
+``table2.png/.pdf`` (per-split bars, ours beside the paper's) and ``table2_curves.png/.pdf``.
+Rows for methods we did not run (PPO) are shown as missing, never filled in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from ema_pg.results import METHODS, load_curves, load_runs, set_style
+
+SPLITS = ["nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle"]
+GENERAL, MULTIHOP = SPLITS[:3], SPLITS[3:]
+COLS = SPLITS + ["avg"]
+PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table2" / "paper_table2.csv"
+ROWS = ["before RL", "WARP", "PPO", "GRPO", "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"]
+EMA, FWD, REV = "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"
+
+
+def per_run_scores(runs: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, method, seed) with the final EM of each split and the average; plus 'before RL'."""
+    missing = [f"final/eval/{s}/em" for s in SPLITS + ["avg"] if f"final/eval/{s}/em" not in runs]
+    if missing:
+        raise SystemExit(f"these runs are not search-task runs (no {missing[0]}); point --runs at a table2 sweep")
+    final = runs[["run", "method", "seed"] + [f"final/eval/{s}/em" for s in COLS]].rename(
+        columns={f"final/eval/{s}/em": s for s in COLS})
+    base = runs[["run", "seed"] + [f"base/eval/{s}/em" for s in COLS]].rename(
+        columns={f"base/eval/{s}/em": s for s in COLS}).drop_duplicates("seed").assign(method="before RL")
+    return pd.concat([base, final], ignore_index=True)
+
+
+def summarize(scores: pd.DataFrame) -> pd.DataFrame:
+    long = scores.melt(id_vars=["run", "method", "seed"], value_vars=COLS, var_name="split", value_name="em")
+    t = long.groupby(["method", "split"], sort=False)["em"].agg(mean="mean", std="std", n="count").reset_index()
+    return t
+
+
+def fmt(mean: float, std: float, n: int) -> str:
+    if n == 0 or np.isnan(mean):
+        return "—"
+    return f"{mean:.3f} ± {std:.3f}" if n > 1 else f"{mean:.3f}"
+
+
+def ours_markdown(t: pd.DataFrame) -> str:
+    head = "| Method | " + " | ".join(COLS) + " | seeds |\n|---|" + "---:|" * (len(COLS) + 1)
+    lines = [head]
+    for m in ROWS:
+        sub = t[t["method"] == m].set_index("split")
+        if not len(sub):
+            why = "missing (not implemented)" if m == "PPO" else "missing (not run)"
+            lines.append(f"| {m} | " + " | ".join([why] + ["—"] * (len(COLS) - 1)) + " | 0 |")
+            continue
+        cells = [fmt(sub.loc[s, "mean"], sub.loc[s, "std"], int(sub.loc[s, "n"])) for s in COLS]
+        lines.append(f"| {m} | " + " | ".join(cells) + f" | {int(sub['n'].max())} |")
+    lines += [gain_row(t.pivot(index="method", columns="split", values="mean"), "Improvement over GRPO (ours)")]
+    return "\n".join(lines)
+
+
+def gain_row(means: pd.DataFrame, label: str) -> str:
+    if REV not in means.index or "GRPO" not in means.index:
+        return f"| {label} | " + " | ".join(["—"] * len(COLS)) + " | |"
+    cells = []
+    for s in COLS:
+        g, m = means.loc["GRPO", s], means.loc[REV, s]
+        cells.append(f"{100 * (m - g) / g:+.1f}%" if g > 0 else ("0 → 0" if m == 0 else f"0 → {m:.3f}"))
+    return f"| {label} | " + " | ".join(cells) + " | |"
+
+
+def paper_markdown(paper: pd.DataFrame) -> str:
+    lines = ["| Block | Method | " + " | ".join(COLS) + " |", "|---|---|" + "---:|" * len(COLS)]
+    for _, r in paper.iterrows():
+        lines.append(f"| {r['block']} | {r['method']} | " + " | ".join(f"{r[s]:.3f}" for s in COLS) + " |")
+    rl = paper[paper["block"].str.contains("RL")].set_index("method")
+    return "\n".join(lines + [gain_row(rl[COLS], "Improvement over GRPO (paper)").replace("| Improvement", "| | Improvement")])
+
+
+def _rel_gains(means: pd.Series, base: pd.Series, splits: list[str]) -> float | None:
+    if (base[splits] <= 0).any():
+        return None
+    return float(((means[splits] - base[splits]) / base[splits]).mean())
+
+
+def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
+    """The paper's orderings, checked on the paper's numbers and on ours (means, and seed by seed)."""
+    pm = paper[paper["block"].str.contains("RL")].set_index("method")[COLS]
+    om = scores.groupby("method")[COLS].mean()
+    by_seed = scores.set_index(["method", "seed"])[COLS]
+    out = []
+
+    def compare(claim, better, worse):
+        row = {"claim": claim, "paper": f"{pm.loc[better, 'avg']:.3f} vs {pm.loc[worse, 'avg']:.3f}",
+               "paper_holds": bool(pm.loc[better, "avg"] > pm.loc[worse, "avg"])}
+        if better in om.index and worse in om.index:
+            d = om.loc[better, "avg"] - om.loc[worse, "avg"]
+            seeds = sorted(set(by_seed.loc[better].index) & set(by_seed.loc[worse].index))
+            wins = sum(by_seed.loc[(better, s), "avg"] > by_seed.loc[(worse, s), "avg"] for s in seeds)
+            ties = sum(by_seed.loc[(better, s), "avg"] == by_seed.loc[(worse, s), "avg"] for s in seeds)
+            row.update(ours=f"{om.loc[better, 'avg']:.3f} vs {om.loc[worse, 'avg']:.3f} (Δ {d:+.3f})",
+                       ours_holds=bool(d > 0), seeds=f"{wins}/{len(seeds)} seeds better" + (f", {ties} tied" if ties else ""))
+        else:
+            row.update(ours="missing", ours_holds=None, seeds="")
+        out.append(row)
+
+    compare("EMA anchor > GRPO (avg)", EMA, "GRPO")
+    compare("Top-k forward > K3, both with the EMA anchor (avg)", FWD, EMA)
+    compare("Top-k reverse > K3, both with the EMA anchor (avg)", REV, EMA)
+    compare("GRPO > WARP (token-level beats sequence-level KL, §6)", "GRPO", "WARP")
+
+    row = {"claim": "relative gain over GRPO (Top-k reverse) larger on multi-hop than on general QA"}
+    pg, pmh = _rel_gains(pm.loc[REV], pm.loc["GRPO"], GENERAL), _rel_gains(pm.loc[REV], pm.loc["GRPO"], MULTIHOP)
+    row.update(paper=f"{100 * pmh:+.1f}% vs {100 * pg:+.1f}%", paper_holds=bool(pmh > pg))
+    if REV in om.index and "GRPO" in om.index:
+        og, omh = _rel_gains(om.loc[REV], om.loc["GRPO"], GENERAL), _rel_gains(om.loc[REV], om.loc["GRPO"], MULTIHOP)
+        ag = float((om.loc[REV, GENERAL] - om.loc["GRPO", GENERAL]).mean())
+        amh = float((om.loc[REV, MULTIHOP] - om.loc["GRPO", MULTIHOP]).mean())
+        if og is None or omh is None:
+            row.update(ours=f"undefined: GRPO scores 0 on a split (absolute gains: multi-hop {amh:+.3f}, general {ag:+.3f})",
+                       ours_holds=None, seeds="")
+        else:
+            row.update(ours=f"{100 * omh:+.1f}% vs {100 * og:+.1f}%", ours_holds=bool(omh > og), seeds="")
+    else:
+        row.update(ours="missing", ours_holds=None, seeds="")
+    out.append(row)
+    return out
+
+
+def verdict(x) -> str:
+    return "yes" if x is True else "no" if x is False else "n/a"
+
+
+def plot(t: pd.DataFrame, paper: pd.DataFrame, out: Path) -> None:
+    set_style()
+    methods = [m for m in ROWS if m in set(t["method"])]
+    ours = t[t["method"].isin(methods)].assign(source="ours")
+    pl = paper[paper["block"].str.contains("RL")].melt(id_vars=["block", "method"], value_vars=COLS, var_name="split",
+                                                       value_name="mean").assign(std=0.0, source="paper")
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4), sharey=False)
+    for ax, (src, df) in zip(axes, (("ours (mean ± std over seeds)", ours), ("paper (Qwen2.5-3B base)", pl))):
+        order = [m for m in ROWS if m in set(df["method"])]
+        sns.barplot(df, x="split", y="mean", hue="method", hue_order=order, order=COLS, ax=ax, alpha=0.85)
+        if src.startswith("ours"):  # error bars from the seeds' std
+            for cont, m in zip(ax.containers, order):
+                sub = df[df["method"] == m].set_index("split").reindex(COLS)
+                xs = [b.get_x() + b.get_width() / 2 for b in cont]
+                ax.errorbar(xs, sub["mean"], yerr=sub["std"].fillna(0), fmt="none", ecolor="k", lw=0.8, capsize=2)
+        ax.set(title=f"Table 2, {src}", ylabel="exact match", xlabel="")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    for ext in ("png", "pdf"):
+        fig.savefig(out / f"table2.{ext}")
+    plt.close(fig)
+
+
+def plot_curves(runs: pd.DataFrame, out: Path) -> None:
+    set_style()
+    curves = load_curves(runs)
+    curves = curves[curves["metric"].isin(["eval/avg/em", "eval/hotpotqa/em", "eval/nq/em"])]
+    if not len(curves):
+        return
+    g = sns.relplot(curves, x="step", y="value", hue="method", col="metric", kind="line", errorbar="sd", marker="o",
+                    hue_order=[m for m in METHODS if m in set(curves["method"])], height=3.2, aspect=1.2,
+                    facet_kws={"sharey": False})
+    g.set_axis_labels("RL iteration", "exact match")
+    g.figure.suptitle("Table 2 runs: evaluation during RL (mean ± std over seeds)", y=1.03)
+    for ext in ("png", "pdf"):
+        g.figure.savefig(out / f"table2_curves.{ext}")
+    plt.close(g.figure)
+
+
+def provenance(runs: pd.DataFrame, scale: str, command: str) -> list[str]:
+    commits = sorted(set(runs["commit"]))
+    start = min(Path(r, "config.yaml").stat().st_mtime for r in runs["run_dir"])
+    end = max(Path(r, "metrics.csv").stat().st_mtime for r in runs["run_dir"])
+    knobs = ["model.hidden_size", "model.num_layers", "sft.steps", "algo.iterations", "algo.prompts_per_step",
+             "algo.group_size", "algo.beta", "optim.lr", "anchor.eta", "anchor.update_every", "kl.k", "task.per_split"]
+    cfg = {k: sorted({str(v) for v in runs[k].dropna()}) for k in knobs if k in runs}
+    return [f"- scale: `{scale}`; command: `{command}`" if command else f"- scale: `{scale}`",
+            f"- commit(s) the runs ran from: {', '.join(f'`{c}`' for c in commits)}",
+            f"- runs: {len(runs)} finished ({', '.join(f'{m}: {n}' for m, n in runs['method'].value_counts().items())})",
+            f"- run time: {sum(runs['wall_s']) / 60:.1f} min of runs (sum), {(end - start) / 60:.1f} min wall clock "
+            "from the first run's start to the last run's end (2 CPU cores, one run at a time)",
+            "- config (values across runs): " + "; ".join(f"`{k}`={'/'.join(v)}" for k, v in cfg.items()),
+            "- each run's resolved config: `config.yaml` in its run folder (`table2_runs.csv` lists the folders)"]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default="runs/reproduce/table2-mini", help="the table2 sweep's folder")
+    ap.add_argument("--out", default="reproductions/table2")
+    ap.add_argument("--scale", default="mini")
+    ap.add_argument("--command", default="", help="the command that ran the sweep (for provenance)")
+    ap.add_argument("--all", action="store_true", help="include unfinished runs")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = load_runs(a.runs, finished_only=not a.all)
+    if not len(runs):
+        raise SystemExit(f"no finished runs under {a.runs}; run `make reproduce-table2` (or pass --all)")
+    paper = pd.read_csv(PAPER)
+    scores = per_run_scores(runs)
+    t = summarize(scores)
+    t.to_csv(out / "table2.csv", index=False)
+    runs[["run", "method", "seed", "finished", "iteration", "wall_s", "commit", "run_dir"]
+         + [f"final/eval/{s}/em" for s in COLS]].to_csv(out / "table2_runs.csv", index=False)
+    checks = orderings(scores, paper)
+    (out / "orderings.json").write_text(json.dumps(checks, indent=1))
+    plot(t, paper, out)
+    plot_curves(runs, out)
+    md = [f"# Table 2 reproduction ({a.scale} scale)", "", *provenance(runs, a.scale, a.command), "",
+          "## Ours: exact match per split, mean ± std over seeds", "", ours_markdown(t), "",
+          "PPO is shown as missing: the project has no value model (critic), so it has no PPO; nothing is filled in. "
+          "WARP is the paper's characterisation of it: EMA anchor + sequence-level KL in the reward (eq. 10-12).", "",
+          "## The paper's Table 2", "", paper_markdown(paper), "",
+          "## The paper's orderings, checked on ours", "",
+          "| Claim | Paper | Holds in paper | Ours | Holds in ours | Seed by seed |", "|---|---|---|---|---|---|"]
+    md += [f"| {c['claim']} | {c['paper']} | {verdict(c['paper_holds'])} | {c['ours']} | {verdict(c['ours_holds'])} | "
+           f"{c['seeds']} |" for c in checks]
+    md += ["", "![per split](table2.png)", "", "![curves](table2_curves.png)", ""]
+    notes = out / "discussion.md"
+    if notes.is_file():
+        md += [notes.read_text()]
+    (out / "results.md").write_text("\n".join(md))
+    print(f"wrote {out / 'results.md'}")
+    return {"table": t, "orderings": checks, "out": out}
+
+
+if __name__ == "__main__":
+    main()

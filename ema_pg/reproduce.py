@@ -1,0 +1,84 @@
+"""One command per reproduction: run a sweep at a scale, then its analysis script.
+
+    python -m ema_pg.reproduce table2 --scale smoke          # = make reproduce-table2 SCALE=smoke
+    python -m ema_pg.reproduce fig6_k --scale mini           # = make reproduce NAME=fig6_k SCALE=mini
+    python -m ema_pg.reproduce table2 --scale mini --dry-run # print the commands only
+
+The sweep is ``sweeps/<name>.yaml`` with the scale overlay ``sweeps/scale/<name>_<scale>.yaml``
+(or ``sweeps/scale/<scale>.yaml``); its runs go to ``runs/reproduce/<name>-<scale>/``, a fixed
+folder, so running the same command again after an interruption resumes the killed run from its
+last checkpoint and skips the finished ones. Results: ``reproductions/<name>/`` for ``mini``
+(the committed CPU-scale reproduction), ``reproductions/<name>/<scale>/`` for ``full``, and
+``runs/reproduce/<name>-smoke/report/`` for ``smoke`` (a pipeline check, not a result).
+Extra arguments are Hydra overrides passed to every run of the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SWEEPS = ROOT / "sweeps"
+SCRIPTS = {"table2": "table2.py", "fig5_methods": "fig5_methods.py", "fig6_k": "fig6_k.py",
+           "fig7_eta_direction": "fig7_eta_direction.py", "fig8_tail": "fig8_tail.py", "fig9_iw_clip": "fig9_iw_clip.py",
+           "tail_bias": "tail_bias_sweep.py"}
+SCALES = ("smoke", "mini", "full")
+
+
+def scale_file(name: str, scale: str) -> str:
+    for cand in (f"{name}_{scale}", scale):
+        if (SWEEPS / "scale" / f"{cand}.yaml").is_file():
+            return cand
+    have = sorted(p.stem for p in (SWEEPS / "scale").glob("*.yaml"))
+    raise SystemExit(f"no scale {scale!r} for {name}: add sweeps/scale/{name}_{scale}.yaml (there are: {', '.join(have)})")
+
+
+def commands(name: str, scale: str, overrides: list[str], runs: Path | None = None, out: Path | None = None):
+    if name not in SCRIPTS:
+        raise SystemExit(f"unknown reproduction {name!r}; choose one of: {', '.join(SCRIPTS)}")
+    if scale not in SCALES:
+        raise SystemExit(f"--scale {scale!r}; choose one of: {', '.join(SCALES)}")
+    runs = runs or ROOT / "runs" / "reproduce" / f"{name}-{scale}"
+    out = out or (ROOT / "reproductions" / name if scale == "mini" else
+                  runs / "report" if scale == "smoke" else ROOT / "reproductions" / name / scale)
+    sweep = [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", str(SWEEPS), "--config-name", name,
+             f"+scale={scale_file(name, scale)}", f"hydra.sweep.dir={runs}", *overrides]
+    analysis = [sys.executable, str(ROOT / "analysis" / SCRIPTS[name]), "--runs", str(runs), "--out", str(out)]
+    return sweep, analysis, runs, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=sorted(SCRIPTS), help="the sweep (sweeps/<name>.yaml)")
+    ap.add_argument("--scale", default="smoke", choices=SCALES)
+    ap.add_argument("--runs", type=Path, help="where the runs go (default runs/reproduce/<name>-<scale>)")
+    ap.add_argument("--out", type=Path, help="where the results go")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--analysis-only", action="store_true", help="skip the sweep; analyse the runs already there")
+    a, overrides = ap.parse_known_args(argv)
+    sweep, analysis, runs, out = commands(a.name, a.scale, overrides, a.runs, a.out)
+    print("sweep:    " + shlex.join(sweep), "analysis: " + shlex.join(analysis), sep="\n", flush=True)
+    if a.dry_run:
+        return 0
+    t0 = time.time()
+    if not a.analysis_only:
+        rc = subprocess.run(sweep, cwd=ROOT).returncode
+        if rc:
+            print(f"the sweep failed (exit {rc}); fix the cause and run the same command again: finished runs are "
+                  f"kept and skipped, a killed one resumes from its checkpoint", file=sys.stderr)
+            return rc
+    sweep_s = time.time() - t0
+    extra = ["--scale", a.scale, "--command", shlex.join(["make", "reproduce-table2", f"SCALE={a.scale}"])] \
+        if a.name == "table2" else []
+    rc = subprocess.run(analysis + extra, cwd=ROOT).returncode
+    print(f"{a.name} at scale {a.scale}: sweep {sweep_s / 60:.1f} min; runs in {runs}; results in {out}")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,248 @@
+"""Runs -> tables and figures: the loader and the report every analysis script uses.
+
+    from ema_pg.results import load_runs, load_curves
+    runs = load_runs("multirun/fig6_k")       # one row per run: config columns + final metrics
+    curves = load_curves(runs)                # long form: one row per (run, step, metric)
+
+A run is any folder holding ``config.yaml`` and ``metrics.csv`` (what ``ema_pg.train``
+writes), found recursively, so a Hydra multirun folder, a ``runs/`` tree or an Optuna
+study's trial folders all load the same way. Config columns are the resolved config
+flattened with dots (``kl.name``, ``anchor.eta``, ...); derived columns name the method
+(Table 2's row labels), the KL direction, the Fig 8 tail variant and the IW clip.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+from omegaconf import OmegaConf
+
+#: Table 2's method labels, in the paper's row order
+METHODS = ["WARP", "GRPO", "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"]
+
+
+def set_style() -> None:
+    """The one look of every figure the project draws."""
+    sns.set_theme(context="paper", style="whitegrid", palette="colorblind", font_scale=1.1)
+    plt.rcParams.update({"figure.dpi": 110, "savefig.bbox": "tight", "legend.frameon": False})
+
+
+def method_label(cfg: dict) -> str:
+    """Table 2's name for a run's (anchor, KL, reward-KL) combination; a descriptive one otherwise."""
+    kl, anchor = cfg.get("kl.name"), cfg.get("anchor.name")
+    if cfg.get("algo.reward_kl") == "sequence":
+        return "WARP" if anchor == "ema" and cfg.get("anchor.eta", 1.0) < 1.0 else f"sequence KL ({anchor} anchor)"
+    ema = anchor == "ema" and cfg.get("anchor.eta", 1.0) < 1.0
+    if kl == "k3":
+        return "EMA-PG: w/ EMA anchor" if ema else "GRPO"
+    if kl in ("topk_forward", "topk_reverse") and ema:
+        return f"+ Top-k {kl.split('_')[1]} KL"
+    return f"{kl} ({'EMA' if ema else anchor} anchor)"
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        elif isinstance(v, list):
+            out[key] = str(v)
+        else:
+            out[key] = v
+    return out
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist; point the loader at a folder of runs (a multirun or runs/ folder)")
+    found = [p.parent for p in root.rglob("config.yaml") if (p.parent / "metrics.csv").is_file() and ".hydra" not in p.parts]
+    return sorted(found)
+
+
+def _derived(row: dict) -> dict:
+    kl = str(row.get("kl.name"))
+    clip = row.get("kl.iw_clip")
+    d = {"method": method_label(row),
+         "direction": "forward" if "forward" in kl or kl == "k5" else "reverse" if kl not in ("none", "k3") else kl}
+    if clip not in (None, "None") and not (isinstance(clip, float) and math.isnan(clip)):
+        lo, hi = (float(x) for x in str(clip).strip("[]").split(","))
+        d["iw_clip"] = f"[{lo:g}, {hi:g}]"
+    if kl.startswith("topk"):
+        tail = row.get("kl.tail")
+        d["tail_variant"] = ("truncated" if tail == "none" else
+                             "tail w/o off-policy corr." if d.get("iw_clip") == "[1, 1]" else
+                             "tail w/ off-policy corr." if tail == "corrected" else f"tail={tail}")
+    return d
+
+
+def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
+    """One row per run folder under ``root``: config columns, derived labels, final and base metrics.
+
+    Metric columns: ``final/<metric>`` is the last logged value of every ``eval/...`` metric,
+    ``base/<metric>`` its value at iteration 0 (the policy before RL); ``iteration`` is the last
+    logged step, ``finished`` whether ``eval.json`` marks the run complete, ``wall_s`` the time
+    from the run's start to its last metrics write, ``commit`` the git commit it ran from.
+    """
+    rows = []
+    for run in find_runs(root):
+        cfg = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=False)
+        row = {"run_dir": str(run), "run": run.name, **_flatten(cfg)}
+        row.update(_derived(row))
+        df = pd.read_csv(run / "metrics.csv")
+        evals = [c for c in df.columns if c.startswith("eval")]
+        ev = df.dropna(subset=evals, how="all").sort_values("step") if evals else df.iloc[:0]
+        if len(ev):
+            for c in evals:
+                s = ev[["step", c]].dropna()
+                if len(s):
+                    row[f"final/{c}"] = s[c].iloc[-1]
+                    if s["step"].iloc[0] == 0:
+                        row[f"base/{c}"] = s[c].iloc[0]
+        row["iteration"] = int(df["step"].max()) if len(df) else 0
+        row["finished"] = (run / "eval.json").is_file() and json.loads((run / "eval.json").read_text()).get(
+            "iteration", -1) >= int(cfg.get("algo", {}).get("iterations", 0))
+        row["wall_s"] = (run / "metrics.csv").stat().st_mtime - (run / "config.yaml").stat().st_mtime
+        git = run / "git.txt"
+        row["commit"] = git.read_text().strip() if git.is_file() else "unknown"
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    if finished_only and len(out):
+        out = out[out["finished"]].reset_index(drop=True)
+    return out
+
+
+def load_curves(runs: pd.DataFrame | str | Path, metrics: str = "eval") -> pd.DataFrame:
+    """Per-step metrics in long form (run_dir, step, metric, value) joined with the runs' columns.
+
+    ``metrics`` is a prefix (``eval`` = the evaluation curves, ``train/`` = training metrics).
+    """
+    if not isinstance(runs, pd.DataFrame):
+        runs = load_runs(runs)
+    parts = []
+    for run_dir in runs["run_dir"] if len(runs) else []:
+        df = pd.read_csv(Path(run_dir) / "metrics.csv")
+        cols = [c for c in df.columns if c.startswith(metrics)]
+        if not cols:
+            continue
+        long = df[["step"] + cols].melt(id_vars="step", var_name="metric", value_name="value").dropna()
+        long["run_dir"] = run_dir
+        parts.append(long)
+    if not parts:
+        return pd.DataFrame(columns=["run_dir", "step", "metric", "value"])
+    long = pd.concat(parts, ignore_index=True)
+    return long.merge(runs, on="run_dir", how="left")
+
+
+def main_metric(runs: pd.DataFrame) -> str:
+    """The average evaluation metric the runs logged (``eval/avg/em`` for both tasks)."""
+    cands = sorted(c.removeprefix("final/") for c in runs.columns if c.startswith("final/eval/avg/"))
+    if not cands:
+        raise ValueError("no run has an evaluation yet (no eval/avg/* column); are the runs still starting?")
+    return cands[0]
+
+
+def mean_std(x: pd.Series) -> str:
+    x = x.dropna()
+    if not len(x):
+        return "—"
+    return f"{x.mean():.3f} ± {x.std(ddof=1):.3f}" if len(x) > 1 else f"{x.mean():.3f}"
+
+
+def summarize(runs: pd.DataFrame, by: list[str], metric: str) -> pd.DataFrame:
+    """Mean, sample std and count over seeds of the final ``metric`` (and its value before RL)."""
+    col = f"final/{metric}"
+    g = runs.groupby(by, dropna=False, sort=False)
+    out = g[col].agg(mean="mean", std="std", n="count").reset_index()
+    if f"base/{metric}" in runs:
+        out["base_mean"] = g[f"base/{metric}"].mean().values
+    out["mean ± std"] = g[col].apply(mean_std).values
+    return out
+
+
+def _order(values, order):
+    vals = list(dict.fromkeys(values))
+    if order:
+        return [o for o in order if o in vals] + [v for v in vals if v not in order]
+    try:
+        return sorted(vals, key=float)
+    except (TypeError, ValueError):
+        return sorted(vals, key=str)
+
+
+def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None = None, title: str = "",
+                    order: list | None = None, name: str | None = None, metric: str | None = None) -> dict:
+    """The CSV/MD/PNG/PDF of one ablation: final metric by ``x`` (and ``hue``) over seeds, plus curves.
+
+    Writes ``<name>.csv`` (one row per group: mean, std, n), ``<name>_runs.csv`` (one row per
+    run), ``<name>.md`` (mean ± std) and ``<name>.png``/``.pdf`` (learning curves of the mean
+    with a ±1 std band, and the final value per group with each seed as a dot).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = name or out.name
+    if not len(runs):
+        raise ValueError(f"no runs to report for {name}; run the sweep first (make sweep NAME={name})")
+    metric = metric or main_metric(runs)
+    runs = runs.copy()
+    by = [x] + ([hue] if hue else [])
+    for c in by:
+        runs[c] = runs[c].astype(str)
+    table = summarize(runs, by, metric)
+    keep = [c for c in ["run", "seed", *by, "finished", "iteration", f"base/{metric}", f"final/{metric}"] if c in runs]
+    runs[keep].to_csv(out / f"{name}_runs.csv", index=False)
+    table.to_csv(out / f"{name}.csv", index=False)
+    md = [f"# {title or name}", "", f"Final `{metric}` over seeds (mean ± sample std; n = seeds).", "",
+          table[by + ["mean ± std", "n"]].to_markdown(index=False, disable_numparse=True), ""]
+    (out / f"{name}.md").write_text("\n".join(md))
+
+    set_style()
+    curves = load_curves(runs)
+    curves = curves[curves["metric"] == metric]
+    for c in by:
+        curves[c] = curves[c].astype(str)
+    xs = _order(runs[x], order)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    label = (lambda r: f"{r[x]} / {r[hue]}") if hue else (lambda r: r[x])
+    if len(curves):
+        curves["variant"] = curves.apply(label, axis=1)
+        variants = [label({x: v, hue: h}) for v in xs for h in (_order(runs[hue], None) if hue else [None])]
+        sns.lineplot(curves, x="step", y="value", hue="variant", errorbar="sd", marker="o", ax=a1,
+                     hue_order=[v for v in variants if v in set(curves["variant"])])
+        a1.legend(fontsize=7)
+    a1.set(xlabel="RL iteration", ylabel=metric, title="learning curves (mean ± std over seeds)")
+    sns.barplot(runs, x=x, y=f"final/{metric}", hue=hue, order=xs, errorbar="sd", ax=a2, alpha=0.8)
+    sns.stripplot(runs, x=x, y=f"final/{metric}", hue=hue, order=xs, dodge=bool(hue), ax=a2, color="k", size=3,
+                  legend=False)
+    a2.set(xlabel=x, ylabel=f"final {metric}", title="final (bars: mean ± std; dots: seeds)")
+    a2.tick_params(axis="x", labelrotation=15)
+    fig.suptitle(title or name)
+    fig.tight_layout()
+    for ext in ("png", "pdf"):
+        fig.savefig(out / f"{name}.{ext}")
+    plt.close(fig)
+    return {"table": table, "runs": runs, "metric": metric, "files": sorted(str(p) for p in out.glob(f"{name}*"))}
+
+
+def figure_cli(name: str, doc: str, argv=None):
+    """The shared command line of the analysis scripts: ``--runs DIR --out DIR [--all]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default=f"multirun/{name}", help="folder of runs (a sweep's multirun folder)")
+    ap.add_argument("--out", default=f"reproductions/{name}", help="where the .csv/.md/.png/.pdf go")
+    ap.add_argument("--all", action="store_true", help="include unfinished runs (their last evaluation)")
+    a = ap.parse_args(argv)
+    runs = load_runs(a.runs, finished_only=not a.all)
+    if not len(runs):
+        raise SystemExit(f"no finished runs under {a.runs}; run `make sweep NAME={name}` (or pass --all)")
+    return runs, Path(a.out)

@@ -148,7 +148,12 @@ def compose_trial_cfg(spec: StudySpec, params: dict, run_dir: Path, extra: list[
     overrides = list(spec.overrides) + list(extra) + [f"{k}={_value(v)}" for k, v in params.items()]
     overrides += [f"run_dir={run_dir}", "if_exists=resume"]
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+        try:
+            cfg = compose("config", overrides=overrides)
+        except Exception as e:  # noqa: BLE001 - Hydra's composition errors
+            unknown = [k for k in params if k.split(".")[-1] in str(e)]
+            hint = f"params.{unknown[0]} is not a config key" if unknown else "the study's overrides do not compose"
+            raise StudyFileError(f"{hint}: {e}".splitlines()[0] + "; see `python -m ema_pg.train --cfg job`") from None
     for key in params:
         if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
             raise StudyFileError(f"params.{key} is not a config key; see `python -m ema_pg.train --cfg job`")

@@ -155,3 +155,21 @@ def test_evaluate_base_policy_of_a_config(tmp_path, capsys):
     main(["base", *TINY, "task.eval_size=16", f"sft.cache_dir={tmp_path}/cache", "--out", str(tmp_path / "e.json")])
     assert "| em |" in capsys.readouterr().out
     assert json.loads((tmp_path / "e.json").read_text())["splits"]["heldout"]["n"] == 16
+
+
+def test_if_exists_resume_skips_finished_runs_continues_longer_ones_and_refuses_other_configs(tmp_path):
+    """What lets a killed sweep continue: the same command again skips finished runs and resumes the rest."""
+    base = ["algo.iterations=2", "if_exists=resume"]
+    metrics, objs = train(compose_cfg(base, tmp_path))
+    assert metrics["iteration"] == 2 and (objs["run_dir"] / "eval.json").is_file()
+    again, objs2 = train(compose_cfg(base, tmp_path))
+    assert objs2.get("skipped") and again["eval/avg/em"] == metrics["eval/avg/em"]
+    longer, _ = train(compose_cfg(["algo.iterations=4", "if_exists=resume"], tmp_path))
+    assert longer["iteration"] == 4
+    df = pd.read_csv(tmp_path / "run" / "metrics.csv")
+    assert df["train/reward_mean"].notna().sum() == 4  # iterations 1-2 kept, 3-4 added: nothing lost or repeated
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["iteration"] == 4
+    with pytest.raises(ConfigError, match="another config .*kl.k"):
+        train(compose_cfg(["algo.iterations=4", "if_exists=resume", "kl.k=4"], tmp_path))
+    with pytest.raises(ConfigError, match="if_exists='skip'"):
+        train(compose_cfg(["if_exists=skip"], tmp_path / "other"))

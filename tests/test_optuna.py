@@ -1,0 +1,125 @@
+"""Optuna search: study files, pruning from intermediate evaluations, resuming, two workers on one study."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+from helpers import TINY
+from omegaconf import OmegaConf
+from optuna.trial import TrialState
+
+from ema_pg.search import StudyFileError, _requeue, load_study_spec, open_study, run_worker
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_RUN = [o for o in TINY if not o.startswith(("kl.k=", "algo.iterations", "algo.eval_every"))] + [
+    "task.eval_size=16", "algo.iterations=4", "algo.eval_every=2", "algo.minibatch_size=0"]
+
+
+def study_file(tmp_path: Path, **changes) -> Path:
+    spec = {"study_name": "t", "storage": f"sqlite:///{tmp_path}/t.db", "direction": "maximize", "n_trials": 3,
+            "sampler": {"name": "random", "seed": 0}, "pruner": {"name": "none"},
+            "overrides": ["experiment=demo", *TINY_RUN, f"sft.cache_dir={tmp_path.parent}/optuna_cache"],
+            "params": {"anchor.eta": {"type": "float", "low": 0.8, "high": 0.99},
+                       "kl.k": {"type": "categorical", "choices": [0, 8]},
+                       "optim.lr": {"type": "float", "low": 1e-4, "high": 1e-3, "log": True}}}
+    spec.update(changes)
+    p = tmp_path / "study.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    return p
+
+
+def test_shipped_study_files_load():
+    files = sorted((ROOT / "conf" / "hparams_search").glob("*.yaml"))
+    assert files
+    for f in files:
+        spec = load_study_spec(f)
+        assert spec.storage.startswith("sqlite:///") and spec.params
+
+
+@pytest.mark.parametrize("change, msg", [
+    ({"bogus": 1}, "unknown key"),
+    ({"direction": "up"}, "direction='up'"),
+    ({"params": {"anchor.eta": {"type": "float", "low": 0.9, "high": 0.8}}}, "low .* must be < high"),
+    ({"params": {"anchor.eta": {"type": "uniform", "low": 0.8, "high": 0.9}}}, "type: one of float, int, categorical"),
+    ({"params": {"kl.k": {"type": "categorical"}}}, "needs choices"),
+    ({"sampler": {"name": "grid"}}, "sampler.name='grid'"),
+    ({"n_trials": 0}, "n_trials must be >= 1"),
+])
+def test_bad_study_files_say_what_to_change(tmp_path, change, msg):
+    with pytest.raises(StudyFileError, match=msg):
+        load_study_spec(study_file(tmp_path, **change))
+
+
+def test_unknown_config_key_in_space_stops_the_worker(tmp_path):
+    spec = load_study_spec(study_file(tmp_path, params={"algo.nonsense": {"type": "float", "low": 0, "high": 1}}))
+    with pytest.raises(StudyFileError, match="algo.nonsense is not a config key"):
+        run_worker(spec)
+    assert [t.state for t in open_study(spec).trials] == [TrialState.FAIL]  # one failed trial, no endless loop
+
+
+def test_trials_run_resume_and_record_their_params(tmp_path):
+    spec = load_study_spec(study_file(tmp_path, n_trials=2))
+    assert run_worker(spec) == [0, 1]
+    study = open_study(spec)
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    for t in study.trials:  # the objective is the run's final eval metric, and the run got the trial's params
+        run = Path(t.user_attrs["run_dir"])
+        cfg = OmegaConf.load(run / "config.yaml")
+        assert cfg.anchor.eta == pytest.approx(t.params["anchor.eta"]) and cfg.kl.k == t.params["kl.k"]
+        assert cfg.optim.lr == pytest.approx(t.params["optim.lr"])
+        assert t.value == pytest.approx(__import__("json").loads((run / "eval.json").read_text())["avg"])
+        assert sorted(t.intermediate_values) == [0, 2, 4]
+    # resuming: the same command with a larger budget adds only the missing trial
+    assert run_worker(spec, n_trials=3) == [2]
+    assert len(open_study(spec).trials) == 3
+
+
+def test_pruner_stops_a_trial_from_its_intermediate_evaluations(tmp_path):
+    # a threshold no run can reach: every trial is pruned at its first evaluation after iteration 0
+    spec = load_study_spec(study_file(tmp_path, n_trials=1, pruner={"name": "threshold", "lower": 2.0},
+                                      overrides=["experiment=demo", *TINY_RUN, "algo.iterations=6",
+                                                 f"sft.cache_dir={tmp_path.parent}/optuna_cache"]))
+    run_worker(spec)
+    (t,) = open_study(spec).trials
+    assert t.state == TrialState.PRUNED and sorted(t.intermediate_values) == [0, 2]
+    run = Path(t.user_attrs["run_dir"])
+    assert not (run / "eval.json").exists()  # not a finished run
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_an_interrupted_trial_is_requeued_with_its_params_and_run_folder(tmp_path):
+    spec = load_study_spec(study_file(tmp_path))
+    study = open_study(spec)
+    trial = study.ask()
+    eta = trial.suggest_float("anchor.eta", 0.8, 0.99)
+    trial.set_user_attr("run_dir", "runs/x/trial_0000")
+    frozen = study._storage.get_trial(trial._trial_id)
+    study.tell(trial, state=TrialState.FAIL)
+    _requeue(study, frozen)
+    again = study.ask()
+    assert again.number == 1 and again.suggest_float("anchor.eta", 0.8, 0.99) == eta
+    assert again.user_attrs["run_dir"] == "runs/x/trial_0000"
+
+
+def test_two_workers_share_one_study_without_losing_or_duplicating_trials(tmp_path):
+    n = 5
+    f = study_file(tmp_path, n_trials=n)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run([sys.executable, "-m", "ema_pg.search", str(f), "--workers", "2"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/t.db")
+    trials = study.get_trials()
+    assert len(trials) == n and all(t.state == TrialState.COMPLETE for t in trials)
+    assert sorted(t.number for t in trials) == list(range(n))
+    runs = [t.user_attrs["run_dir"] for t in trials]
+    assert len(set(runs)) == n and all((Path(d) / "eval.json").is_file() for d in runs)
+    assert len({t.user_attrs["worker"] for t in trials}) == 2, "both workers ran trials"
+    params = {tuple(sorted(t.params.items())) for t in trials}
+    assert len(params) == n, "the workers' samplers proposed distinct parameters"

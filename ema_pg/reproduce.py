@@ -65,6 +65,15 @@ def main(argv=None) -> int:
     print("sweep:    " + shlex.join(sweep), "analysis: " + shlex.join(analysis), sep="\n", flush=True)
     if a.dry_run:
         return 0
+    if a.scale == "full" and a.name == "table2":
+        import os
+
+        import torch
+
+        need = [v for v in ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER") if not os.environ.get(v)]
+        if need or not torch.cuda.is_available():
+            raise SystemExit("table2 at full scale needs a GPU machine and, set in the environment: "
+                             + ", ".join(need or ["(all set)"]) + " -- see sweeps/scale/table2_full.yaml")
     t0 = time.time()
     if not a.analysis_only:
         rc = subprocess.run(sweep, cwd=ROOT).returncode

@@ -108,3 +108,16 @@ def test_notebook_executes_on_tiny_runs(nb, tiny_sweeps, tmp_path, monkeypatch):
     outputs = list(itertools.chain.from_iterable(c.get("outputs", []) for c in notebook.cells if c.cell_type == "code"))
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert list(tmp_path.glob("*.png")), "the notebook wrote its figure"
+
+
+def test_sweep_through_submitit_launcher(tmp_path):
+    """The SLURM path (Hydra's submitit launcher), exercised with its local executor: same jobs, same folders."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    env = {**os.environ, "EMA_PG_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", "sweeps", "--config-name", "fig6_k", "+scale=smoke",
+           "seed=0", "algo.iterations=2", "algo.eval_every=1", "hydra/launcher=submitit_local",
+           "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = load_runs(tmp_path / "sweep")
+    assert sorted(runs["run"]) == ["k0_s0", "k16_s0", "k32_s0"] and runs["finished"].all()

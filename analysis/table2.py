@@ -186,7 +186,10 @@ def provenance(runs: pd.DataFrame, scale: str, command: str) -> list[str]:
     end = max(Path(r, "metrics.csv").stat().st_mtime for r in runs["run_dir"])
     knobs = ["model.hidden_size", "model.num_layers", "sft.steps", "algo.iterations", "algo.prompts_per_step",
              "algo.group_size", "algo.beta", "optim.lr", "anchor.eta", "anchor.update_every", "kl.k", "task.per_split"]
-    cfg = {k: sorted({str(v) for v in runs[k].dropna()}) for k in knobs if k in runs}
+    def show(v):
+        return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+    cfg = {k: sorted({show(v) for v in runs[k].dropna()}) for k in knobs if k in runs}
     return [f"- scale: `{scale}`; command: `{command}`" if command else f"- scale: `{scale}`",
             f"- commit(s) the runs ran from: {', '.join(f'`{c}`' for c in commits)}",
             f"- runs: {len(runs)} finished ({', '.join(f'{m}: {n}' for m, n in runs['method'].value_counts().items())})",

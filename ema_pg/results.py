@@ -131,7 +131,7 @@ def load_curves(runs: pd.DataFrame | str | Path, metrics: str = "eval") -> pd.Da
     parts = []
     for run_dir in runs["run_dir"] if len(runs) else []:
         df = pd.read_csv(Path(run_dir) / "metrics.csv")
-        cols = [c for c in df.columns if c.startswith(metrics)]
+        cols = [c for c in df.columns if c.startswith(metrics) and c != "step"]
         if not cols:
             continue
         long = df[["step"] + cols].melt(id_vars="step", var_name="metric", value_name="value").dropna()

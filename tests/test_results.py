@@ -139,3 +139,15 @@ def test_loader_errors_name_the_folder(tmp_path):
         load_runs(tmp_path / "nope")
     with pytest.raises(SystemExit, match="no finished runs"):
         table2.main(["--runs", str(tmp_path), "--out", str(tmp_path / "o")])
+
+
+def test_load_runs_command_writes_the_table_and_curves(tmp_path):
+    import load_runs as cli
+
+    fake_run(tmp_path / "runs", "a", ["seed=0"], {0: {"avg": 0.1}, 2: {"avg": 0.4}})
+    assert cli.main([str(tmp_path / "runs"), "--out", str(tmp_path / "t.csv"), "--curves", str(tmp_path / "c.csv")]) == 0
+    t = pd.read_csv(tmp_path / "t.csv")
+    assert t["final/eval/avg/em"].tolist() == [0.4] and "kl.name" in t and "anchor.eta" in t
+    c = pd.read_csv(tmp_path / "c.csv")
+    assert set(c["metric"]) == {"eval/avg/em", "train/reward_mean"}
+    assert c[c["metric"] == "train/reward_mean"]["value"].tolist() == pytest.approx([0.1, 0.2])

@@ -103,13 +103,14 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
     def compare(claim, better, worse):
         row = {"claim": claim, "paper": f"{pm.loc[better, 'avg']:.3f} vs {pm.loc[worse, 'avg']:.3f}",
                "paper_holds": bool(pm.loc[better, "avg"] > pm.loc[worse, "avg"])}
-        if better in om.index and worse in om.index:
-            d = om.loc[better, "avg"] - om.loc[worse, "avg"]
-            seeds = sorted(set(by_seed.loc[better].index) & set(by_seed.loc[worse].index))
-            wins = sum(by_seed.loc[(better, s), "avg"] > by_seed.loc[(worse, s), "avg"] for s in seeds)
-            ties = sum(by_seed.loc[(better, s), "avg"] == by_seed.loc[(worse, s), "avg"] for s in seeds)
-            row.update(ours=f"{om.loc[better, 'avg']:.3f} vs {om.loc[worse, 'avg']:.3f} (Δ {d:+.3f})",
-                       ours_holds=bool(d > 0), seeds=f"{wins}/{len(seeds)} seeds better" + (f", {ties} tied" if ties else ""))
+        seeds = sorted(set(by_seed.loc[better].index) & set(by_seed.loc[worse].index)) \
+            if better in om.index and worse in om.index else []
+        if seeds:  # on the seeds both methods ran: a paired comparison (same seed = same base policy)
+            b = by_seed.loc[[(better, s) for s in seeds], "avg"].to_numpy()
+            w = by_seed.loc[[(worse, s) for s in seeds], "avg"].to_numpy()
+            d = b - w
+            row.update(ours=f"{b.mean():.3f} vs {w.mean():.3f} (Δ {d.mean():+.4f})", ours_holds=bool(d.mean() > 0),
+                       seeds=f"Δ per seed: {', '.join(f'{x:+.3f}' for x in d)}; better on {int((d > 0).sum())}/{len(d)}")
         else:
             row.update(ours="missing", ours_holds=None, seeds="")
         out.append(row)

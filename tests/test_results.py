@@ -107,7 +107,7 @@ def test_table2_orderings_and_missing_rows(tmp_path):
     res = table2.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--scale", "test"])
     checks = {c["claim"]: c for c in res["orderings"]}
     assert checks["EMA anchor > GRPO (avg)"]["ours_holds"] is True
-    assert checks["EMA anchor > GRPO (avg)"]["seeds"] == "2/2 seeds better"
+    assert checks["EMA anchor > GRPO (avg)"]["seeds"].endswith("better on 2/2")
     assert checks["Top-k forward > K3, both with the EMA anchor (avg)"]["ours_holds"] is False
     assert checks["Top-k reverse > K3, both with the EMA anchor (avg)"]["ours_holds"] is True
     assert checks["GRPO > WARP (token-level beats sequence-level KL, §6)"]["ours_holds"] is True

@@ -28,6 +28,7 @@ COLS = SPLITS + ["avg"]
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table2" / "paper_table2.csv"
 ROWS = ["before RL", "WARP", "PPO", "GRPO", "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"]
 EMA, FWD, REV = "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"
+PALETTE = dict(zip(ROWS, sns.color_palette("colorblind", len(ROWS))))  # one colour per method in every panel
 
 
 def per_run_scores(runs: pd.DataFrame) -> pd.DataFrame:
@@ -151,7 +152,8 @@ def plot(t: pd.DataFrame, paper: pd.DataFrame, out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 4), sharey=False)
     for ax, (src, df) in zip(axes, (("ours (mean ± std over seeds)", ours), ("paper (Qwen2.5-3B base)", pl))):
         order = [m for m in ROWS if m in set(df["method"])]
-        sns.barplot(df, x="split", y="mean", hue="method", hue_order=order, order=COLS, ax=ax, alpha=0.85)
+        sns.barplot(df, x="split", y="mean", hue="method", hue_order=order, order=COLS, ax=ax, alpha=0.85,
+                    palette=PALETTE)
         if src.startswith("ours"):  # error bars from the seeds' std
             for cont, m in zip(ax.containers, order):
                 sub = df[df["method"] == m].set_index("split").reindex(COLS)
@@ -172,7 +174,7 @@ def plot_curves(runs: pd.DataFrame, out: Path) -> None:
     if not len(curves):
         return
     g = sns.relplot(curves, x="step", y="value", hue="method", col="metric", kind="line", errorbar="sd", marker="o",
-                    hue_order=[m for m in METHODS if m in set(curves["method"])], height=3.2, aspect=1.2,
+                    hue_order=[m for m in METHODS if m in set(curves["method"])], height=3.2, aspect=1.2, palette=PALETTE,
                     facet_kws={"sharey": False})
     g.set_axis_labels("RL iteration", "exact match")
     g.figure.suptitle("Table 2 runs: evaluation during RL (mean ± std over seeds)", y=1.03)

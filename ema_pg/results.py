@@ -169,6 +169,21 @@ def summarize(runs: pd.DataFrame, by: list[str], metric: str) -> pd.DataFrame:
     return out
 
 
+def paired_delta(runs: pd.DataFrame, by: list[str], metric: str, ref_x, x: str) -> pd.DataFrame | None:
+    """Per group: final metric minus the reference variant's (``x == ref_x``, same hue) on the same seed."""
+    col = f"final/{metric}"
+    if "seed" not in runs or runs.groupby(by)["seed"].nunique().min() < 2:
+        return None
+    hue = [c for c in by if c != x]
+    ref = runs[runs[x] == ref_x][hue + ["seed", col]].rename(columns={col: "ref"})
+    merged = runs.merge(ref, on=hue + ["seed"], how="inner")
+    if not len(merged):
+        return None
+    merged["delta"] = merged[col] - merged["ref"]
+    out = merged.groupby(by, sort=False)["delta"].apply(mean_std).reset_index()
+    return out.rename(columns={"delta": f"Δ vs {ref_x} (paired)"})
+
+
 def _order(values, order):
     vals = list(dict.fromkeys(values))
     if order:
@@ -198,11 +213,19 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     for c in by:
         runs[c] = runs[c].astype(str)
     table = summarize(runs, by, metric)
+    xs = _order(runs[x], order)
+    table = table.sort_values(x, key=lambda c: c.map({v: i for i, v in enumerate(xs)}), kind="stable")
+    ref = paired_delta(runs, by, metric, xs[0], x)
+    if ref is not None:
+        table = table.merge(ref, on=by, how="left")
     keep = [c for c in ["run", "seed", *by, "finished", "iteration", f"base/{metric}", f"final/{metric}"] if c in runs]
     runs[keep].to_csv(out / f"{name}_runs.csv", index=False)
     table.to_csv(out / f"{name}.csv", index=False)
-    md = [f"# {title or name}", "", f"Final `{metric}` over seeds (mean ± sample std; n = seeds).", "",
-          table[by + ["mean ± std", "n"]].to_markdown(index=False, disable_numparse=True), ""]
+    dcol = [c for c in table.columns if c.startswith("Δ vs")]
+    md = [f"# {title or name}", "", f"Final `{metric}` over seeds (mean ± sample std; n = seeds)"
+          + (f"; `{dcol[0]}`: the difference to that variant on the same seed (same cold start), mean ± std" if dcol
+             else "") + ".", "",
+          table[by + ["mean ± std", *dcol, "n"]].to_markdown(index=False, disable_numparse=True), ""]
     (out / f"{name}.md").write_text("\n".join(md))
 
     set_style()
@@ -210,17 +233,19 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     curves = curves[curves["metric"] == metric]
     for c in by:
         curves[c] = curves[c].astype(str)
-    xs = _order(runs[x], order)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
     label = (lambda r: f"{r[x]} / {r[hue]}") if hue else (lambda r: r[x])
     if len(curves):
         curves["variant"] = curves.apply(label, axis=1)
         variants = [label({x: v, hue: h}) for v in xs for h in (_order(runs[hue], None) if hue else [None])]
         sns.lineplot(curves, x="step", y="value", hue="variant", errorbar="sd", marker="o", ax=a1,
-                     hue_order=[v for v in variants if v in set(curves["variant"])])
+                     hue_order=[v for v in variants if v in set(curves["variant"])],
+                     palette=None if hue else dict(zip(xs, sns.color_palette("colorblind", len(xs)))))
         a1.legend(fontsize=7)
     a1.set(xlabel="RL iteration", ylabel=metric, title="learning curves (mean ± std over seeds)")
-    sns.barplot(runs, x=x, y=f"final/{metric}", hue=hue, order=xs, errorbar="sd", ax=a2, alpha=0.8)
+    sns.barplot(runs, x=x, y=f"final/{metric}", hue=hue or x, order=xs, errorbar="sd", ax=a2, alpha=0.8,
+                legend=bool(hue), hue_order=None if hue else xs,
+                palette=None if hue else dict(zip(xs, sns.color_palette("colorblind", len(xs)))))
     sns.stripplot(runs, x=x, y=f"final/{metric}", hue=hue, order=xs, dodge=bool(hue), ax=a2, color="k", size=3,
                   legend=False)
     a2.set(xlabel=x, ylabel=f"final {metric}", title="final (bars: mean ± std; dots: seeds)")

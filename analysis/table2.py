@@ -21,8 +21,9 @@ import pandas as pd
 import seaborn as sns
 
 from ema_pg.results import METHODS, load_curves, load_runs, set_style
+from ema_pg.tasks.search.task import SPLITS as TASK_SPLITS
 
-SPLITS = ["nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle"]
+SPLITS = list(TASK_SPLITS)  # general QA first, then multi-hop (the paper's column order)
 GENERAL, MULTIHOP = SPLITS[:3], SPLITS[3:]
 COLS = SPLITS + ["avg"]
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table2" / "paper_table2.csv"

@@ -145,6 +145,18 @@ class Config:
     name: str = "run"  #: a short label for the run (experiments set it)
 
 
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as {"dotted.key": value}; lists become their string form (comparable, one column)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = str(v) if isinstance(v, list) else v
+    return out
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)

@@ -25,6 +25,8 @@ import pandas as pd
 import seaborn as sns
 from omegaconf import OmegaConf
 
+from .config import flatten
+
 #: Table 2's method labels, in the paper's row order
 METHODS = ["WARP", "GRPO", "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"]
 
@@ -46,19 +48,6 @@ def method_label(cfg: dict) -> str:
     if kl in ("topk_forward", "topk_reverse") and ema:
         return f"+ Top-k {kl.split('_')[1]} KL"
     return f"{kl} ({'EMA' if ema else anchor} anchor)"
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, key + "."))
-        elif isinstance(v, list):
-            out[key] = str(v)
-        else:
-            out[key] = v
-    return out
 
 
 def find_runs(root: str | Path) -> list[Path]:
@@ -96,7 +85,7 @@ def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
     rows = []
     for run in find_runs(root):
         cfg = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=False)
-        row = {"run_dir": str(run), "run": run.name, **_flatten(cfg)}
+        row = {"run_dir": str(run), "run": run.name, **flatten(cfg)}
         row.update(_derived(row))
         df = pd.read_csv(run / "metrics.csv")
         evals = [c for c in df.columns if c.startswith("eval")]

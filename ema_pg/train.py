@@ -25,7 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .anchor import EMAAnchor
-from .config import ConfigError, register_configs, validate
+from .config import ConfigError, flatten, register_configs, validate
 from .models import ModelPathError, load_model_dir
 from .module import GRPOModule
 from .plotting import plot_run
@@ -147,13 +147,7 @@ def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
             node = OmegaConf.select(c, parent) if parent else c
             if node is not None and leaf in node:
                 node.pop(leaf)
-        return pd_flat(OmegaConf.to_container(c, resolve=True))
-
-    def pd_flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(pd_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
+        return flatten(OmegaConf.to_container(c, resolve=True))
 
     a, b = flat(saved), flat(cfg)
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))

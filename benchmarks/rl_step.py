@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 def make_model_dir(root: Path, hidden: int, layers: int) -> Path:
     from ema_pg.models import build_tiny_model, save_model_dir, train_bpe_tokenizer
-    from ema_pg.tasks.toy import AdditionTask
+    from ema_pg.tasks import build_task
 
-    tok = train_bpe_tokenizer(AdditionTask().corpus(), vocab_size=300)
+    tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     model = build_tiny_model(len(tok), hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     return save_model_dir(model, tok, root / "model")
@@ -65,9 +65,9 @@ def bench_trl(model_dir: Path, root: Path, a) -> dict:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from ema_pg.tasks.toy import AdditionTask
+    from ema_pg.tasks import build_task
 
-    task = AdditionTask()
+    task = build_task({"name": "toy_add"})
     prompts = task.sample(a.prompts * (a.warmup + a.steps + 2), seed=0)
     answers = {p.text: p.answer for p in prompts}
     ds = Dataset.from_list([{"prompt": p.text} for p in prompts])

@@ -1,18 +1,29 @@
-"""Typed config schema (Hydra structured configs) and start-up validation.
+"""Typed config schema (Hydra structured configs), composition, and start-up validation.
 
-Every knob is documented where it is defined: type, default, meaning, and the paper's
-equation where it has one. The YAML files under ``conf/`` are validated against these
-dataclasses, so an unknown key or a wrongly typed value fails when the config is composed;
-:func:`validate` then checks ranges and combinations with messages that say what to change.
+**One home per default.** Every knob's default is written once, here, in the dataclass that
+defines it, with its type, meaning and the paper's equation where it has one. The files under
+``conf/<group>/`` are *options*: they state only what differs from these defaults (and their
+``name``). Two knobs are the exception, with their own registries as their home: the
+parameters of a KL estimator (``kl.k``, ``kl.tail``, ``kl.iw_clip``, ...) default to
+``ema_pg.kl.ESTIMATORS[name].defaults`` (``None`` here means "the estimator's default"), and
+:func:`fill_defaults` writes the values in force into the run's saved config. A test fails
+when a group file restates a default or gives a knob a second, different one.
+
+The YAML files are validated against these dataclasses when the config is composed (an
+unknown key or a wrongly typed value fails there); :func:`validate` then checks ranges and
+combinations, with messages that say what to change.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 class ConfigError(ValueError):
@@ -49,16 +60,17 @@ class RolloutConfig:
     name: str = "hf"  #: hf | vllm (GPU extra)
     temperature: float = 1.0  #: sampling temperature (log-probs are of the same tempered distribution)
     top_p: float = 1.0  #: nucleus sampling mass
-    max_new_tokens: int = 8  #: policy tokens per response (all turns together)
+    max_new_tokens: int = 6  #: policy tokens per response (all turns together)
     stop: list[str] = field(default_factory=list)  #: stop strings that end a turn
     max_obs_tokens: int = 256  #: cap on the tokens of one environment observation
     eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
-    reuse_old_logprobs: bool = True  #: take log pi_old, its top-k and entropy from the sampler (no second pass)
     gpu_memory_utilization: float = 0.5  #: vLLM only
 
 
 @dataclass
 class KLConfig:
+    """The token-level KL estimator. Parameters left None take the estimator's registry default."""
+
     name: str = "topk_reverse"  #: a registry key of ema_pg.kl.ESTIMATORS
     k: int | None = None  #: top-k size (Alg 1-2); 0 = sampled estimator
     tail: str | None = None  #: none | paper | corrected (see ema_pg.kl.topk)
@@ -69,7 +81,9 @@ class KLConfig:
 
 @dataclass
 class AnchorConfig:
-    name: str = "ema"  #: ema | fixed (eta = 1) | none (no anchor model, beta must be 0)
+    """The anchor (reference) policy. ``anchor=fixed`` is the preset ``eta: 1.0`` (standard GRPO)."""
+
+    name: str = "ema"  #: ema (an EMA of the policy; eta = 1 is the fixed anchor) | none (no anchor, beta = 0)
     eta: float = 0.9  #: EMA coefficient, theta_ema <- eta theta_ema + (1 - eta) theta (eq. 2); 1.0 = fixed
     update_every: int = 10  #: T_ema: iterations between EMA updates (Alg 3, line 25)
     eval_every: int = 0  #: evaluate the anchor policy itself every N iterations (0 = never)
@@ -109,7 +123,6 @@ class TrainerConfig:
     precision: str = "32-true"  #: Lightning precision
     num_threads: int = 0  #: torch CPU threads (0 = leave as is)
     progress_bar: bool = True  #: Lightning's progress bar
-    checkpoint_every: int = 0  #: iterations between checkpoints (0 = at every evaluation)
 
 
 @dataclass
@@ -138,11 +151,15 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    method: str | None = None  #: the named method chosen (conf/method/<id>.yaml sets it; None = none chosen)
     seed: int = 0  #: seeds the model, the prompts and the sampler
     run_dir: str = "${hydra:runtime.output_dir}"  #: where this run writes everything
     resume: str | None = None  #: a run folder to continue from its last checkpoint
     if_exists: str = "error"  #: run_dir already holds a run: error | resume (finished runs are skipped; sweeps use this)
-    name: str = "run"  #: a short label for the run (experiments set it)
+    name: str = "${kl.name}-${anchor.name}"  #: a short label for the run (experiments set it)
+
+
+ANCHORS = ("ema", "none")  #: anchor.name choices
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -162,6 +179,23 @@ def register_configs() -> None:
     cs.store(name="config_schema", node=Config)
 
 
+def compose(overrides: list[str] | tuple = (), config_name: str = "config", config_dir: str | Path | None = None):
+    """The config that ``python -m ema_pg.train <overrides>`` would run (outside a Hydra app).
+
+    The one composition function of the project: evaluate, the Optuna search, benchmarks and
+    tests all use it. ``run_dir`` interpolates Hydra's output folder and stays unresolved.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(str(Path(config_dir or CONF_DIR).resolve()), version_base="1.3"):
+        return hydra_compose(config_name, overrides=list(overrides))
+
+
+KL_PARAMS = tuple(f.name for f in fields(KLConfig) if f.name != "name")  #: the estimator parameters of ``kl.*``
+
+
 def kl_params(kl_cfg) -> dict:
     """The estimator parameters that are set (not None) and that the estimator takes."""
     from .kl import ESTIMATORS
@@ -170,7 +204,7 @@ def kl_params(kl_cfg) -> dict:
         raise ConfigError(f"kl.name={kl_cfg.name!r} is not a KL estimator; choose one of: {', '.join(ESTIMATORS)}")
     takes = ESTIMATORS[kl_cfg.name].defaults
     out = {}
-    for key in ("k", "tail", "iw_clip", "divergence", "alpha"):
+    for key in KL_PARAMS:
         v = kl_cfg.get(key)
         if v is None:
             continue
@@ -179,6 +213,25 @@ def kl_params(kl_cfg) -> dict:
                               f"remove kl.{key} or pick an estimator that has it")
         out[key] = tuple(v) if key == "iw_clip" else v
     return out
+
+
+def fill_defaults(cfg: DictConfig) -> DictConfig:
+    """Write the estimator parameters in force (registry defaults included) into ``cfg.kl``.
+
+    The saved ``config.yaml`` then states every value the run used, and two configs that run the
+    same estimator compare equal whether or not a default was spelled out.
+    """
+    from .kl import get_estimator
+
+    est = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
+    with open_dict(cfg):
+        for key, v in est.params.items():
+            cfg.kl[key] = list(v) if isinstance(v, tuple) else v
+    return cfg
+
+
+def to_yaml(cfg) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
 
 
 def validate(cfg, vocab_size: int | None = None) -> None:
@@ -214,16 +267,19 @@ def validate(cfg, vocab_size: int | None = None) -> None:
         bad(f"if_exists={cfg.if_exists!r}; choose error (refuse to touch an existing run) or resume (continue it)")
     if a.reward_kl not in ("none", "sequence"):
         bad(f"algo.reward_kl={a.reward_kl!r}; choose none or sequence")
-    if an.name not in ("ema", "fixed", "none"):
-        bad(f"anchor.name={an.name!r}; choose one of: ema, fixed, none")
+    if an.name not in ANCHORS:
+        bad(f"anchor.name={an.name!r}; choose one of: {', '.join(ANCHORS)} (anchor=fixed is ema with eta=1.0)")
     if not (0.0 <= an.eta <= 1.0):
         bad(f"anchor.eta must be in [0, 1] (1.0 = fixed anchor; the paper recommends 0.9-0.95); got {an.eta}")
     if an.update_every < 1:
         bad(f"anchor.update_every must be >= 1 (paper: 10); got {an.update_every}")
-    if an.name == "fixed" and an.eta != 1.0:
-        bad(f"anchor=fixed needs anchor.eta=1.0; got {an.eta} (use anchor=ema for eta < 1)")
-    if an.name == "none" and (a.beta != 0.0 or cfg.kl.name != "none"):
-        bad("anchor=none keeps no anchor model: set algo.beta=0 and kl=none (or choose anchor=ema / anchor=fixed)")
+    if an.name == "none" and (a.beta != 0.0 or cfg.kl.name != "none" or a.reward_kl != "none"):
+        bad("anchor=none keeps no anchor model: set algo.beta=0, kl=none and algo.reward_kl=none "
+            "(or choose anchor=ema / anchor=fixed)")
+    if a.reward_kl == "sequence" and cfg.kl.name != "none" and a.beta > 0:
+        bad(f"algo.reward_kl=sequence puts the KL into the reward, but kl={cfg.kl.name} would add a token KL to the "
+            "loss as well (and is ignored); set kl=none with reward_kl=sequence (method=warp does), or "
+            "algo.reward_kl=none to keep the token KL")
     if cfg.optim.lr <= 0:
         bad(f"optim.lr must be > 0; got {cfg.optim.lr}")
     if cfg.rollout.temperature < 0 or not (0 < cfg.rollout.top_p <= 1):
@@ -256,6 +312,17 @@ def validate(cfg, vocab_size: int | None = None) -> None:
 
         if not torch.cuda.is_available():
             bad("trainer=deepspeed needs CUDA (and the gpu extra); on this machine use trainer=cpu")
+    if cfg.rollout.name not in ("hf", "vllm"):
+        bad(f"rollout={cfg.rollout.name!r}; choose hf or vllm")
+    if cfg.rollout.name == "vllm":
+        import importlib.util
+
+        import torch
+
+        if not torch.cuda.is_available():
+            bad("rollout=vllm needs CUDA (and the gpu extra); on this machine use rollout=hf")
+        if not importlib.util.find_spec("vllm"):
+            bad("rollout=vllm needs vLLM: pip install -e '.[gpu]' (or use rollout=hf)")
     if cfg.trainer.accelerator in ("gpu", "cuda"):
         import torch
 

@@ -1,12 +1,15 @@
 """Evaluate a policy on a task's eval splits, and the ``python -m ema_pg.evaluate`` command.
 
     python -m ema_pg.evaluate runs/<run>            # the run's final policy (last checkpoint)
+    python -m ema_pg.evaluate runs/<run> --which anchor   # its EMA anchor (or --initial: its base policy)
     python -m ema_pg.evaluate path/to/model_dir task=toy_add
     python -m ema_pg.evaluate base experiment=search  # the cold-start base policy of a config
     python -m ema_pg.evaluate base experiment=search --baseline rag   # Table 2's RAG baseline
 
-Writes ``eval.json`` ({"splits": {name: {metric: float, "n": int}}, "avg": float}) beside the
-run or model and prints a table.
+Writes ``{"splits": {name: {metric: float, "n": int}}, "avg": float, ...}`` and prints a table:
+for a run folder into ``<run>/evaluations/<which>[_<overrides>].json`` (the run's own
+``eval.json`` is its record of the final result and is never overwritten), else beside the
+model. A run folder needs nothing but itself: no cold-start cache, any working directory.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
 
     ``show`` > 0 also keeps that many (prompt, response, reward) samples per split under "samples".
     """
-    metric = getattr(task, "metric", "em")
+    metric = task.metric
     splits = splits if splits is not None else task.eval_splits()
     out, samples = {}, {}
     total = sum(math.ceil(len(v) / batch_size) for v in splits.values())
@@ -38,7 +41,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
             chunk = prompts[i : i + batch_size]
             ro = sampler.generate(model, [p.text for p in chunk], 1, temperature=rollout_cfg.eval_temperature,
                                   top_p=1.0, max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop),
-                                  on_stop=task.on_stop_fn(chunk, 1) if hasattr(task, "on_stop_fn") else None, seed=0)
+                                  on_stop=task.on_stop_fn(chunk, 1), seed=0)
             scores += [task.reward(chunk[j], text) for j, text in zip(ro.prompt_index, ro.responses)]
             if show and name not in samples:
                 samples[name] = [{"prompt": chunk[j].text, "gold": chunk[j].answer, "response": text,
@@ -66,7 +69,9 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
 
+    from .config import compose
     from .models import load_model_dir
+    from .policy import WHICH, build_policy, load_run_model
     from .rollout import build_sampler
     from .tasks import build_task
 
@@ -74,47 +79,43 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("target", help="a run folder (its last checkpoint), a saved model directory, or 'base' "
                     "(the cold-start base policy of the config given by the overrides)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. task=toy_add rollout.max_new_tokens=8")
-    ap.add_argument("--out", default=None, help="where to write eval.json (default: inside target)")
+    ap.add_argument("--out", default=None, help="where to write the JSON (default: inside target)")
     ap.add_argument("--baseline", choices=["none", "cot", "rag"], default="none",
                     help="Table 2 baselines for search tasks: cot = answer without search, rag = retrieve with the question")
-    ap.add_argument("--initial", action="store_true", help="evaluate a run's initial (base) policy, not its last checkpoint")
+    ap.add_argument("--which", choices=WHICH, default="policy",
+                    help="of a run folder: the last checkpoint's policy or EMA anchor, or the initial policy")
+    ap.add_argument("--initial", action="store_const", const="initial", dest="which", help="= --which initial")
     ap.add_argument("--show", type=int, default=0, help="print this many sample rollouts per split")
     a = ap.parse_args(argv)
     target = Path(a.target)
-    if (target / "config.yaml").is_file():
-        cfg = OmegaConf.load(target / "config.yaml")
-        from .train import load_policy_from_run
-
-        model, tok = load_policy_from_run(target, cfg, initial=a.initial)
+    is_run = (target / "config.yaml").is_file()
+    if is_run:
+        cfg = OmegaConf.merge(OmegaConf.load(target / "config.yaml"), OmegaConf.from_dotlist(a.overrides))
+        model, tok = load_run_model(target, a.which)
     else:
-        from hydra import compose, initialize_config_dir
-
-        from .config import register_configs
-
-        register_configs()
-        conf_dir = str(Path(__file__).resolve().parent.parent / "conf")
-        with initialize_config_dir(conf_dir, version_base="1.3"):
-            cfg = compose("config", overrides=list(a.overrides))
+        cfg = compose(a.overrides)
         if a.target == "base":
-            from .train import build_policy
-
             model, tok = build_policy(cfg, build_task(cfg.task))
             target = Path("runs") / "eval" / f"{cfg.name}-s{cfg.seed}"
             if not a.out:
                 target.mkdir(parents=True, exist_ok=True)
         else:
             model, tok = load_model_dir(target)
-    if a.overrides and a.target != "base" and (target / "config.yaml").is_file():
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(a.overrides))
     task = build_task(cfg.task)
     splits = None
     if a.baseline != "none":
         splits = {k: task.baseline_prompts(v, a.baseline) for k, v in task.eval_splits().items()}
     result = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, splits=splits, show=a.show)
-    result["baseline"] = a.baseline
-    initial = a.initial or a.target == "base"
-    name = "eval.json" if a.baseline == "none" and not initial else f"eval_{'base_' if initial else ''}{a.baseline}.json"
-    out = Path(a.out) if a.out else target / name
+    result.update(baseline=a.baseline, which=a.which, overrides=list(a.overrides))
+    if is_run:  # never over the run's own eval.json (its record of the final result)
+        label = "_".join([a.which] + ([a.baseline] if a.baseline != "none" else [])
+                         + [o.replace("/", "-").replace("=", "-") for o in a.overrides])
+        out = Path(a.out) if a.out else target / "evaluations" / f"{label}.json"
+    else:
+        initial = a.target == "base"
+        name = "eval.json" if a.baseline == "none" and not initial else f"eval_{'base_' if initial else ''}{a.baseline}.json"
+        out = Path(a.out) if a.out else target / name
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     for name, xs in result.get("samples", {}).items():
         for x in xs:

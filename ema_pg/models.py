@@ -15,8 +15,6 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Con
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 class ModelPathError(ValueError):
@@ -64,7 +62,9 @@ def build_tiny_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 
 
 
 def load_model_dir(path: str | os.PathLike, dtype: torch.dtype | None = None):
-    """(model, tokenizer) from a local directory written by ``save_pretrained``. Clear errors otherwise."""
+    """(model, tokenizer) from a local directory written by ``save_pretrained``. Clear errors otherwise.
+
+    Only ``local_files_only`` loads are made: nothing is ever fetched from a hub."""
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelPathError(f"model.path={str(path)!r} does not exist; give a local directory holding a saved "

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.figure import Figure  # no pyplot: no GUI backend is chosen or needed
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -19,7 +16,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
               ("clip fraction", ["train/clip_frac_low", "train/clip_frac_high"])]
     panels = [(t, [c for c in cols if c in df.columns]) for t, cols in panels]
     panels = [(t, cols) for t, cols in panels if cols]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.3), squeeze=False)
+    fig = Figure(figsize=(4.2 * len(panels), 3.3))
+    axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, cols) in zip(axes[0], panels):
         for c in cols:
             s = df[["step", c]].dropna()
@@ -32,5 +30,4 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.tight_layout()
     out = Path(out) if out else run_dir / "curves.png"
     fig.savefig(out, dpi=110)
-    plt.close(fig)
     return out

@@ -18,11 +18,9 @@ import math
 from pathlib import Path
 
 import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
+from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
 from .config import flatten
@@ -34,7 +32,7 @@ METHODS = ["WARP", "GRPO", "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top
 def set_style() -> None:
     """The one look of every figure the project draws."""
     sns.set_theme(context="paper", style="whitegrid", palette="colorblind", font_scale=1.1)
-    plt.rcParams.update({"figure.dpi": 110, "savefig.bbox": "tight", "legend.frameon": False})
+    matplotlib.rcParams.update({"figure.dpi": 110, "savefig.bbox": "tight", "legend.frameon": False})
 
 
 def method_label(cfg: dict) -> str:
@@ -222,7 +220,8 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     curves = curves[curves["metric"] == metric]
     for c in by:
         curves[c] = curves[c].astype(str)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig = Figure(figsize=(11, 3.8))  # no pyplot: no GUI backend is chosen or needed
+    a1, a2 = fig.subplots(1, 2)
     label = (lambda r: f"{r[x]} / {r[hue]}") if hue else (lambda r: r[x])
     if len(curves):
         curves["variant"] = curves.apply(label, axis=1)
@@ -243,7 +242,6 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     fig.tight_layout()
     for ext in ("png", "pdf"):
         fig.savefig(out / f"{name}.{ext}")
-    plt.close(fig)
     return {"table": table, "runs": runs, "metric": metric, "files": sorted(str(p) for p in out.glob(f"{name}*"))}
 
 

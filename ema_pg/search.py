@@ -37,10 +37,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import lightning as L
 import optuna
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
+
+from .module import EvalCallback
 
 log = logging.getLogger("ema_pg.search")
 # heartbeats are driven here (ask/tell under a lock), not by Study.optimize: Optuna's notes about that are expected
@@ -140,27 +141,23 @@ def _value(v) -> str:
 
 def compose_trial_cfg(spec: StudySpec, params: dict, run_dir: Path, extra: list[str] = ()):
     """The run config of a trial: the study's overrides, the command line's, then the trial's values."""
-    from hydra import compose, initialize_config_dir
+    from .config import compose
 
-    from .config import register_configs
-
-    register_configs()
     overrides = list(spec.overrides) + list(extra) + [f"{k}={_value(v)}" for k, v in params.items()]
     overrides += [f"run_dir={run_dir}", "if_exists=resume"]
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        try:
-            cfg = compose("config", overrides=overrides)
-        except Exception as e:  # noqa: BLE001 - Hydra's composition errors
-            unknown = [k for k in params if k.split(".")[-1] in str(e)]
-            hint = f"params.{unknown[0]} is not a config key" if unknown else "the study's overrides do not compose"
-            raise StudyFileError(f"{hint}: {e}".splitlines()[0] + "; see `python -m ema_pg.train --cfg job`") from None
+    try:
+        cfg = compose(overrides)
+    except Exception as e:  # noqa: BLE001 - Hydra's composition errors
+        unknown = [k for k in params if k.split(".")[-1] in str(e)]
+        hint = f"params.{unknown[0]} is not a config key" if unknown else "the study's overrides do not compose"
+        raise StudyFileError(f"{hint}: {e}".splitlines()[0] + "; see `python -m ema_pg.train --cfg job`") from None
     for key in params:
         if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
             raise StudyFileError(f"params.{key} is not a config key; see `python -m ema_pg.train --cfg job`")
     return cfg
 
 
-class OptunaPruning(L.Callback):
+class OptunaPruning(EvalCallback):
     """Reports each evaluation's average to the trial and stops the run when the pruner says so."""
 
     def __init__(self, trial: optuna.Trial):

@@ -117,12 +117,12 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
 
             def stop_fn() -> bool:
                 ro = sampler.generate(model, [p.text for p in probe], 1, temperature=0.0, max_new_tokens=max_new_tokens,
-                                      stop=list(stop), on_stop=task.on_stop_fn(probe, 1) if hasattr(task, "on_stop_fn") else None)
+                                      stop=list(stop), on_stop=task.on_stop_fn(probe, 1))
                 r = sum(task.reward(probe[i], t) for i, t in zip(ro.prompt_index, ro.responses)) / len(probe)
                 return r >= sft_cfg.stop_at_reward
 
         losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
-                           stop_fn=stop_fn, check_every=sft_cfg.check_every, mask_fn=getattr(task, "masked_spans", None))
+                           stop_fn=stop_fn, check_every=sft_cfg.check_every, mask_fn=task.masked_spans)
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
     save_model_dir(model, tok, tmp)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -25,132 +23,15 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from .anchor import EMAAnchor
-from .config import ConfigError, flatten, register_configs, validate
-from .models import ModelPathError, load_model_dir
+from .config import CONF_DIR, ConfigError, fill_defaults, register_configs, validate
+from .models import ModelPathError
 from .module import GRPOModule
 from .plotting import plot_run
-from .sft import cold_start
+from .policy import build_policy, save_run_model
+from .runs import config_differences, finished_metrics, git_commit, make_loggers, resolve_resume
 from .tasks import build_task
 
 log = logging.getLogger("ema_pg")
-# the run folder holds config.yaml before the CSV logger starts: its "not empty" warning is expected
-warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
-register_configs()
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
-                               text=True, timeout=5).stdout.strip()
-        return sha + ("-dirty" if dirty else "") if sha else "unknown"
-    except Exception:  # noqa: BLE001 - no git is fine
-        return "unknown"
-
-
-def build_policy(cfg, task):
-    """(model, tokenizer): a local model directory, or the cached cold-start base policy."""
-    if cfg.model.path:
-        model, tok = load_model_dir(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
-        return model, tok
-    model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, cfg.seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                               stop=tuple(cfg.rollout.stop))
-    return model.to(DTYPES[cfg.model.dtype]), tok
-
-
-def load_policy_from_run(run_dir: Path, cfg, initial: bool = False):
-    """The policy of a run's last checkpoint (its initial policy if ``initial`` or no checkpoint)."""
-    task = build_task(cfg.task)
-    model, tok = build_policy(cfg, task)
-    ckpt = Path(run_dir) / "checkpoints" / "last.ckpt"
-    if ckpt.is_file() and not initial:
-        sd = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
-        model.load_state_dict({k.removeprefix("policy."): v for k, v in sd.items() if k.startswith("policy.")})
-    return model, tok
-
-
-def _loggers(cfg, run_dir: Path, resume_step: int | None):
-    from lightning.pytorch.loggers import CSVLogger
-
-    old_rows = []
-    metrics_file = run_dir / "metrics.csv"
-    if resume_step is not None and metrics_file.is_file():  # the CSV logger starts a fresh file: carry rows over
-        import pandas as pd
-
-        df = pd.read_csv(metrics_file)
-        old_rows = [{k: v for k, v in r.items() if k != "step" and v == v} | {"step": int(r["step"])}
-                    for r in df[df["step"] <= resume_step].to_dict("records")]
-    csv = CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=10)
-    for r in old_rows:
-        step = r.pop("step")
-        csv.log_metrics(r, step=step)
-    loggers = [csv]
-    if cfg.logger.name == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-
-        os.environ.setdefault("WANDB_MODE", "offline" if cfg.logger.offline else "online")
-        loggers.append(WandbLogger(project=cfg.logger.project, save_dir=str(run_dir), name=cfg.name))
-    elif cfg.logger.name == "tensorboard":
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb"))
-    elif cfg.logger.name != "csv":
-        raise ConfigError(f"logger={cfg.logger.name!r}; choose one of: csv, wandb, tensorboard")
-    return loggers
-
-
-def resolve_resume(cfg) -> DictConfig:
-    """The config of a resumed run.
-
-    From the command line: the run's saved ``config.yaml`` with this command's explicit
-    overrides on top (``resume=RUN algo.iterations=400``). From Python: ``cfg`` as given
-    (load the saved config, change what you want, set ``resume``).
-    """
-    run_dir = Path(cfg.resume)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"resume={cfg.resume!r} is not a run folder (no config.yaml there)")
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        saved = OmegaConf.load(run_dir / "config.yaml")
-        overrides = [o.lstrip("+") for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
-        cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
-    cfg.run_dir, cfg.resume = str(run_dir), str(run_dir)
-    return cfg
-
-
-def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
-    """The final metrics of a run folder that already finished ``iterations`` iterations (else None)."""
-    f = Path(run_dir) / "eval.json"
-    if not f.is_file():
-        return None
-    final = json.loads(f.read_text())
-    if final.get("iteration", -1) < iterations:
-        return None
-    return {f"eval/avg/{final.get('metric', 'em')}": final.get("avg", float("nan")), "iteration": final["iteration"],
-            "base/avg": final.get("base_avg", float("nan"))}
-
-
-# knobs that may change when a run is continued (more iterations, another machine, quieter output)
-RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", "algo.iterations", "trainer.progress_bar", "trainer.num_threads")
-
-
-def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
-    """Keys whose values differ between a run folder's saved config and ``cfg`` (ignoring RESUMABLE_CHANGES)."""
-    def flat(c):
-        c = OmegaConf.create(OmegaConf.to_container(c, resolve=False))
-        for key in RESUMABLE_CHANGES:
-            parent, _, leaf = key.rpartition(".")
-            node = OmegaConf.select(c, parent) if parent else c
-            if node is not None and leaf in node:
-                node.pop(leaf)
-        return flatten(OmegaConf.to_container(c, resolve=True))
-
-    a, b = flat(saved), flat(cfg)
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
@@ -164,7 +45,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     if not cfg.get("resume") and cfg.get("if_exists", "error") == "resume":
         run_dir = Path(cfg.run_dir)
         if (run_dir / "config.yaml").is_file():
-            diff = config_differences(OmegaConf.load(run_dir / "config.yaml"), cfg)
+            diff = config_differences(OmegaConf.load(run_dir / "config.yaml"), fill_defaults(cfg.copy()))
             if diff:
                 raise ConfigError(f"{run_dir} holds a run with another config (differs in: {', '.join(diff[:6])}); "
                                   "give this run another run_dir (or sweep dir), or delete that folder")
@@ -174,9 +55,12 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
             return done, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True}
         if (run_dir / "checkpoints" / "last.ckpt").is_file():
             cfg.resume = str(run_dir)
+    # the run folder holds config.yaml before the CSV logger starts: its "not empty" warning is expected
+    warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
     if cfg.get("resume"):
         cfg = resolve_resume(cfg)
     validate(cfg)
+    fill_defaults(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if cfg.trainer.num_threads:
@@ -207,6 +91,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         if last.is_file():
             raise ConfigError(f"{run_dir} already holds a run; pass resume={run_dir} to continue it, or another run_dir")
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        save_run_model(run_dir, policy, tok, cfg.model.path)
     (run_dir / "git.txt").write_text(git_commit() + "\n")
 
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -217,7 +102,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     tc = cfg.trainer
     trainer = L.Trainer(
         accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, precision=tc.precision,
-        max_epochs=-1, logger=_loggers(cfg, run_dir, resume_step), callbacks=callbacks,
+        max_epochs=-1, logger=make_loggers(cfg, run_dir, resume_step), callbacks=callbacks,
         enable_progress_bar=tc.progress_bar, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),
         deterministic=False,
@@ -254,7 +139,7 @@ class _StopAtIterations(L.Callback):
             trainer.should_stop = True
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     try:
         metrics, objs = train(cfg)
@@ -268,4 +153,5 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    register_configs()  # the schema must be in Hydra's store before @hydra.main composes
     main()

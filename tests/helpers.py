@@ -1,15 +1,13 @@
-"""Compose the real Hydra config and shrink it to seconds-long runs."""
+"""Compose the real config (ema_pg.config.compose) and shrink it to seconds-long runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-from ema_pg.config import register_configs
+from ema_pg.config import compose
 
-CONF = str(Path(__file__).resolve().parent.parent / "conf")
 TINY = [
     "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.tokenizer_vocab=300",
     "sft.steps=20", "sft.batch_size=16", "sft.num_demos=200",
@@ -19,11 +17,9 @@ TINY = [
 
 
 def compose_cfg(overrides: list[str] = (), tmp_path: Path | None = None, tiny: bool = True):
-    register_configs()
-    with initialize_config_dir(CONF, version_base="1.3"):
-        task_set = any(o.startswith("task=") for o in overrides)
-        tiny_task = ["task.eval_size=16"] if tiny and not task_set else []
-        cfg = compose("config", overrides=(TINY + tiny_task if tiny else []) + list(overrides))
+    task_set = any(o.startswith("task=") for o in overrides)
+    tiny_task = ["task.eval_size=16"] if tiny and not task_set else []
+    cfg = compose((TINY + tiny_task if tiny else []) + list(overrides))
     with open_dict(cfg):
         if tmp_path is not None:
             cfg.run_dir = str(tmp_path / "run")

@@ -75,9 +75,9 @@ def test_fisher_trace_is_the_mean_squared_score_norm():
     from ema_pg.models import build_tiny_model, train_bpe_tokenizer
     from ema_pg.monitor import StabilityMonitor, fisher_trace
     from ema_pg.rollout import HFSampler
-    from ema_pg.tasks.toy import AdditionTask
+    from ema_pg.tasks import build_task
 
-    tok = train_bpe_tokenizer(AdditionTask().corpus(), vocab_size=300)
+    tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     m = build_tiny_model(len(tok), hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     ro = HFSampler(tok).generate(m, ["1+2=", "33+4="], 2, temperature=1.0, max_new_tokens=4, seed=0)

@@ -5,11 +5,10 @@ import torch
 
 from ema_pg.models import ModelPathError, build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ema_pg.tasks import build_task
-from ema_pg.tasks.toy import AdditionTask
 
 
 def test_tokenizer_splits_digits_and_round_trips():
-    tok = train_bpe_tokenizer(AdditionTask().corpus(), vocab_size=300)
+    tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     assert tok.tokenize("37+58=95") == list("37+58=95")
     ids = tok("12+34=64", add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == "12+34=64"
@@ -17,7 +16,7 @@ def test_tokenizer_splits_digits_and_round_trips():
 
 
 def test_model_dir_round_trip(tmp_path):
-    tok = train_bpe_tokenizer(AdditionTask().corpus(), vocab_size=300)
+    tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
     save_model_dir(m, tok, tmp_path / "m")
     m2, tok2 = load_model_dir(tmp_path / "m")
@@ -43,7 +42,7 @@ def test_bad_model_paths_say_what_is_wrong(tmp_path):
 
 
 def test_addition_task_reward_and_heldout_split():
-    t = AdditionTask(digits=2, eval_size=64)
+    t = build_task({"name": "toy_add", "digits": 2, "eval_size": 64})
     train = {(p.meta["a"], p.meta["b"]) for s in range(20) for p in t.sample(16, s)}
     heldout = {(p.meta["a"], p.meta["b"]) for p in t.eval_splits()["heldout"]}
     assert not train & heldout
@@ -52,7 +51,7 @@ def test_addition_task_reward_and_heldout_split():
     assert t.reward(p, p.answer + "1") == 0.0 and t.reward(p, "\x00garbage") == 0.0
     a, b = p.meta["a"], p.meta["b"]
     assert p.answer == str(a + b)[::-1]
-    assert AdditionTask(reverse_answer=False).sample(1, 0)[0].answer == str(a + b)
+    assert build_task({"name": "toy_add", "reverse_answer": False}).sample(1, 0)[0].answer == str(a + b)
     assert t.sample(4, 7)[0].text == t.sample(4, 7)[0].text  # deterministic in the seed
 
 

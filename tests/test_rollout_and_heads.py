@@ -6,12 +6,13 @@ import torch
 from ema_pg.heads import head
 from ema_pg.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler, sample_token
-from ema_pg.tasks.toy import AdditionTask
+from ema_pg.scores import ScoreRequest
+from ema_pg.tasks import build_task
 
 
 @pytest.fixture(scope="module")
 def policy():
-    tok = train_bpe_tokenizer(AdditionTask().corpus(), vocab_size=300)
+    tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     return m.eval(), tok
@@ -20,12 +21,12 @@ def policy():
 def test_single_turn_logprobs_match_and_mask(policy):
     m, tok = policy
     prompts = ["1+2=", "12+345=", "7="]  # different lengths: left padding exercised
-    ro = HFSampler(tok).generate(m, prompts, 3, temperature=1.0, max_new_tokens=5, seed=0)
+    ro = HFSampler(tok).generate(m, prompts, 3, temperature=1.0, max_new_tokens=5, seed=0, score=ScoreRequest())
     assert ro.input_ids.shape[0] == 9 and ro.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     with torch.no_grad():
         h = head(m, ro)
     mask = ro.response_mask.bool()
-    assert (h.logp - ro.sample_logp)[mask].abs().max() < 1e-5
+    assert (h.logp - ro.old.logp)[mask].abs().max() < 1e-5
     assert (ro.loss_mask[:, : ro.prompt_len] == 0).all()  # prompts carry no loss
     assert (mask.sum(-1) <= 5).all() and (mask.sum(-1) >= 1).all()
 
@@ -47,7 +48,7 @@ def test_multi_turn_observations_have_loss_mask_zero(policy):
         return " <obs>42</obs> " if calls[row] <= 2 else None
 
     ro = HFSampler(tok).generate(m, ["1+1=", "22+3="], 2, temperature=1.0, max_new_tokens=10, stop=[""],
-                                 on_stop=on_stop, seed=3)
+                                 on_stop=on_stop, seed=3, score=ScoreRequest())
     obs_ids = tok(" <obs>42</obs> ", add_special_tokens=False)["input_ids"]
     T = ro.input_ids.shape[1] - ro.prompt_len
     for r in range(len(ro)):
@@ -61,7 +62,7 @@ def test_multi_turn_observations_have_loss_mask_zero(policy):
     with torch.no_grad():
         h = head(m, ro)  # scoring the whole interleaved sequence reproduces the sampler's log-probs
     mask = ro.response_mask.bool()
-    assert (h.logp - ro.sample_logp)[mask].abs().max() < 1e-5
+    assert (h.logp - ro.old.logp)[mask].abs().max() < 1e-5
     assert T > 3
 
 
@@ -69,11 +70,14 @@ def test_head_topk_and_index(policy):
     m, tok = policy
     ro = HFSampler(tok).generate(m, ["5+5="], 2, temperature=1.0, max_new_tokens=3, seed=0)
     with torch.no_grad():
-        h = head(m, ro, k=4, entropy=True, full_logits=True)
+        h = head(m, ro, topk=4, entropy=True, full_logits=True)
         lp = torch.log_softmax(h.logits, -1)
-        assert torch.equal(h.topk_idx, lp.topk(4, -1).indices)
-        g = head(m, ro, index=h.topk_idx)
-    assert torch.allclose(g.index_logp, h.topk_logp, atol=1e-6)
+        assert torch.equal(h.index, lp.topk(4, -1).indices)
+        g = head(m, ro, index=h.index)
+        c = head(m, ro, topk=4, entropy=True)  # the chunked path gives the same scores
+    assert torch.equal(g.index, h.index) and torch.allclose(g.index_logp, h.index_logp, atol=1e-6)
+    assert torch.equal(c.index, h.index) and torch.allclose(c.index_logp, h.index_logp, atol=1e-5)
+    assert torch.allclose(c.entropy, h.entropy, atol=1e-5)
     assert torch.allclose(h.entropy, -(lp.exp() * lp).sum(-1), atol=1e-5)
 
 
@@ -99,7 +103,8 @@ def test_ragged_observations_are_packed_and_scored_exactly(policy):
         return None if calls[row] >= 5 else ""  # "" = continue without text
 
     ro = HFSampler(tok).generate(m, ["1+1=", "22+3=", "4="], 2, temperature=1.0, max_new_tokens=8, stop=[""],
-                                 on_stop=on_stop, seed=5)
+                                 on_stop=on_stop, seed=5,
+                                 score=ScoreRequest())
     am = ro.attention_mask[:, ro.prompt_len:]
     lengths = am.sum(1)
     assert torch.equal(am, (torch.arange(am.shape[1])[None] < lengths[:, None]).long())  # no holes left
@@ -107,6 +112,6 @@ def test_ragged_observations_are_packed_and_scored_exactly(policy):
     with torch.no_grad():
         h = head(m, ro)
     mask = ro.response_mask.bool()
-    assert (h.logp - ro.sample_logp)[mask].abs().max() < 1e-5
+    assert (h.logp - ro.old.logp)[mask].abs().max() < 1e-5
     obs_tokens = ((am == 1) & (ro.response_mask == 0)).sum(1).tolist()
     assert obs_tokens[0] > obs_tokens[1] > 0 and obs_tokens[2] == 0

@@ -2,7 +2,8 @@
 
 import pytest
 
-from ema_pg.tasks.search import SearchQATask, exact_match, normalize_answer
+from ema_pg.tasks import build_task
+from ema_pg.tasks.search import exact_match, normalize_answer
 from ema_pg.tasks.search.retriever import BM25Retriever, HTTPRetriever, serve
 from ema_pg.tasks.search.task import INVALID, SPLITS
 from ema_pg.tasks.search.world import build_world, questions
@@ -10,7 +11,7 @@ from ema_pg.tasks.search.world import build_world, questions
 
 @pytest.fixture(scope="module")
 def task():
-    return SearchQATask(seed=0, n_people=200, n_orgs=60, per_split=30)
+    return build_task({"name": "search_qa", "seed": 0, "n_people": 200, "n_orgs": 60, "per_split": 30})
 
 
 def test_world_is_deterministic_and_answers_are_in_the_corpus():
@@ -71,7 +72,7 @@ def test_environment_turns(task):
     cut = f"<search> {name} </search>" + env3(0, f"<search> {name} </search>")[:40]
     assert env3(0, cut + f" <search> {name} </search>").startswith("\n<information>")
     assert env3(0, cut + f" <search> {name} </search>" + "x </search>") == INVALID  # closes without opening
-    env2 = SearchQATask(seed=0, n_people=50, n_orgs=10, max_turns=1, per_split=5).on_stop_fn([p], 1)
+    env2 = build_task({"name": "search_qa", "seed": 0, "n_people": 50, "n_orgs": 10, "max_turns": 1, "per_split": 5}).on_stop_fn([p], 1)
     assert env2(0, "<search> a </search>").startswith("\n<information>") and env2(0, "... <search> b </search>") is None
 
 
@@ -105,7 +106,7 @@ def test_search_r1_parquet_path(tmp_path):
     pd.DataFrame([row("nq", "q1", ["A"]), row("bamboogle", "q2", ["B"])]).to_parquet(tmp_path / "test.parquet")
     srv, url = serve(BM25Retriever([("T", "text")]))
     try:
-        t = SearchQATask(data_dir=str(tmp_path), retriever="http", retriever_url=url)
+        t = build_task({"name": "search_qa", "data_dir": str(tmp_path), "retriever": "http", "retriever_url": url})
     finally:
         srv.shutdown()
     assert len(t.train_set) == 2 and t.train_set[0].text == "Answer: who?"
@@ -113,9 +114,9 @@ def test_search_r1_parquet_path(tmp_path):
     assert t.reward(t.train_set[1], "<answer> Paris, FR </answer>") == 1.0
     pd.DataFrame([{"data_source": "nq", "prompt": "x"}]).to_parquet(tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match="malformed Search-R1 row"):
-        SearchQATask(data_dir=str(tmp_path), retriever="http", retriever_url="http://127.0.0.1:9")
+        build_task({"name": "search_qa", "data_dir": str(tmp_path), "retriever": "http", "retriever_url": "http://127.0.0.1:9"})
     with pytest.raises(ValueError, match="use task.retriever=http"):
-        SearchQATask(data_dir=str(tmp_path))
+        build_task({"name": "search_qa", "data_dir": str(tmp_path)})
 
 
 def test_observations_from_the_environment_have_loss_mask_zero():
@@ -124,7 +125,7 @@ def test_observations_from_the_environment_have_loss_mask_zero():
     from ema_pg.models import build_tiny_model, train_bpe_tokenizer
     from ema_pg.rollout import HFSampler
 
-    t = SearchQATask(seed=0, n_people=40, n_orgs=10, per_split=4, max_turns=2)
+    t = build_task({"name": "search_qa", "seed": 0, "n_people": 40, "n_orgs": 10, "per_split": 4, "max_turns": 2})
     tok = train_bpe_tokenizer(t.corpus(), vocab_size=400)
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).eval()

@@ -14,6 +14,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ..scores import ScoreRequest, TokenScores
+
 #: Called when a row's text matches a stop string: (row, response_text_so_far) -> observation
 #: text to append (generation then continues), or None to end the row.
 OnStop = Callable[[int, str], "str | None"]
@@ -27,10 +29,7 @@ class Rollouts:
     prompt_len: int  # P
     prompt_index: list[int]  # (N,) which prompt each row answers
     responses: list[str] = field(default_factory=list)  # decoded responses (observations included)
-    sample_logp: Tensor | None = None  # (N, T) log pi_old of each sampled token, T = L - P
-    sample_topk_idx: Tensor | None = None  # (N, T, k) pi_old's top-k at each response position
-    sample_topk_logp: Tensor | None = None  # (N, T, k)
-    sample_entropy: Tensor | None = None  # (N, T)
+    old: TokenScores | None = None  # pi_old's scores, when the sampler was asked for them and computed them
 
     @property
     def position_ids(self) -> Tensor:
@@ -50,12 +49,18 @@ class Rollouts:
         return Rollouts(
             self.input_ids[rows_t], self.attention_mask[rows_t], self.loss_mask[rows_t], self.prompt_len,
             [self.prompt_index[i] for i in r], [self.responses[i] for i in r] if self.responses else [],
-            *(None if x is None else x[rows_t] for x in (self.sample_logp, self.sample_topk_idx, self.sample_topk_logp,
-                                                           self.sample_entropy)),
+            None if self.old is None else self.old.select(rows_t),
         )
 
 
 class Sampler(Protocol):
+    """Draws ``n`` responses per prompt from ``model``.
+
+    ``score``: what to return of pi_old (the sampling policy) in ``Rollouts.old``. A sampler that
+    cannot score with the trainer's numerics (an inference engine with its own kernels) returns
+    ``old=None`` and the trainer scores pi_old itself.
+    """
+
     def generate(self, model, prompts: list[str], n: int, *, temperature: float, top_p: float,
                  max_new_tokens: int, stop: list[str] | None = None, on_stop: OnStop | None = None,
-                 seed: int = 0) -> Rollouts: ...
+                 seed: int = 0, score: ScoreRequest | None = None) -> Rollouts: ...

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from ..scores import ScoreRequest, TokenScores
 from .base import OnStop, Rollouts
 
 
@@ -41,10 +42,12 @@ class HFSampler:
     @torch.no_grad()
     def generate(self, model, prompts: list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 32, stop: list[str] | None = None, on_stop: OnStop | None = None,
-                 seed: int = 0, topk: int = 0, entropy: bool = False) -> Rollouts:
+                 seed: int = 0, score: ScoreRequest | None = None) -> Rollouts:
         """Sample ``n`` responses per prompt. The sampler sees pi_old's whole next-token distribution
-        at every step, so it also returns log pi_old(y_n) (``sample_logp``) and, when asked, pi_old's
-        top-``topk`` indices and log-probs and its entropy: the training step needs no second pass."""
+        at every step, so with ``score`` it also returns pi_old's scores in ``Rollouts.old``: log
+        pi_old(y_n), and as asked its top-k (index set and log-probs) and entropy. The training step
+        then needs no second pass of the policy."""
+        topk, entropy = (score.topk, score.entropy) if score is not None else (0, False)
         tok, dev = self.tok, next(model.parameters()).device
         gen = torch.Generator(device=dev).manual_seed(int(seed))
         rows = [i for i in range(len(prompts)) for _ in range(n)]
@@ -79,7 +82,7 @@ class HFSampler:
             last_pos = last_pos + block_am.sum(-1)
 
         while active.any():
-            logp_all = torch.log_softmax(next_logits / temperature, -1) if temperature > 0 else None
+            logp_all = torch.log_softmax(next_logits / temperature, -1) if temperature > 0 and score else None
             nxt = sample_token(next_logits, temperature, top_p, gen)
             nxt = torch.where(active, nxt, torch.full_like(nxt, pad))
             a = active.long()
@@ -157,8 +160,7 @@ class HFSampler:
             prompt_len=P,
             prompt_index=rows,
             responses=[tok.decode([t for t in r if t != eos], skip_special_tokens=True) for r in resp_ids],
-            sample_logp=pack(cols_lp),
-            sample_topk_idx=pack(cols_ti) if cols_ti else None,
-            sample_topk_logp=pack(cols_tl) if cols_tl else None,
-            sample_entropy=pack(cols_en) if cols_en else None,
+            old=None if score is None or temperature <= 0 else TokenScores(
+                logp=pack(cols_lp), index=pack(cols_ti) if cols_ti else None,
+                index_logp=pack(cols_tl) if cols_tl else None, entropy=pack(cols_en) if cols_en else None),
         )

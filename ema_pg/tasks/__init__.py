@@ -1,24 +1,40 @@
-"""Environments and rewards. ``build_task(cfg.task)`` picks one by ``task.name``."""
+"""Environments and rewards. ``build_task(cfg.task)`` picks one by ``task.name``.
+
+A task's knobs and their defaults have one home: its option file ``conf/task/<name>.yaml``.
+The task classes take every knob as a required keyword; :func:`build_task` fills what a
+config leaves out from that file, so ``build_task({"name": "toy_add"})`` is the default task.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from .base import Prompt, Task
 from .search import SearchQATask
 from .toy import AdditionTask
 
 TASKS = {"toy_add": AdditionTask, "search_qa": SearchQATask}
+TASK_CONF = Path(__file__).resolve().parent.parent.parent / "conf" / "task"
+
+
+def task_defaults(name: str) -> dict:
+    """The knobs of task ``name`` with their defaults, from ``conf/task/<name>.yaml``."""
+    return OmegaConf.to_container(OmegaConf.load(TASK_CONF / f"{name}.yaml"), resolve=True)
 
 
 def build_task(cfg) -> Task:
-    """Build the task named ``cfg.name`` with the rest of ``cfg`` as keyword arguments."""
-    kw = {k: v for k, v in dict(cfg).items() if k not in ("name", "system") and not k.startswith("_")}
-    name = cfg["name"]
+    """Build the task named ``cfg["name"]``; knobs missing from ``cfg`` take their defaults."""
+    cfg = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
+    name = cfg.get("name")
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+    kw = {k: v for k, v in {**task_defaults(name), **cfg}.items() if k != "name" and not k.startswith("_")}
     try:
         return TASKS[name](**kw)
     except TypeError as e:  # an unknown task knob
         raise ValueError(f"task={name}: {e}; check the task.* keys against conf/task/{name}.yaml") from None
 
 
-__all__ = ["TASKS", "Prompt", "Task", "build_task"]
+__all__ = ["TASKS", "Prompt", "Task", "build_task", "task_defaults"]

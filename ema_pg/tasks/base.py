@@ -1,9 +1,14 @@
-"""The task interface: prompts in, rewards out. Tasks know nothing of models or training."""
+"""The task interface: prompts in, rewards out. Tasks know nothing of models or training.
+
+:class:`Task` declares every feature a task may have. The required ones raise
+NotImplementedError; the optional ones have defaults that mean "this task does not use it"
+(single-turn, no masked demonstration text, ``em`` as the metric, no prompt-only baselines).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 
 @dataclass
@@ -15,20 +20,40 @@ class Prompt:
     meta: dict = field(default_factory=dict)
 
 
-class Task(Protocol):
-    name: str
+class Task:
+    name: str = ""
+    metric: str = "em"  #: the name of the evaluation metric (the mean reward on an eval split)
 
+    # ---------------------------------------------------------------- required
     def sample(self, n: int, seed: int) -> list[Prompt]:
         """``n`` training prompts, a deterministic function of ``seed``."""
+        raise NotImplementedError
 
     def eval_splits(self) -> dict[str, list[Prompt]]:
         """Held-out evaluation prompts by split name."""
+        raise NotImplementedError
 
     def reward(self, prompt: Prompt, response: str) -> float:
         """Scalar reward of one response text (never raises on malformed text)."""
+        raise NotImplementedError
 
     def corpus(self) -> list[str]:
         """Text to train a tokenizer on."""
+        raise NotImplementedError
 
     def demonstrations(self, n: int, seed: int) -> list[tuple[str, str]]:
         """(prompt, response) pairs for the supervised cold start."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- optional
+    def on_stop_fn(self, prompts: list[Prompt], n: int) -> Callable[[int, str], str | None] | None:
+        """Multi-turn tasks: the sampler's ``on_stop`` for rows answering ``prompts`` (``n`` each); None = single-turn."""
+        return None
+
+    def masked_spans(self, response: str) -> list[tuple[int, int]]:
+        """Character spans of environment text inside a demonstration (no SFT loss there)."""
+        return []
+
+    def baseline_prompts(self, prompts: list[Prompt], mode: str) -> list[Prompt]:
+        """Prompt-only baselines (Table 2's CoT / RAG) as prompts for the same policy."""
+        raise ValueError(f"task {self.name!r} has no prompt-only baselines (--baseline {mode})")

@@ -13,14 +13,13 @@ from __future__ import annotations
 import hashlib
 import random
 
-from .base import Prompt
+from .base import Prompt, Task
 
 
-class AdditionTask:
+class AdditionTask(Task):
     name = "toy_add"
 
-    def __init__(self, digits: int = 2, eval_size: int = 256, heldout_mod: int = 10, reverse_answer: bool = True,
-                 seed: int = 0):
+    def __init__(self, *, digits: int, eval_size: int, heldout_mod: int, reverse_answer: bool, seed: int):
         if digits < 1 or digits > 6:
             raise ValueError(f"task.digits must be in [1, 6]; got {digits}")
         self.digits, self.eval_size, self.heldout_mod, self.seed = digits, eval_size, heldout_mod, seed

@@ -20,7 +20,7 @@ import random
 import re
 import string
 
-from ..base import Prompt
+from ..base import Prompt, Task
 from .retriever import BM25Retriever, HTTPRetriever
 from .world import build_world, questions
 
@@ -57,15 +57,13 @@ def format_passages(docs: list[dict]) -> str:
     return "\n<information>" + "\n".join(lines) + "</information>\n"
 
 
-class SearchQATask:
+class SearchQATask(Task):
     """``task=search_qa``: the synthetic world by default, Search-R1 parquet files with ``data_dir``."""
 
     name = "search_qa"
-    metric = "em"
 
-    def __init__(self, seed: int = 0, topk: int = 3, max_turns: int = 4, per_split: int = 100,
-                 retriever: str = "bm25", retriever_url: str | None = None, data_dir: str | None = None,
-                 n_people: int = 400, n_orgs: int = 120, prompt_template: str = "Question: {question}\n"):
+    def __init__(self, *, seed: int, topk: int, max_turns: int, per_split: int, retriever: str,
+                 retriever_url: str | None, data_dir: str | None, n_people: int, n_orgs: int, prompt_template: str):
         if topk < 1 or max_turns < 1:
             raise ValueError(f"task.topk and task.max_turns must be >= 1; got {topk}, {max_turns}")
         self.seed, self.topk, self.max_turns, self.template = seed, topk, max_turns, prompt_template
@@ -171,7 +169,6 @@ class SearchQATask:
             out.append(Prompt(text=p.text + prefix, answer=p.answer, meta={**p.meta, "prefix": prefix}))
         return out
 
-    @staticmethod
-    def masked_spans(response: str) -> list[tuple[int, int]]:
+    def masked_spans(self, response: str) -> list[tuple[int, int]]:
         """Character spans of environment text inside a demonstration (no SFT loss there)."""
         return [(m.start(), m.end()) for m in re.finditer(r"\n<information>.*?</information>\n", response, re.DOTALL)]

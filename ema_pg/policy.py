@@ -1,0 +1,91 @@
+"""Building the policy, and rebuilding it from a run folder alone.
+
+A run folder is self-contained: ``<run>/model/`` holds the tokenizer and the model config
+(``config.json``), plus the initial weights when the run started from the cold-start policy
+(when it started from ``model.path``, ``<run>/model/initial.json`` records that path instead
+of copying a large model). The checkpoints carry the policy's weights and the anchor's fp32
+master. So ``load_run_model(run)`` needs neither the cold-start cache nor the working
+directory the run was started from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .models import load_model_dir, save_model_dir
+from .sft import cold_start
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WHICH = ("policy", "anchor", "initial")  #: what load_run_model can rebuild
+
+
+def build_policy(cfg, task):
+    """(model, tokenizer): a local model directory, or the cached cold-start base policy."""
+    if cfg.model.path:
+        return load_model_dir(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
+    model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, cfg.seed, max_new_tokens=cfg.rollout.max_new_tokens,
+                               stop=tuple(cfg.rollout.stop))
+    return model.to(DTYPES[cfg.model.dtype]), tok
+
+
+def save_run_model(run_dir: Path, model, tokenizer, model_path: str | None) -> Path:
+    """Write ``<run>/model/``: tokenizer, config.json, and the initial weights (or where they are)."""
+    out = Path(run_dir) / "model"
+    if model_path:
+        out.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+        (out / "initial.json").write_text(json.dumps({"path": str(Path(model_path).resolve())}) + "\n")
+    else:
+        save_model_dir(model, tokenizer, out)
+    return out
+
+
+def checkpoint_file(run_dir: Path) -> Path | None:
+    """The run's last checkpoint, or None if it wrote none yet."""
+    last = Path(run_dir) / "checkpoints" / "last.ckpt"
+    return last if last.is_file() else None
+
+
+def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) of a run folder: its last checkpoint's ``policy`` or ``anchor``, or its ``initial`` policy.
+
+    Without a checkpoint the policy and the anchor are the initial policy (the run had not
+    updated them yet).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    if which not in WHICH:
+        raise ValueError(f"which={which!r}; choose one of: {', '.join(WHICH)}")
+    run_dir = Path(run_dir)
+    mdir = run_dir / "model"
+    if not (mdir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir} has no model/config.json: it is not a run folder, or it was written "
+                                "before run folders carried their model (train it again with this version)")
+    ckpt = checkpoint_file(run_dir)
+    if which == "initial" or ckpt is None:
+        if (mdir / "initial.json").is_file():
+            model, tok = load_model_dir(json.loads((mdir / "initial.json").read_text())["path"], dtype=dtype)
+            return model, tok
+        return load_model_dir(mdir, dtype=dtype)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(mdir), local_files_only=True)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(mdir), local_files_only=True))
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    if which == "policy":
+        weights = {k.removeprefix("policy."): v for k, v in state["state_dict"].items() if k.startswith("policy.")}
+    else:
+        anchors = [v for k, v in state.get("callbacks", {}).items() if k.startswith("EMAAnchor")]
+        if not anchors:
+            raise ValueError(f"{ckpt} holds no anchor (the run used anchor=none)")
+        weights = anchors[0]["master"]
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or [m for m in missing if m not in tied and not (model.config.tie_word_embeddings and "lm_head" in m)]:
+        raise ValueError(f"{ckpt}: the {which} weights do not fit model/config.json "
+                         f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.tie_weights()
+    return model.to(dtype).eval(), tok

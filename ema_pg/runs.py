@@ -1,0 +1,125 @@
+"""The run folder's lifecycle: what a run writes, how it is resumed, and when it is refused.
+
+A run folder holds ``config.yaml`` (resolved, every default filled in), ``model/`` (tokenizer,
+model config, initial weights: see :mod:`ema_pg.policy`), ``checkpoints/``, ``metrics.csv``,
+``eval.json`` (written only when the run finished its iterations), ``curves.png`` and
+``git.txt`` (the commit it ran from).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from .config import ConfigError, fill_defaults, flatten
+
+log = logging.getLogger(__name__)
+
+
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=5).stdout.strip()
+        return sha + ("-dirty" if dirty else "") if sha else "unknown"
+    except Exception:  # noqa: BLE001 - no git is fine
+        return "unknown"
+
+
+def make_loggers(cfg, run_dir: Path, resume_step: int | None):
+    from lightning.pytorch.loggers import CSVLogger
+
+    old_rows = []
+    metrics_file = run_dir / "metrics.csv"
+    if resume_step is not None and metrics_file.is_file():  # the CSV logger starts a fresh file: carry rows over
+        import pandas as pd
+
+        df = pd.read_csv(metrics_file)
+        old_rows = [{k: v for k, v in r.items() if k != "step" and v == v} | {"step": int(r["step"])}
+                    for r in df[df["step"] <= resume_step].to_dict("records")]
+    csv = CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=10)
+    for r in old_rows:
+        step = r.pop("step")
+        csv.log_metrics(r, step=step)
+    loggers = [csv]
+    if cfg.logger.name == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        os.environ.setdefault("WANDB_MODE", "offline" if cfg.logger.offline else "online")
+        loggers.append(WandbLogger(project=cfg.logger.project, save_dir=str(run_dir), name=cfg.name))
+    elif cfg.logger.name == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb"))
+    elif cfg.logger.name != "csv":
+        raise ConfigError(f"logger={cfg.logger.name!r}; choose one of: csv, wandb, tensorboard")
+    return loggers
+
+
+def resolve_resume(cfg) -> DictConfig:
+    """The config of a resumed run.
+
+    From the command line: the run's saved ``config.yaml`` with this command's explicit
+    overrides on top (``resume=RUN algo.iterations=400``). From Python: ``cfg`` as given
+    (load the saved config, change what you want, set ``resume``).
+    """
+    run_dir = Path(cfg.resume)
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"resume={cfg.resume!r} is not a run folder (no config.yaml there)")
+    from hydra.core.hydra_config import HydraConfig
+
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    if HydraConfig.initialized():
+        overrides = [o.lstrip("+") for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
+        for o in overrides:
+            key = o.split("=", 1)[0]
+            if isinstance(OmegaConf.select(saved, key), DictConfig):
+                raise ConfigError(f"resume: '{o}' changes the config group {key}; a resumed run keeps the settings it "
+                                  f"started with (only {', '.join(RESUMABLE_CHANGES[3:])} may change)")
+        cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
+    cfg.run_dir, cfg.resume = str(run_dir), str(run_dir)
+    diff = config_differences(saved, fill_defaults(cfg.copy()))
+    if diff:
+        raise ConfigError(f"resume: the settings differ from the run's ({', '.join(diff[:6])}); a resumed run keeps the "
+                          f"settings it started with (only {', '.join(RESUMABLE_CHANGES[3:])} may change); start a new "
+                          "run for other settings")
+    return cfg
+
+
+def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
+    """The final metrics of a run folder that already finished ``iterations`` iterations (else None)."""
+    f = Path(run_dir) / "eval.json"
+    if not f.is_file():
+        return None
+    final = json.loads(f.read_text())
+    if final.get("iteration", -1) < iterations:
+        return None
+    return {f"eval/avg/{final.get('metric', 'em')}": final.get("avg", float("nan")), "iteration": final["iteration"],
+            "base/avg": final.get("base_avg", float("nan"))}
+
+
+# knobs that may change when a run is continued (more iterations, another machine, quieter output)
+RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", "algo.iterations", "trainer.progress_bar", "trainer.num_threads")
+
+
+def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
+    """Keys whose values differ between a run folder's saved config and ``cfg`` (ignoring RESUMABLE_CHANGES)."""
+    def flat(c):
+        c = OmegaConf.create(OmegaConf.to_container(c, resolve=False))
+        for key in RESUMABLE_CHANGES:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(c, parent) if parent else c
+            if node is not None and leaf in node:
+                node.pop(leaf)
+        return flatten(OmegaConf.to_container(c, resolve=True))
+
+    a, b = flat(saved), flat(cfg)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+

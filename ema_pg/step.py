@@ -1,0 +1,213 @@
+"""One RL iteration of Algorithm 3 as a plain function: :func:`rl_step`. No Lightning here.
+
+    prompts  = task.sample(B)                                   # B prompts, seeded by (seed, iteration)
+    rollouts = sampler.generate(policy, prompts, n=G)           # B*G responses; pi_old's scores if it can
+    rewards  = task.reward(...)                                 # (B*G,)
+    scores   = score_old_and_anchor(...)                        # pi_old, anchor, the index set q_n
+    adv      = advantages(rewards, G, norm)                     # (B*G,)
+    for epoch in range(ppo_epochs):                             # Lambda passes, minibatch updates
+        cur  = head(policy, minibatch, index=q_n)               # with grad
+        kl   = estimator(KLInputs(...))                         # (mb, T)
+        loss = grpo_loss(cur, old, adv, mask, kl)  ->  updater.step(loss)
+
+The EMA update of the anchor is not part of the step: the caller applies it after the step
+(:class:`ema_pg.anchor.EMAAnchor`). Departures from the paper's Algorithm 3, all deliberate:
+
+- prompts, sampling and minibatch order are seeded by (seed, iteration), so a resumed run
+  repeats an uninterrupted one exactly;
+- log-probs are those of softmax(logits / temperature), the distribution sampled from;
+- pi_old's scores come from the sampler when it can give them (it evaluated pi_old's whole
+  next-token distribution while sampling); otherwise from one no-grad pass of the policy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .heads import head
+from .kl import Estimator, KLInputs, sequence_kl_penalty
+from .kl.sampled import k3_core
+from .losses import advantages, grpo_loss, masked_mean
+from .rollout.base import Rollouts, Sampler
+from .scores import ScoreRequest, TokenScores
+
+
+def step_seed(seed: int, iteration: int) -> int:
+    """The seed of iteration ``iteration``'s prompts, samples and minibatch order."""
+    return seed * 1_000_003 + iteration
+
+
+# ---------------------------------------------------------------------- pi_old, the anchor, the index set
+@dataclass
+class OldAndAnchor:
+    """No-grad scores of one batch: what the loss and the KL estimator read besides the policy."""
+
+    old: TokenScores  # pi_old: logp (N, T), entropy (N, T), logits for the exact estimators
+    anchor: TokenScores | None  # the anchor: logp (N, T), logits for the exact estimators
+    index: Tensor | None  # (N, T, k) the index set q_n handed to the estimator (None: no top-k)
+    anchor_index_logp: Tensor | None  # (N, T, k) log pi_anchor at q_n
+
+
+class OldAndAnchorScorer:
+    """The one place that decides whose top-k is the estimator's index set q_n.
+
+    ``topk_source == "policy_old"`` (reverse KL, Alg 1): q_n = top-k of pi_old, and the anchor is
+    scored at q_n. ``"anchor"`` (forward KL, Alg 2): q_n = the anchor's own top-k. ``None``: no
+    index set. :meth:`request` tells the sampler what to compute of pi_old while it samples;
+    :meth:`__call__` takes the sampler's scores when present and computes what is missing.
+    """
+
+    def __init__(self, estimator: Estimator, temperature: float, chunk: Callable[[int], int]):
+        self.source, self.k, self.full = estimator.topk_source, estimator.k, estimator.needs_full_logits
+        self.temperature, self.chunk = temperature, chunk
+
+    def request(self) -> ScoreRequest | None:
+        """What the sampler should return of pi_old (None: the exact estimators need full logits)."""
+        if self.full:
+            return None
+        return ScoreRequest(topk=self.k if self.source == "policy_old" else 0, entropy=True)
+
+    @torch.no_grad()
+    def __call__(self, policy, anchor_model, rollouts: Rollouts) -> OldAndAnchor:
+        ch, kw = self.chunk(rollouts.response_mask.numel()), {"temperature": self.temperature}
+        old = rollouts.old
+        if old is None:
+            old = head(policy, rollouts, topk=self.k if self.source == "policy_old" else 0, full_logits=self.full,
+                       entropy=True, chunk=ch, **kw)
+        if anchor_model is None:
+            return OldAndAnchor(old, None, None, None)
+        if self.source == "policy_old":
+            anchor = head(anchor_model, rollouts, index=old.index, full_logits=self.full, chunk=ch, **kw)
+        else:
+            anchor = head(anchor_model, rollouts, topk=self.k if self.source == "anchor" else 0,
+                          full_logits=self.full, chunk=ch, **kw)
+        index = anchor.index if self.source is not None else None
+        return OldAndAnchor(old, anchor, index, anchor.index_logp)
+
+
+# ---------------------------------------------------------------------- the optimizer side
+class Updater(Protocol):
+    """Applies one gradient update for a loss: zero grads, backward, clip, optimizer and LR steps."""
+
+    def step(self, loss: Tensor) -> dict[str, float]: ...
+
+    @property
+    def lr(self) -> float: ...
+
+
+class TorchUpdater:
+    """:class:`Updater` over a plain torch optimizer (tests, benchmarks, scripts)."""
+
+    def __init__(self, params, optimizer: torch.optim.Optimizer, scheduler=None, grad_clip: float = 0.0):
+        self.params, self.opt, self.sched, self.grad_clip = list(params), optimizer, scheduler, grad_clip
+
+    def step(self, loss: Tensor) -> dict[str, float]:
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        out = {}
+        if self.grad_clip > 0:
+            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
+        return out
+
+    @property
+    def lr(self) -> float:
+        return float(self.opt.param_groups[0]["lr"])
+
+
+# ---------------------------------------------------------------------- the step
+@dataclass
+class StepResult:
+    metrics: dict[str, float]
+    rollouts: Rollouts
+
+
+def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, estimator: Estimator,
+            updater: Updater, algo, rollout, seed: int, chunk: Callable[[int], int]) -> StepResult:
+    """Run RL iteration ``iteration`` (0-based) and return its metrics (namespaced) and rollouts.
+
+    ``algo`` and ``rollout`` are the config nodes of the same names; ``chunk(n_tokens)`` gives the
+    head's chunk size. ``anchor_model`` is None only when there is no KL (``anchor=none``).
+    """
+    device = next(policy.parameters()).device
+    it_seed = step_seed(seed, iteration)
+    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk)
+    t0 = time.perf_counter()
+
+    # 1. prompts, rollouts from pi_old (= the current policy), rewards
+    prompts = task.sample(algo.prompts_per_step, seed=it_seed)
+    rollouts = sampler.generate(
+        policy, [p.text for p in prompts], algo.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
+        max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop), on_stop=task.on_stop_fn(prompts, algo.group_size),
+        seed=it_seed, score=scorer.request())
+    mask = rollouts.response_mask  # (N, T): policy tokens only (no prompt, observation or padding)
+    rewards = torch.tensor([task.reward(prompts[i], text) for i, text in zip(rollouts.prompt_index, rollouts.responses)],
+                           dtype=torch.float32, device=device)  # (N,)
+    t1 = time.perf_counter()
+
+    # 2. pi_old, the anchor and the index set (Alg 3, lines 6-11); advantages
+    scores = scorer(policy, anchor_model, rollouts)
+    old, anchor = scores.old, scores.anchor
+    t2 = time.perf_counter()
+    if algo.reward_kl == "sequence":  # WARP: the sequence-level KL is subtracted from the reward (eq. 10-12)
+        rewards_for_adv = rewards - algo.beta * sequence_kl_penalty(old.logp, anchor.logp, mask)
+    else:
+        rewards_for_adv = rewards
+    adv = advantages(rewards_for_adv, algo.group_size, algo.adv_norm)  # (N,)
+
+    # 3. Lambda passes of minibatch updates (Alg 3, lines 13-23)
+    n_rows = len(rollouts)
+    minibatch = algo.minibatch_size or n_rows
+    token_kl = algo.beta != 0.0 and algo.reward_kl == "none" and estimator.name != "none"
+    order_gen = torch.Generator().manual_seed(it_seed)
+    sums: dict[str, float] = {}
+    n_updates = 0
+    for _epoch in range(algo.ppo_epochs):
+        order = torch.randperm(n_rows, generator=order_gen) if minibatch < n_rows else torch.arange(n_rows)
+        for start in range(0, n_rows, minibatch):
+            rows = order[start : start + minibatch].to(device)
+            batch = rollouts.select(rows)
+            index = None if scores.index is None else scores.index[rows]  # (mb, T, k)
+            cur = head(policy, batch, index=index, full_logits=scorer.full, temperature=rollout.temperature,
+                       chunk=chunk(batch.response_mask.numel()))
+            kl = None
+            if token_kl:
+                kl = estimator(KLInputs(
+                    logp=cur.logp, logp_old=old.logp[rows], logp_ref=anchor.logp[rows],
+                    tokens=batch.input_ids[:, batch.prompt_len:], topk_idx=index, topk_logp=cur.index_logp,
+                    topk_logp_ref=None if scores.anchor_index_logp is None else scores.anchor_index_logp[rows],
+                    logits=cur.logits, ref_logits=None if anchor.logits is None else anchor.logits[rows],
+                ))  # (mb, T)
+            loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=algo.beta,
+                                           eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg,
+                                           norm_len=rollout.max_new_tokens)
+            loss_metrics.update(updater.step(loss), loss=loss.detach())
+            n_updates += 1
+            for key, value in loss_metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+    t3 = time.perf_counter()
+
+    # 4. metrics (namespaced; the README has the table)
+    metrics = {f"train/{key}": total / max(n_updates, 1) for key, total in sums.items()}
+    metrics.update({
+        "train/reward_mean": float(rewards.mean()),
+        "train/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "train/entropy": float(masked_mean(old.entropy, mask)) if old.entropy is not None else float("nan"),
+        "train/response_len": float(mask.sum(-1).float().mean()),
+        "train/lr": updater.lr,
+    })
+    if anchor is not None:  # cleanrl-style diagnostics of KL(pi_old || anchor) from the samples
+        log_w = anchor.logp - old.logp
+        metrics["train/kl_k1"] = float(masked_mean(-log_w, mask))
+        metrics["train/kl_k3"] = float(masked_mean(k3_core(log_w), mask))
+    metrics.update({"time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
+                    "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)})
+    return StepResult(metrics, rollouts)

@@ -1,0 +1,125 @@
+"""One real RL step (ema_pg.step.rl_step) on a tiny model: what reaches the KL estimator.
+
+The estimator is the real registry estimator behind a recording shim; the updater records the
+loss's gradient without applying it, so the policy the step saw is the policy the test scores
+with materialized (N, T, V) logits afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from helpers import compose_cfg
+
+from ema_pg.heads import response_logits
+from ema_pg.kl import KLInputs, get_estimator
+from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.rollout import HFSampler
+from ema_pg.step import OldAndAnchorScorer, rl_step
+from ema_pg.tasks import build_task
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    task = build_task({"name": "toy_add", "eval_size": 8})
+    tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
+    policy = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=0,
+                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    anchor = copy.deepcopy(policy).eval()
+    with torch.no_grad():  # an anchor that differs from the policy, so whose top-k is used matters
+        g = torch.Generator().manual_seed(1)
+        for p in anchor.parameters():
+            p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+            p.requires_grad_(False)
+    cfg = compose_cfg(["algo.prompts_per_step=3", "algo.group_size=2", "rollout.max_new_tokens=5", "algo.beta=1.0"])
+    return policy, anchor, tok, task, cfg
+
+
+class RecordingUpdater:
+    """Records the gradient of each loss; never changes the policy."""
+
+    def __init__(self, params):
+        self.params, self.grads = list(params), []
+
+    def step(self, loss):
+        self.grads.append(torch.autograd.grad(loss, self.params, allow_unused=True))
+        return {}
+
+    @property
+    def lr(self):
+        return 0.0
+
+
+def run_step(setup, name, **kl):
+    policy, anchor, tok, task, cfg = setup
+    real = get_estimator(name, k=K, **kl)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    seen = {}
+
+    def recording(inputs: KLInputs, **p):
+        out = real.fn(inputs, **p)
+        seen["inputs"] = inputs
+        seen["kl"] = out.detach()
+        seen["grad"] = torch.autograd.grad(out.sum(), params, retain_graph=True, allow_unused=True)
+        return out
+
+    est = dataclasses.replace(real, fn=recording)
+    res = rl_step(0, policy=policy, anchor_model=anchor, task=task, sampler=HFSampler(tok), estimator=est,
+                  updater=RecordingUpdater(params), algo=cfg.algo, rollout=cfg.rollout, seed=0, chunk=lambda n: 7)
+    return res, seen, real, params
+
+
+@pytest.mark.parametrize("name", ["topk_reverse", "topk_forward"])
+def test_what_reaches_the_estimator_equals_a_materialized_computation(setup, name):
+    policy, anchor, *_ = setup
+    res, seen, real, params = run_step(setup, name, tail="corrected")
+    ro, inp = res.rollouts, seen["inputs"]
+    mask = ro.response_mask.bool()  # (N, T)
+    tokens = ro.input_ids[:, ro.prompt_len:]
+    with torch.no_grad():
+        lp_anchor = torch.log_softmax(response_logits(anchor, ro), -1)  # (N, T, V)
+        lp_old = torch.log_softmax(response_logits(policy, ro), -1)
+    own = lp_old.topk(K, -1).indices if name == "topk_reverse" else lp_anchor.topk(K, -1).indices
+    other = lp_anchor.topk(K, -1).indices if name == "topk_reverse" else lp_old.topk(K, -1).indices
+    # the index set is pi_old's top-k for reverse KL (Alg 1) and the anchor's for forward KL (Alg 2)...
+    assert torch.equal(inp.topk_idx[mask].sort(-1).values, own[mask].sort(-1).values)
+    assert not torch.equal(own[mask].sort(-1).values, other[mask].sort(-1).values)  # ...and that choice matters here
+    # the anchor's and pi_old's log-probs equal the materialized ones
+    assert torch.allclose(inp.topk_logp_ref[mask], lp_anchor.gather(-1, inp.topk_idx)[mask], atol=1e-5)
+    assert torch.allclose(inp.logp_ref[mask], lp_anchor.gather(-1, tokens[..., None])[..., 0][mask], atol=1e-5)
+    assert torch.allclose(inp.logp_old[mask], lp_old.gather(-1, tokens[..., None])[..., 0][mask], atol=1e-5)
+    # the KL and its gradient equal the materialized path's (full logits, same estimator)
+    lp = torch.log_softmax(response_logits(policy, ro), -1)  # with grad
+    mat = KLInputs(logp=lp.gather(-1, tokens[..., None])[..., 0], logp_old=inp.logp_old, logp_ref=inp.logp_ref,
+                   tokens=tokens, topk_idx=inp.topk_idx, topk_logp=lp.gather(-1, inp.topk_idx),
+                   topk_logp_ref=inp.topk_logp_ref)
+    kl = real(mat)
+    assert torch.allclose(seen["kl"][mask], kl.detach()[mask], atol=1e-5)
+    grad = torch.autograd.grad(kl.sum(), params, allow_unused=True)
+    flat = lambda gs: torch.cat([g.flatten() for g in gs if g is not None])
+    assert flat(grad).norm() > 1e-3  # the gradient being compared is not trivially zero
+    assert torch.allclose(flat(seen["grad"]), flat(grad), atol=1e-5, rtol=1e-4)
+
+
+def test_step_returns_metrics_and_scores_from_the_sampler_equal_a_second_pass(setup):
+    policy, anchor, tok, task, cfg = setup
+    res, *_ = run_step(setup, "topk_reverse", tail="paper")
+    for key in ("train/loss", "train/kl", "train/reward_mean", "train/entropy", "train/kl_k3", "time/step_s"):
+        assert key in res.metrics and res.metrics[key] == res.metrics[key], key
+    # pi_old from the sampler (it saw every distribution) vs a no-grad pass of the policy: the same scores
+    est = get_estimator("topk_reverse", k=K)
+    scorer = OldAndAnchorScorer(est, 1.0, lambda n: 5)
+    ro = res.rollouts
+    assert ro.old is not None and ro.old.index is not None
+    recomputed = scorer(policy, anchor, dataclasses.replace(ro, old=None))
+    reused = scorer(policy, anchor, ro)
+    mask = ro.response_mask.bool()
+    assert torch.allclose(reused.old.logp[mask], recomputed.old.logp[mask], atol=1e-5)
+    assert torch.equal(reused.index[mask], recomputed.index[mask])
+    assert torch.allclose(reused.anchor_index_logp[mask], recomputed.anchor_index_logp[mask], atol=1e-5)
+    assert torch.allclose(reused.old.entropy[mask], recomputed.old.entropy[mask], atol=1e-4)

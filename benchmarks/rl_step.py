@@ -15,14 +15,12 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def make_model_dir(root: Path, hidden: int, layers: int) -> Path:
@@ -37,25 +35,26 @@ def make_model_dir(root: Path, hidden: int, layers: int) -> Path:
 
 def bench_ours(model_dir: Path, root: Path, a) -> dict:
     import pandas as pd
-    from helpers import compose_cfg
+    from omegaconf import open_dict
 
+    from ema_pg.config import compose
     from ema_pg.train import train
 
     n = a.warmup + a.steps
-    cfg = compose_cfg([f"model.path={model_dir}", "kl=k3", "anchor=fixed", "algo.beta=0.001",
+    cfg = compose([f"model.path={model_dir}", "kl=k3", "anchor=fixed", "algo.beta=0.001",
                        f"algo.prompts_per_step={a.prompts}", f"algo.group_size={a.group}", "algo.ppo_epochs=1",
                        "algo.minibatch_size=0", f"algo.iterations={n}", f"algo.eval_every={n}", "task.eval_size=8",
-                       f"rollout.max_new_tokens={a.completion}", "optim.lr=1e-6", "trainer.progress_bar=false"],
-                      tiny=False)
-    cfg.run_dir = str(root / "ours")
-    cfg.sft.cache_dir = str(root / "cache")
+                       f"rollout.max_new_tokens={a.completion}", "optim.lr=1e-6", "trainer.progress_bar=false"])
+    with open_dict(cfg):
+        cfg.run_dir = str(root / "ours")
+        cfg.sft.cache_dir = str(root / "cache")
     train(cfg)
     df = pd.read_csv(root / "ours" / "metrics.csv")
     df = df[df["time/step_s"].notna()].sort_values("step").iloc[a.warmup:]
     med = lambda c: float(df[c].median())
     tokens = float((df["train/response_len"] * a.prompts * a.group).median())
-    return {"step_s": med("time/step_s"), "sampling_s": med("time/rollout_s"), "old_logp_s": med("time/old_logp_s"),
-            "anchor_logp_s": med("time/anchor_s"), "update_s": med("time/update_s"),
+    return {"step_s": med("time/step_s"), "sampling_s": med("time/rollout_s"), "score_s": med("time/score_s"),
+            "update_s": med("time/update_s"),
             "completion_tokens_per_step": tokens, "completion_tokens_per_s": tokens / med("time/step_s"),
             "steps_timed": len(df)}
 

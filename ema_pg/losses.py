@@ -62,7 +62,7 @@ def clip_masks(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> t
 
 
 def ppo_surrogate(
-    logp: Tensor, logp_old: Tensor, adv: Tensor, eps_low: float = 0.2, eps_high: float = 0.28
+    logp: Tensor, logp_old: Tensor, adv: Tensor, eps_low: float, eps_high: float
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token clip-higher PPO/GRPO objective J_n (to maximize), (B, T).
 
@@ -114,14 +114,17 @@ def grpo_loss(
     logp_old: Tensor,
     adv: Tensor,
     mask: Tensor,
-    kl: Tensor | None = None,
-    beta: float = 0.001,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean",
+    kl: Tensor | None,
+    *,
+    beta: float,
+    eps_low: float,
+    eps_high: float,
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"],
     norm_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """L = aggregate(-J + beta * KL, mask): Algorithm 3 line 22, with metrics.
+
+    The coefficients have no defaults here: their one home is ``AlgoConfig`` (paper values there).
 
     ``kl`` is the (B, T) output of any registry estimator (or None). Observation and padding
     tokens have mask 0: they carry neither policy loss nor KL.

@@ -1,4 +1,4 @@
-"""One command per reproduction: run a sweep at a scale, then its analysis script.
+"""One command per reproduction: run a sweep at a scale, then its report (``ema_pg.reports``).
 
     python -m ema_pg.reproduce table2 --scale smoke          # = make reproduce-table2 SCALE=smoke
     python -m ema_pg.reproduce fig6_k --scale mini           # = make reproduce NAME=fig6_k SCALE=mini
@@ -22,11 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from .reports import REPORTS
+
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = ROOT / "sweeps"
-SCRIPTS = {"table2": "table2.py", "fig5_methods": "fig5_methods.py", "fig6_k": "fig6_k.py",
-           "fig7_eta_direction": "fig7_eta_direction.py", "fig8_tail": "fig8_tail.py", "fig9_iw_clip": "fig9_iw_clip.py",
-           "tail_bias": "tail_bias_sweep.py"}
 SCALES = ("smoke", "mini", "full")
 
 
@@ -39,8 +38,8 @@ def scale_file(name: str, scale: str) -> str:
 
 
 def commands(name: str, scale: str, overrides: list[str], runs: Path | None = None, out: Path | None = None):
-    if name not in SCRIPTS:
-        raise SystemExit(f"unknown reproduction {name!r}; choose one of: {', '.join(SCRIPTS)}")
+    if name not in REPORTS:
+        raise SystemExit(f"unknown reproduction {name!r}; choose one of: {', '.join(REPORTS)}")
     if scale not in SCALES:
         raise SystemExit(f"--scale {scale!r}; choose one of: {', '.join(SCALES)}")
     runs = runs or ROOT / "runs" / "reproduce" / f"{name}-{scale}"
@@ -48,13 +47,13 @@ def commands(name: str, scale: str, overrides: list[str], runs: Path | None = No
                   runs / "report" if scale == "smoke" else ROOT / "reproductions" / name / scale)
     sweep = [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", str(SWEEPS), "--config-name", name,
              f"+scale={scale_file(name, scale)}", f"hydra.sweep.dir={runs}", *overrides]
-    analysis = [sys.executable, str(ROOT / "analysis" / SCRIPTS[name]), "--runs", str(runs), "--out", str(out)]
+    analysis = [sys.executable, "-m", "ema_pg.reports", name, "--runs", str(runs), "--out", str(out)]
     return sweep, analysis, runs, out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("name", choices=sorted(SCRIPTS), help="the sweep (sweeps/<name>.yaml)")
+    ap.add_argument("name", choices=sorted(REPORTS), help="the sweep (sweeps/<name>.yaml)")
     ap.add_argument("--scale", default="smoke", choices=SCALES)
     ap.add_argument("--runs", type=Path, help="where the runs go (default runs/reproduce/<name>-<scale>)")
     ap.add_argument("--out", type=Path, help="where the results go")

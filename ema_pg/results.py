@@ -25,27 +25,29 @@ from omegaconf import OmegaConf
 
 from .config import flatten
 
-#: Table 2's method labels, in the paper's row order
-METHODS = ["WARP", "GRPO", "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"]
+#: Display labels of the named methods (conf/method/<id>.yaml), in Table 2's row order; the run
+#: table holds the ids, and reports map them to these labels only when they print.
+METHOD_LABELS = {
+    "warp": "WARP", "ppo": "PPO", "grpo": "GRPO", "ema": "EMA-PG: w/ EMA anchor",
+    "ema_topk_forward": "+ Top-k forward KL", "ema_topk_reverse": "+ Top-k reverse KL",
+    "ema_topk_forward_corrected": "+ Top-k forward KL (corrected tail)",
+    "ema_topk_reverse_corrected": "+ Top-k reverse KL (corrected tail)",
+}
+#: Fig 8's tail variants (ids), in the figure's order, and their labels
+TAIL_VARIANTS = {"truncated": "truncated", "tail_no_iw": "tail w/o off-policy corr.", "tail_iw": "tail w/ off-policy corr."}
+
+
+def method_label(method_id) -> str:
+    """The display label of a method id (the id itself for methods without one; 'custom' for none)."""
+    if method_id is None or (isinstance(method_id, float) and math.isnan(method_id)):
+        return "custom"
+    return METHOD_LABELS.get(method_id, str(method_id))
 
 
 def set_style() -> None:
     """The one look of every figure the project draws."""
     sns.set_theme(context="paper", style="whitegrid", palette="colorblind", font_scale=1.1)
     matplotlib.rcParams.update({"figure.dpi": 110, "savefig.bbox": "tight", "legend.frameon": False})
-
-
-def method_label(cfg: dict) -> str:
-    """Table 2's name for a run's (anchor, KL, reward-KL) combination; a descriptive one otherwise."""
-    kl, anchor = cfg.get("kl.name"), cfg.get("anchor.name")
-    if cfg.get("algo.reward_kl") == "sequence":
-        return "WARP" if anchor == "ema" and cfg.get("anchor.eta", 1.0) < 1.0 else f"sequence KL ({anchor} anchor)"
-    ema = anchor == "ema" and cfg.get("anchor.eta", 1.0) < 1.0
-    if kl == "k3":
-        return "EMA-PG: w/ EMA anchor" if ema else "GRPO"
-    if kl in ("topk_forward", "topk_reverse") and ema:
-        return f"+ Top-k {kl.split('_')[1]} KL"
-    return f"{kl} ({'EMA' if ema else anchor} anchor)"
 
 
 def find_runs(root: str | Path) -> list[Path]:
@@ -56,19 +58,21 @@ def find_runs(root: str | Path) -> list[Path]:
     return sorted(found)
 
 
-def _derived(row: dict) -> dict:
-    kl = str(row.get("kl.name"))
-    clip = row.get("kl.iw_clip")
-    d = {"method": method_label(row),
-         "direction": "forward" if "forward" in kl or kl == "k5" else "reverse" if kl not in ("none", "k3") else kl}
-    if clip not in (None, "None") and not (isinstance(clip, float) and math.isnan(clip)):
-        lo, hi = (float(x) for x in str(clip).strip("[]").split(","))
-        d["iw_clip"] = f"[{lo:g}, {hi:g}]"
-    if kl.startswith("topk"):
-        tail = row.get("kl.tail")
-        d["tail_variant"] = ("truncated" if tail == "none" else
-                             "tail w/o off-policy corr." if d.get("iw_clip") == "[1, 1]" else
-                             "tail w/ off-policy corr." if tail == "corrected" else f"tail={tail}")
+def derived_columns(cfg: dict) -> dict:
+    """Columns computed from a run's (nested) config values: method id, KL direction, IW clip, tail variant."""
+    from .kl import get_estimator
+
+    kl = dict(cfg.get("kl", {}))
+    params = {k: v for k, v in kl.items() if k != "name" and v is not None}
+    est = get_estimator(kl.get("name", "none"), **params)
+    d = {"method": cfg.get("method") or "custom", "direction": est.direction or "none"}
+    clip = est.params.get("iw_clip")
+    if clip is not None:
+        d["iw_clip"] = f"[{clip[0]:g}, {clip[1]:g}]"
+    if "tail" in est.params:
+        d["tail"] = est.params["tail"]
+        d["tail_variant"] = ("truncated" if est.params["tail"] == "none" else
+                             "tail_no_iw" if tuple(clip) == (1.0, 1.0) else "tail_iw")
     return d
 
 
@@ -83,8 +87,7 @@ def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
     rows = []
     for run in find_runs(root):
         cfg = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=False)
-        row = {"run_dir": str(run), "run": run.name, **flatten(cfg)}
-        row.update(_derived(row))
+        row = {"run_dir": str(run), "run": run.name, **flatten(cfg), **derived_columns(cfg)}
         df = pd.read_csv(run / "metrics.csv")
         evals = [c for c in df.columns if c.startswith("eval")]
         ev = df.dropna(subset=evals, how="all").sort_values("step") if evals else df.iloc[:0]
@@ -182,7 +185,8 @@ def _order(values, order):
 
 
 def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None = None, title: str = "",
-                    order: list | None = None, name: str | None = None, metric: str | None = None) -> dict:
+                    order: list | None = None, name: str | None = None, metric: str | None = None,
+                    labels: dict | None = None) -> dict:
     """The CSV/MD/PNG/PDF of one ablation: final metric by ``x`` (and ``hue``) over seeds, plus curves.
 
     Writes ``<name>.csv`` (one row per group: mean, std, n), ``<name>_runs.csv`` (one row per
@@ -199,6 +203,9 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     by = [x] + ([hue] if hue else [])
     for c in by:
         runs[c] = runs[c].astype(str)
+    if labels:  # ids -> display labels: the report is where they are printed
+        runs[x] = runs[x].map(lambda v: labels.get(v, v))
+        order = [labels.get(o, o) for o in order] if order else None
     table = summarize(runs, by, metric)
     xs = _order(runs[x], order)
     table = table.sort_values(x, key=lambda c: c.map({v: i for i, v in enumerate(xs)}), kind="stable")
@@ -243,18 +250,3 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     for ext in ("png", "pdf"):
         fig.savefig(out / f"{name}.{ext}")
     return {"table": table, "runs": runs, "metric": metric, "files": sorted(str(p) for p in out.glob(f"{name}*"))}
-
-
-def figure_cli(name: str, doc: str, argv=None):
-    """The shared command line of the analysis scripts: ``--runs DIR --out DIR [--all]``."""
-    import argparse
-
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default=f"multirun/{name}", help="folder of runs (a sweep's multirun folder)")
-    ap.add_argument("--out", default=f"reproductions/{name}", help="where the .csv/.md/.png/.pdf go")
-    ap.add_argument("--all", action="store_true", help="include unfinished runs (their last evaluation)")
-    a = ap.parse_args(argv)
-    runs = load_runs(a.runs, finished_only=not a.all)
-    if not len(runs):
-        raise SystemExit(f"no finished runs under {a.runs}; run `make sweep NAME={name}` (or pass --all)")
-    return runs, Path(a.out)

@@ -202,17 +202,19 @@ def open_study(spec: StudySpec, worker_index: int = 0) -> optuna.Study:
     url = spec.storage
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    storage = optuna.storages.RDBStorage(
-        url, heartbeat_interval=spec.heartbeat_interval, grace_period=spec.grace_period,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
-        engine_kwargs={"connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
     s, p = dict(spec.sampler), dict(spec.pruner)
     if s.get("seed") is not None:
         s["seed"] = int(s["seed"]) + worker_index
     sampler = SAMPLERS[s.pop("name")](**s)
     pruner = PRUNERS[p.pop("name")](**p)
-    return optuna.create_study(study_name=spec.study_name, storage=storage, direction=spec.direction,
-                               sampler=sampler, pruner=pruner, load_if_exists=True)
+    # workers starting together must not race to create the tables (SQLAlchemy: "alembic_version already exists")
+    with _file_lock(spec.trials_dir / ".create.lock"):
+        storage = optuna.storages.RDBStorage(
+            url, heartbeat_interval=spec.heartbeat_interval, grace_period=spec.grace_period,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
+            engine_kwargs={"connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
+        return optuna.create_study(study_name=spec.study_name, storage=storage, direction=spec.direction,
+                                   sampler=sampler, pruner=pruner, load_if_exists=True)
 
 
 def _requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:

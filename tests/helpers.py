@@ -12,7 +12,7 @@ TINY = [
     "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.tokenizer_vocab=300",
     "sft.steps=20", "sft.batch_size=16", "sft.num_demos=200",
     "algo.prompts_per_step=4", "algo.group_size=4", "algo.iterations=4", "algo.eval_every=2",
-    "rollout.max_new_tokens=4", "optim.lr=1e-3", "kl.k=8", "trainer.progress_bar=false",
+    "rollout.max_new_tokens=4", "optim.lr=1e-3", "trainer.progress_bar=false",
 ]
 
 

@@ -1,6 +1,5 @@
 """Every option of every config group composes; bad configs fail at start with a clear message."""
 
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,13 +1,9 @@
 """The Fig 4 error decomposition against brute force (one autograd pass per sampled token)."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "analysis"))
-from fig4_bias_variance import critical_sizes, gradient_moments, run, tune_scale
+from analysis.fig4_bias_variance import critical_sizes, gradient_moments, run, tune_scale
 
 from ema_pg.kl import KLInputs, get_estimator
 

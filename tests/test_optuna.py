@@ -107,6 +107,7 @@ def test_an_interrupted_trial_is_requeued_with_its_params_and_run_folder(tmp_pat
     assert again.user_attrs["run_dir"] == "runs/x/trial_0000"
 
 
+@pytest.mark.slow
 def test_two_workers_share_one_study_without_losing_or_duplicating_trials(tmp_path):
     n = 5
     f = study_file(tmp_path, n_trials=n)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -11,11 +10,9 @@ import pytest
 from helpers import compose_cfg
 from omegaconf import OmegaConf
 
-from ema_pg.results import ablation_report, load_curves, load_runs, method_label, summarize
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "analysis"))
-import table2  # noqa: E402
+from ema_pg import table2
+from ema_pg.config import fill_defaults
+from ema_pg.results import ablation_report, derived_columns, load_curves, load_runs, method_label, summarize
 
 SPLITS = table2.SPLITS
 METHOD_OVERRIDES = {"grpo": "GRPO", "ema": "EMA-PG: w/ EMA anchor", "ema_topk_forward": "+ Top-k forward KL",
@@ -29,7 +26,7 @@ def fake_run(root: Path, name: str, overrides: list[str], evals: dict[int, dict[
     d.mkdir(parents=True)
     cfg = compose_cfg(overrides + ([f"algo.iterations={iterations or max(evals)}"]))
     cfg.run_dir = str(d)
-    OmegaConf.save(cfg, d / "config.yaml", resolve=True)
+    OmegaConf.save(fill_defaults(cfg), d / "config.yaml", resolve=True)
     rows = [{"step": s, **{f"eval/{k}/em": v for k, v in m.items()}} for s, m in evals.items()]
     rows += [{"step": s, "train/reward_mean": 0.1 * s} for s in range(1, max(evals) + 1)]
     pd.DataFrame(rows).to_csv(d / "metrics.csv", index=False)
@@ -40,14 +37,34 @@ def fake_run(root: Path, name: str, overrides: list[str], evals: dict[int, dict[
     return d
 
 
-def test_method_labels_follow_table2():
+def test_runs_record_their_method_id_and_labels_come_from_ids():
     for m, label in METHOD_OVERRIDES.items():
-        cfg = compose_cfg([f"method={m}"])
-        flat = {"kl.name": cfg.kl.name, "anchor.name": cfg.anchor.name, "anchor.eta": cfg.anchor.eta,
-                "algo.reward_kl": cfg.algo.reward_kl}
-        assert method_label(flat) == label, m
-    # an EMA anchor with eta = 1 never moves: that is a fixed anchor, so K3 there is GRPO
-    assert method_label({"kl.name": "k3", "anchor.name": "ema", "anchor.eta": 1.0}) == "GRPO"
+        cfg = OmegaConf.to_container(fill_defaults(compose_cfg([f"method={m}"])), resolve=False)
+        assert cfg["method"] == m and derived_columns(cfg)["method"] == m
+        assert method_label(m) == label
+    assert method_label("ema_topk_reverse_corrected") == "+ Top-k reverse KL (corrected tail)"
+    assert method_label(None) == "custom" and method_label("my_method") == "my_method"
+    # the paper's rows run the printed tail; the corrected rows run ours
+    assert compose_cfg(["method=ema_topk_reverse"]).kl.tail == "paper"
+    assert compose_cfg(["method=ema_topk_forward_corrected"]).kl.tail == "corrected"
+
+
+@pytest.mark.parametrize("overrides,direction", [
+    (["kl=topk_fdiv", "kl.divergence=forward_kl"], "forward"), (["kl=topk_fdiv", "kl.divergence=reverse_kl"], "reverse"),
+    (["kl=topk_fdiv", "kl.divergence=js"], "js"), (["kl=k3", "kl.k=null"], "forward"),
+    (["kl=k4", "kl.k=null"], "reverse"), (["kl=topk_forward"], "forward"), (["kl=none", "kl.k=null"], "none")])
+def test_direction_comes_from_the_estimator_not_its_name(overrides, direction):
+    cfg = OmegaConf.to_container(fill_defaults(compose_cfg(overrides)), resolve=False)
+    assert derived_columns(cfg)["direction"] == direction
+
+
+def test_tail_variant_comes_from_values():
+    variant = lambda o: derived_columns(OmegaConf.to_container(fill_defaults(compose_cfg(o)), resolve=False))
+    assert variant(["kl.tail=none"])["tail_variant"] == "truncated"
+    assert variant(["kl.iw_clip=[1.0,1.0]"])["tail_variant"] == "tail_no_iw"
+    assert variant(["method=ema_topk_forward"]) | {} == variant(["method=ema_topk_forward"])
+    assert variant(["method=ema_topk_forward"])["tail_variant"] == "tail_iw"
+    assert variant(["method=ema_topk_forward"])["iw_clip"] == "[0, 2.5]"
 
 
 def test_loader_table_and_curves(tmp_path):
@@ -60,7 +77,7 @@ def test_loader_table_and_curves(tmp_path):
     assert runs["base/eval/avg/em"].tolist() == [0.1, 0.1, 0.1]
     assert runs["finished"].tolist() == [True, True, False]
     assert runs["kl.k"].tolist() == [16, 16, 0] and runs["seed"].tolist() == [0, 1, 0]
-    assert set(runs["method"]) == {"+ Top-k reverse KL"} and set(runs["direction"]) == {"reverse"}
+    assert set(runs["method"]) == {"custom"} and set(runs["direction"]) == {"reverse"}
     assert len(load_runs(tmp_path, finished_only=True)) == 2
     curves = load_curves(runs)
     a = curves[(curves["run"] == "a") & (curves["metric"] == "eval/avg/em")].sort_values("step")
@@ -142,7 +159,7 @@ def test_loader_errors_name_the_folder(tmp_path):
 
 
 def test_load_runs_command_writes_the_table_and_curves(tmp_path):
-    import load_runs as cli
+    from analysis import load_runs as cli
 
     fake_run(tmp_path / "runs", "a", ["seed=0"], {0: {"avg": 0.1}, 2: {"avg": 0.4}})
     assert cli.main([str(tmp_path / "runs"), "--out", str(tmp_path / "t.csv"), "--curves", str(tmp_path / "c.csv")]) == 0

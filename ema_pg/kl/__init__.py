@@ -38,41 +38,47 @@ def no_kl(inp: KLInputs) -> Tensor:
     return torch.zeros_like(inp.logp)
 
 
+DIRECTIONS = ("reverse", "forward")
+
+
 @dataclass(frozen=True)
 class EstimatorSpec:
-    """What the registry knows of one estimator: its function, defaults and needs."""
+    """What the registry knows of one estimator: its function, defaults, needs and KL direction.
+
+    ``defaults`` is the one home of the estimator's parameter defaults (the functions take them
+    as required keywords). ``direction`` is the KL whose gradient the estimator follows in
+    expectation (Table 1): "reverse" = KL(pi || ref), "forward" = KL(ref || pi), None = no
+    gradient (none, k1); ``topk_fdiv`` takes it from its divergence.
+    """
 
     fn: Callable[..., Tensor]
     defaults: dict = field(default_factory=dict)
     topk_source: str | None = None  # for k > 0; "policy_old" | "anchor"
     needs_full_logits: bool = False
-    summary: str = ""
+    direction: str | None = None
 
 
 _SAMPLED_OFF = (1.0, 1.0)  # k1-k3: GRPO practice, no off-policy correction
 _SAMPLED_ON = (0.0, 10.0)  # our unbiased estimators: lenient clip (Fig 9)
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
-    "none": EstimatorSpec(no_kl, summary="no KL term"),
-    "k1": EstimatorSpec(k1, {"iw_clip": _SAMPLED_OFF}, summary="-log w; unbiased value, zero gradient"),
-    "k2": EstimatorSpec(k2, {"iw_clip": _SAMPLED_OFF}, summary="(log w)^2/2; biased value, reverse-KL gradient"),
-    "k3": EstimatorSpec(k3, {"iw_clip": _SAMPLED_OFF}, summary="-log w + w - 1; unbiased value, forward-KL gradient"),
-    "k3pp": EstimatorSpec(k3pp, {"iw_clip": _SAMPLED_ON}, summary="r K3 (eq. 22); unbiased reverse KL"),
-    "k4": EstimatorSpec(k4, {"iw_clip": _SAMPLED_ON}, summary="r sg(-log w) (eq. 23); unbiased reverse KL"),
-    "k5": EstimatorSpec(k5, {"iw_clip": _SAMPLED_ON}, summary="sg(w) log w + log r (eq. 24); unbiased forward KL"),
-    "exact_reverse": EstimatorSpec(exact_reverse, needs_full_logits=True, summary="exact KL(pi||ref), O(V)"),
-    "exact_forward": EstimatorSpec(exact_forward, needs_full_logits=True, summary="exact KL(ref||pi), O(V)"),
+    "none": EstimatorSpec(no_kl),
+    "k1": EstimatorSpec(k1, {"iw_clip": _SAMPLED_OFF}),  # -log w; unbiased value, zero gradient
+    "k2": EstimatorSpec(k2, {"iw_clip": _SAMPLED_OFF}, direction="reverse"),  # (log w)^2/2
+    "k3": EstimatorSpec(k3, {"iw_clip": _SAMPLED_OFF}, direction="forward"),  # unbiased reverse value, forward gradient
+    "k3pp": EstimatorSpec(k3pp, {"iw_clip": _SAMPLED_ON}, direction="reverse"),  # r K3 (eq. 22)
+    "k4": EstimatorSpec(k4, {"iw_clip": _SAMPLED_ON}, direction="reverse"),  # r sg(-log w) (eq. 23)
+    "k5": EstimatorSpec(k5, {"iw_clip": _SAMPLED_ON}, direction="forward"),  # sg(w) log w + log r (eq. 24)
+    "exact_reverse": EstimatorSpec(exact_reverse, needs_full_logits=True, direction="reverse"),
+    "exact_forward": EstimatorSpec(exact_forward, needs_full_logits=True, direction="forward"),
     "topk_reverse": EstimatorSpec(
-        topk_reverse, {"k": 32, "tail": "corrected", "iw_clip": (0.0, 10.0)}, "policy_old",
-        summary="Top-k reverse KL (Alg 1)",
+        topk_reverse, {"k": 32, "tail": "corrected", "iw_clip": (0.0, 10.0)}, "policy_old", direction="reverse",  # Alg 1
     ),
     "topk_forward": EstimatorSpec(
-        topk_forward, {"k": 32, "tail": "corrected", "iw_clip": (0.0, 2.5)}, "anchor",
-        summary="Top-k forward KL (Alg 2)",
+        topk_forward, {"k": 32, "tail": "corrected", "iw_clip": (0.0, 2.5)}, "anchor", direction="forward",  # Alg 2
     ),
     "topk_fdiv": EstimatorSpec(
-        topk_fdiv, {"k": 32, "divergence": "reverse_kl", "alpha": 0.5, "iw_clip": (0.0, 10.0)}, "policy_old",
-        summary="Top-k f-divergence (App. H, Table 5)",
+        topk_fdiv, {"k": 32, "divergence": "reverse_kl", "alpha": 0.5, "iw_clip": (0.0, 10.0)}, "policy_old",  # App. H
     ),
 }
 
@@ -113,12 +119,15 @@ def get_estimator(name: str, **params) -> Estimator:
             raise ValueError(f"{name}: unknown divergence {p['divergence']!r}; choose one of: {', '.join(DIVERGENCES)}")
         if p["divergence"] == "alpha" and float(p["alpha"]) in (0.0, 1.0):
             raise ValueError(f"{name}: alpha-divergence needs alpha not in {{0, 1}} (those limits are the KLs); got {p['alpha']}")
-    source = spec.topk_source
-    if name == "topk_fdiv" and p["divergence"] == "forward_kl":
-        source = "anchor"
+    source, direction = spec.topk_source, spec.direction
+    if name == "topk_fdiv":
+        direction = {"reverse_kl": "reverse", "forward_kl": "forward"}.get(p["divergence"], p["divergence"])
+        if p["divergence"] == "forward_kl":
+            source = "anchor"
     if p.get("k", 0) == 0:
         source = None
-    return Estimator(name=name, fn=spec.fn, params=p, topk_source=source, needs_full_logits=spec.needs_full_logits)
+    return Estimator(name=name, fn=spec.fn, params=p, topk_source=source, needs_full_logits=spec.needs_full_logits,
+                     direction=direction)
 
 
 __all__ = ["DIVERGENCES", "ESTIMATORS", "TAILS", "Estimator", "EstimatorSpec", "KLInputs", "get_estimator", "sequence_kl_penalty"]

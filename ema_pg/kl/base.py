@@ -75,6 +75,7 @@ class Estimator:
     params: dict = field(default_factory=dict)
     topk_source: str | None = None
     needs_full_logits: bool = False
+    direction: str | None = None  # the KL whose gradient it follows: "reverse" | "forward" | None (see EstimatorSpec)
 
     @property
     def k(self) -> int:

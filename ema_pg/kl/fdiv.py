@@ -71,7 +71,7 @@ DIVERGENCES: dict[str, Callable[[Tensor, float], Tensor]] = {
 
 
 def topk_fdiv(
-    inp: KLInputs, k: int = 32, divergence: str = "reverse_kl", alpha: float = 0.5, iw_clip=(0.0, 10.0)
+    inp: KLInputs, *, k: int, divergence: str, alpha: float, iw_clip: tuple[float, float]
 ) -> Tensor:
     """Top-k f-divergence D_f(pi_theta || pi_ref) per token (eq. 122); (B, T)."""
     f = DIVERGENCES[divergence]

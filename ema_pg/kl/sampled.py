@@ -31,12 +31,12 @@ def _log_w(inp: KLInputs) -> Tensor:
     return inp.logp_ref - inp.logp  # (B, T) log w, differentiable through logp
 
 
-def k1(inp: KLInputs, iw_clip=(1.0, 1.0)) -> Tensor:
+def k1(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
     """K1 = -log w: unbiased value, zero expected gradient."""
     return offpolicy_weight(inp, iw_clip) * (-_log_w(inp))
 
 
-def k2(inp: KLInputs, iw_clip=(1.0, 1.0)) -> Tensor:
+def k2(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
     """K2 = (log w)^2 / 2: biased value, unbiased reverse-KL gradient."""
     return offpolicy_weight(inp, iw_clip) * 0.5 * _log_w(inp) ** 2
 
@@ -46,12 +46,12 @@ def k3_core(log_w: Tensor) -> Tensor:
     return torch.expm1(log_w) - log_w
 
 
-def k3(inp: KLInputs, iw_clip=(1.0, 1.0)) -> Tensor:
+def k3(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
     """K3 = -log w + w - 1 (GRPO's default): unbiased value, forward-KL gradient."""
     return offpolicy_weight(inp, iw_clip) * k3_core(_log_w(inp))
 
 
-def k3pp(inp: KLInputs, iw_clip=(0.0, 10.0)) -> Tensor:
+def k3pp(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
     """K3++ = r K3 (eq. 22): unbiased reverse-KL value and gradient."""
     return offpolicy_weight(inp, iw_clip) * ratio_r(inp.logp) * k3_core(_log_w(inp))
 
@@ -61,7 +61,7 @@ def k4_core(inp: KLInputs) -> Tensor:
     return ratio_r(inp.logp) * (-_log_w(inp)).detach()
 
 
-def k4(inp: KLInputs, iw_clip=(0.0, 10.0)) -> Tensor:
+def k4(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
     """K4 = r sg(-log w) (eq. 23): unbiased reverse-KL value and gradient."""
     return offpolicy_weight(inp, iw_clip) * k4_core(inp)
 
@@ -73,6 +73,6 @@ def k5_core(inp: KLInputs) -> Tensor:
     return torch.exp(log_w.detach()) * log_w + log_r
 
 
-def k5(inp: KLInputs, iw_clip=(0.0, 10.0)) -> Tensor:
+def k5(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
     """K5 = sg(w) log w + log r (eq. 24): unbiased forward-KL value and gradient."""
     return offpolicy_weight(inp, iw_clip) * k5_core(inp)

@@ -67,7 +67,7 @@ def _check_k(inp: KLInputs, name: str, k: int) -> bool:
     return got > 0
 
 
-def topk_reverse(inp: KLInputs, k: int = 32, tail: str = "corrected", iw_clip=(0.0, 10.0)) -> Tensor:
+def topk_reverse(inp: KLInputs, *, k: int, tail: str, iw_clip: tuple[float, float]) -> Tensor:
     """Top-k reverse KL (Alg 1, eq. 25-26). q_n must come from pi_old (``topk_source``)."""
     has_head = _check_k(inp, "topk_reverse", k)
     out = torch.zeros_like(inp.logp)
@@ -83,7 +83,7 @@ def topk_reverse(inp: KLInputs, k: int = 32, tail: str = "corrected", iw_clip=(0
     return out
 
 
-def topk_forward(inp: KLInputs, k: int = 32, tail: str = "corrected", iw_clip=(0.0, 10.0)) -> Tensor:
+def topk_forward(inp: KLInputs, *, k: int, tail: str, iw_clip: tuple[float, float]) -> Tensor:
     """Top-k forward KL (Alg 2, eq. 27). q_n must come from the anchor (``topk_source``)."""
     has_head = _check_k(inp, "topk_forward", k)
     out = torch.zeros_like(inp.logp)

@@ -1,6 +1,6 @@
 """Table 2: our search-agent table (7 splits + average, mean ± std over seeds) beside the paper's.
 
-    python analysis/table2.py --runs runs/reproduce/table2-mini --out reproductions/table2
+    python -m ema_pg.reports table2 --runs runs/reproduce/table2-mini --out reproductions/table2
     (make reproduce-table2 SCALE=smoke|mini|full runs the sweep first, then this)
 
 Writes ``results.md`` (both tables, the paper's orderings checked on ours, provenance),
@@ -20,14 +20,15 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from ema_pg.results import METHODS, load_curves, load_runs, set_style
-from ema_pg.tasks.search.task import SPLITS as TASK_SPLITS
+from .results import METHOD_LABELS, load_curves, load_runs, method_label, set_style
+from .tasks.search.task import SPLITS as TASK_SPLITS
 
 SPLITS = list(TASK_SPLITS)  # general QA first, then multi-hop (the paper's column order)
 GENERAL, MULTIHOP = SPLITS[:3], SPLITS[3:]
 COLS = SPLITS + ["avg"]
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table2" / "paper_table2.csv"
-ROWS = ["before RL", "WARP", "PPO", "GRPO", "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"]
+ROWS = ["before RL", *METHOD_LABELS.values()]  # the paper's rows, then ours (the corrected tail)
+METHODS = list(METHOD_LABELS.values())
 EMA, FWD, REV = "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"
 PALETTE = dict(zip(ROWS, sns.color_palette("colorblind", len(ROWS))))  # one colour per method in every panel
 
@@ -216,6 +217,7 @@ def main(argv=None) -> dict:
     runs = load_runs(a.runs, finished_only=not a.all)
     if not len(runs):
         raise SystemExit(f"no finished runs under {a.runs}; run `make reproduce-table2` (or pass --all)")
+    runs["method"] = runs["method"].map(method_label)  # ids -> Table 2's row labels, for printing
     paper = pd.read_csv(PAPER)
     scores = per_run_scores(runs)
     t = summarize(scores)

@@ -1,0 +1,90 @@
+"""One home per default: a knob's default is written once.
+
+- schema knobs: in the dataclasses of ema_pg/config.py; group option files state only what they
+  change (a file's `name` naming the option itself is its identity, not a default);
+- estimator parameters: in ema_pg.kl.ESTIMATORS; the functions take them as required keywords
+  and the kl option files do not restate them;
+- task knobs: in conf/task/<name>.yaml; the task classes take them as required keywords;
+- loss coefficients: in AlgoConfig; grpo_loss takes them as required keywords.
+Each test fails when a second default appears, whether or not it agrees with the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+from omegaconf import OmegaConf
+
+from ema_pg import config as C
+from ema_pg.kl import ESTIMATORS
+from ema_pg.tasks import TASKS
+
+SCHEMA = {"model": C.ModelConfig, "rollout": C.RolloutConfig, "kl": C.KLConfig, "anchor": C.AnchorConfig,
+          "algo": C.AlgoConfig, "trainer": C.TrainerConfig, "logger": C.LoggerConfig}
+
+
+def defaults_of(cls) -> dict:
+    out = {}
+    for f in dataclasses.fields(cls):
+        out[f.name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return out
+
+
+def option_values(group: str, path) -> dict:
+    """The keys an option file sets for its group (a _global_ file: its entry under the group)."""
+    node = OmegaConf.load(path)
+    text = path.read_text()
+    if node is None:
+        return {}
+    if "@package _global_" in text:
+        node = node.get(group, {})
+    return OmegaConf.to_container(node, resolve=False) or {}
+
+
+@pytest.mark.parametrize("group", sorted(SCHEMA))
+def test_group_options_do_not_restate_schema_defaults(group):
+    defaults = defaults_of(SCHEMA[group])
+    for path in sorted((C.CONF_DIR / group).glob("*.yaml")):
+        for key, value in option_values(group, path).items():
+            assert key in defaults, f"{path}: {key} is not a {group} knob"
+            if key == "name" and value == path.stem:
+                continue  # the option's own name
+            assert value != defaults[key], (f"{path} restates {group}.{key}={value!r}, the default in "
+                                            f"{SCHEMA[group].__name__}; delete it from the file")
+
+
+def test_root_config_states_no_defaults():
+    root = OmegaConf.load(C.CONF_DIR / "config.yaml")
+    assert set(root) <= {"defaults", "hydra"}, set(root) - {"defaults", "hydra"}
+
+
+def test_kl_options_and_functions_leave_parameter_defaults_to_the_registry():
+    for name, spec in ESTIMATORS.items():
+        sig = inspect.signature(spec.fn)
+        with_default = [p for p in sig.parameters.values() if p.default is not inspect.Parameter.empty]
+        assert not with_default, f"{spec.fn.__name__} gives {[p.name for p in with_default]} a default; the registry has it"
+        assert set(spec.defaults) == {p for p in sig.parameters if p != "inp"}, name
+        opt = C.CONF_DIR / "kl" / f"{name}.yaml"
+        restated = set(option_values("kl", opt)) & set(spec.defaults)
+        assert not restated, f"{opt} restates {restated}: ESTIMATORS[{name!r}].defaults is their home"
+
+
+def test_task_knobs_have_their_option_file_as_home():
+    for name, cls in TASKS.items():
+        sig = inspect.signature(cls.__init__)
+        with_default = [p.name for p in sig.parameters.values() if p.default is not inspect.Parameter.empty]
+        assert not with_default, f"{cls.__name__} gives {with_default} a default; conf/task/{name}.yaml has it"
+        knobs = set(OmegaConf.load(C.CONF_DIR / "task" / f"{name}.yaml")) - {"name"}
+        assert knobs == set(sig.parameters) - {"self"}, name
+
+
+def test_loss_coefficients_have_no_second_default():
+    from ema_pg.losses import grpo_loss, ppo_surrogate
+
+    for fn in (grpo_loss, ppo_surrogate):
+        sig = inspect.signature(fn)
+        for knob in ("beta", "eps_low", "eps_high", "loss_agg"):
+            if knob in sig.parameters:
+                assert sig.parameters[knob].default is inspect.Parameter.empty, (fn.__name__, knob)

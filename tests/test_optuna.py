@@ -63,6 +63,7 @@ def test_unknown_config_key_in_space_stops_the_worker(tmp_path):
     assert [t.state for t in open_study(spec).trials] == [TrialState.FAIL]  # one failed trial, no endless loop
 
 
+@pytest.mark.slow
 def test_trials_run_resume_and_record_their_params(tmp_path):
     spec = load_study_spec(study_file(tmp_path, n_trials=2))
     assert run_worker(spec) == [0, 1]

@@ -143,6 +143,7 @@ def test_observations_from_the_environment_have_loss_mask_zero():
         assert t.reward(ps[r // 2], ro.responses[r]) == 0.0
 
 
+@pytest.mark.slow
 def test_search_task_trains_end_to_end(tmp_path):
     import json
 

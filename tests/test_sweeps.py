@@ -122,3 +122,17 @@ def test_sweep_through_submitit_launcher(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     runs = load_runs(tmp_path / "sweep")
     assert sorted(runs["run"]) == ["k0_s0", "k16_s0", "k32_s0"] and runs["finished"].all()
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_reproduce_composes_the_sweep_and_its_report(name, tmp_path):
+    """`make reproduce NAME=<sweep>` runs the sweep with its scale overlay into a fixed folder, then its report."""
+    from ema_pg.reproduce import commands
+
+    for scale in ("smoke", "mini"):
+        sweep, analysis, runs, out = commands(name, scale, ["seed=0"], runs=tmp_path / "runs")
+        assert sweep[-3:] == ["+scale=" + sweep[-3].split("=", 1)[1], f"hydra.sweep.dir={tmp_path / 'runs'}", "seed=0"]
+        assert (ROOT / "sweeps" / "scale" / f"{sweep[-3].split('=', 1)[1]}.yaml").is_file()
+        assert analysis[1:4] == ["-m", "ema_pg.reports", name] and analysis[-2:] == ["--out", str(out)]
+    with pytest.raises(SystemExit, match="unknown reproduction"):
+        commands("fig99", "smoke", [])

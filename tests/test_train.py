@@ -65,6 +65,7 @@ def test_starting_over_an_existing_run_is_refused(full_run):
         train(cfg)
 
 
+@pytest.mark.slow
 def test_cold_start_is_cached_and_reused(full_run, tmp_path):
     cfg, _, _ = full_run
     from pathlib import Path
@@ -77,6 +78,7 @@ def test_cold_start_is_cached_and_reused(full_run, tmp_path):
     assert len(list(cache.iterdir())) == len(entries) + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [["kl=k3", "kl.k=null", "anchor=fixed"], ["kl=topk_forward", "kl.tail=paper"],
                                        ["kl=exact_reverse", "kl.k=null"], ["anchor=none", "kl.k=null"],
                                        ["kl=none", "kl.k=null", "algo.reward_kl=sequence", "algo.adv_norm=global"]])
@@ -165,6 +167,7 @@ def test_cold_start_key_ignores_run_time_knobs():
     assert key(a) == key(b) != key(c)
 
 
+@pytest.mark.slow
 def test_command_line_errors_are_one_clear_line():
     import subprocess
     import sys
@@ -186,6 +189,7 @@ def test_evaluate_base_policy_of_a_config(tmp_path, capsys):
     assert json.loads((tmp_path / "e.json").read_text())["splits"]["heldout"]["n"] == 16
 
 
+@pytest.mark.slow
 def test_if_exists_resume_skips_finished_runs_continues_longer_ones_and_refuses_other_configs(tmp_path):
     """What lets a killed sweep continue: the same command again skips finished runs and resumes the rest."""
     base = ["algo.iterations=2", "if_exists=resume"]

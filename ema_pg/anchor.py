@@ -5,7 +5,7 @@
 The EMA is accumulated in an fp32 master copy, so it stays exact when the model runs in
 bf16/fp16 (an EMA step of (1 - eta) * 1e-6 vanishes in bf16); the anchor model used for
 scoring holds the master cast to the model's dtype. ``eta = 1`` is the fixed anchor of
-standard GRPO. The master copy and the update count are saved in checkpoints.
+standard GRPO (``anchor=fixed`` is that preset). The master copy and the update count are saved in checkpoints.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ class EMAAnchor(L.Callback):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        return {"master": {n: t.detach().cpu() for n, t in self.master.items()}, "updates": self.updates,
-                "eta": self.eta, "update_every": self.update_every}
+        # eta and update_every are settings, recorded in the run's config.yaml (which a resume may not change)
+        return {"master": {n: t.detach().cpu() for n, t in self.master.items()}, "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
         if self.model is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
+from omegaconf import MISSING, DictConfig, open_dict
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -228,10 +228,6 @@ def fill_defaults(cfg: DictConfig) -> DictConfig:
         for key, v in est.params.items():
             cfg.kl[key] = list(v) if isinstance(v, tuple) else v
     return cfg
-
-
-def to_yaml(cfg) -> str:
-    return OmegaConf.to_yaml(cfg, resolve=True)
 
 
 def validate(cfg, vocab_size: int | None = None) -> None:

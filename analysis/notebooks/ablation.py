@@ -21,12 +21,12 @@
 import os
 from pathlib import Path
 
-from ema_pg.reports import REPORTS, run_report
+from ema_pg.reports import REPORTS, Report, run_report
 
 NAME = os.environ.get("EMA_PG_REPORT", "fig6_k")
 RUNS = os.environ.get("EMA_PG_RUNS", f"runs/reproduce/{NAME}-mini")
 OUT = os.environ.get("EMA_PG_OUT", f"runs/notebooks/{NAME}")
-print(f"{NAME}: {REPORTS[NAME].title if hasattr(REPORTS[NAME], 'title') else 'Table 2'}")
+print(f"{NAME}: {REPORTS[NAME].title if isinstance(REPORTS[NAME], Report) else 'Table 2 beside the paper'}")
 
 # %%
 report = run_report(NAME, RUNS, OUT, include_unfinished=True)

@@ -9,7 +9,6 @@ model config, initial weights: see :mod:`ema_pg.policy`), ``checkpoints/``, ``me
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 from pathlib import Path
@@ -18,7 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, fill_defaults, flatten
 
-log = logging.getLogger(__name__)
+#: settings a user may change when continuing a run (more iterations, another machine, quieter output)
+RESUMABLE_SETTINGS = ("algo.iterations", "trainer.progress_bar", "trainer.num_threads")
+#: keys that differ between a run and its continuation by construction, or by the user's leave
+RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", *RESUMABLE_SETTINGS)
 
 
 def git_commit() -> str:
@@ -81,13 +83,13 @@ def resolve_resume(cfg) -> DictConfig:
             key = o.split("=", 1)[0]
             if isinstance(OmegaConf.select(saved, key), DictConfig):
                 raise ConfigError(f"resume: '{o}' changes the config group {key}; a resumed run keeps the settings it "
-                                  f"started with (only {', '.join(RESUMABLE_CHANGES[3:])} may change)")
+                                  f"started with (only {', '.join(RESUMABLE_SETTINGS)} may change)")
         cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
     cfg.run_dir, cfg.resume = str(run_dir), str(run_dir)
     diff = config_differences(saved, fill_defaults(cfg.copy()))
     if diff:
         raise ConfigError(f"resume: the settings differ from the run's ({', '.join(diff[:6])}); a resumed run keeps the "
-                          f"settings it started with (only {', '.join(RESUMABLE_CHANGES[3:])} may change); start a new "
+                          f"settings it started with (only {', '.join(RESUMABLE_SETTINGS)} may change); start a new "
                           "run for other settings")
     return cfg
 
@@ -104,10 +106,6 @@ def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
             "base/avg": final.get("base_avg", float("nan"))}
 
 
-# knobs that may change when a run is continued (more iterations, another machine, quieter output)
-RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", "algo.iterations", "trainer.progress_bar", "trainer.num_threads")
-
-
 def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
     """Keys whose values differ between a run folder's saved config and ``cfg`` (ignoring RESUMABLE_CHANGES)."""
     def flat(c):
@@ -121,5 +119,3 @@ def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
 
     a, b = flat(saved), flat(cfg)
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-
-

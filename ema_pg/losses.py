@@ -121,8 +121,12 @@ def grpo_loss(
     eps_high: float,
     loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"],
     norm_len: int | None = None,
+    pg_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """L = aggregate(-J + beta * KL, mask): Algorithm 3 line 22, with metrics.
+    """L = aggregate(-w * J + beta * KL, mask): Algorithm 3 line 22 (w = 1), with metrics.
+
+    ``pg_weight`` (B, T), no grad: a per-token weight w on the policy-gradient term only, the
+    truncated importance-sampling correction of an inference engine's sampling mismatch.
 
     The coefficients have no defaults here: their one home is ``AlgoConfig`` (paper values there).
 
@@ -130,7 +134,7 @@ def grpo_loss(
     tokens have mask 0: they carry neither policy loss nor KL.
     """
     J, info = ppo_surrogate(logp, logp_old, adv, eps_low, eps_high)
-    per_token = -J
+    per_token = -J if pg_weight is None else -J * pg_weight.detach()
     if kl is not None and beta != 0.0:
         per_token = per_token + beta * kl
     loss = aggregate(per_token, mask, loss_agg, norm_len)
@@ -138,7 +142,7 @@ def grpo_loss(
         ratio = info["ratio"]
         m = mask.bool()
         metrics = {
-            "pg_loss": aggregate(-J.detach(), mask, loss_agg, norm_len),
+            "pg_loss": aggregate(-J.detach() if pg_weight is None else -J.detach() * pg_weight, mask, loss_agg, norm_len),
             "kl": masked_mean(kl.detach(), mask) if kl is not None else torch.zeros(()),
             "clip_frac_low": masked_mean(info["clipped_low"].to(ratio.dtype), mask),
             "clip_frac_high": masked_mean(info["clipped_high"].to(ratio.dtype), mask),

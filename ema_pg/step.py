@@ -14,7 +14,8 @@ The EMA update of the anchor is not part of the step: the caller applies it afte
 (:class:`ema_pg.anchor.EMAAnchor`). Departures from the paper's Algorithm 3, all deliberate:
 
 - prompts, sampling and minibatch order are seeded by (seed, iteration), so a resumed run
-  repeats an uninterrupted one exactly;
+  repeats an uninterrupted one exactly; each prompt samples from its own stream, so several
+  processes (each with its block of prompts, :mod:`ema_pg.dist`) sample what one process does;
 - log-probs are those of softmax(logits / temperature), the distribution sampled from;
 - pi_old's scores come from the sampler when it can give them (it evaluated pi_old's whole
   next-token distribution while sampling); otherwise from one no-grad pass of the policy.
@@ -33,8 +34,9 @@ from torch import Tensor
 from .heads import head
 from .kl import Estimator, KLInputs, sequence_kl_penalty
 from .kl.sampled import k3_core
+from .dist import World
 from .losses import advantages, grpo_loss, masked_mean
-from .rollout.base import Rollouts, Sampler
+from .rollout.base import Rollouts, Sampler, prompt_seeds
 from .scores import ScoreRequest, TokenScores
 
 
@@ -131,11 +133,14 @@ class StepResult:
 
 
 def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, estimator: Estimator,
-            updater: Updater, algo, rollout, seed: int, chunk: Callable[[int], int]) -> StepResult:
+            updater: Updater, algo, rollout, seed: int, chunk: Callable[[int], int],
+            world: World = World()) -> StepResult:
     """Run RL iteration ``iteration`` (0-based) and return its metrics (namespaced) and rollouts.
 
     ``algo`` and ``rollout`` are the config nodes of the same names; ``chunk(n_tokens)`` gives the
     head's chunk size. ``anchor_model`` is None only when there is no KL (``anchor=none``).
+    ``world``: on several processes, this rank's share of the batch (see :mod:`ema_pg.dist`);
+    the metrics returned are reduced over ranks.
     """
     device = next(policy.parameters()).device
     it_seed = step_seed(seed, iteration)
@@ -143,11 +148,13 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     t0 = time.perf_counter()
 
     # 1. prompts, rollouts from pi_old (= the current policy), rewards
-    prompts = task.sample(algo.prompts_per_step, seed=it_seed)
+    all_prompts = task.sample(algo.prompts_per_step, seed=it_seed)
+    mine = world.block(len(all_prompts))  # this rank's prompts, each with its whole group
+    prompts = all_prompts[mine]
     rollouts = sampler.generate(
         policy, [p.text for p in prompts], algo.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
         max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop), on_stop=task.on_stop_fn(prompts, algo.group_size),
-        seed=it_seed, score=scorer.request())
+        seed=prompt_seeds(it_seed, len(all_prompts))[mine], score=scorer.request())
     mask = rollouts.response_mask  # (N, T): policy tokens only (no prompt, observation or padding)
     rewards = torch.tensor([task.reward(prompts[i], text) for i, text in zip(rollouts.prompt_index, rollouts.responses)],
                            dtype=torch.float32, device=device)  # (N,)
@@ -161,11 +168,20 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
         rewards_for_adv = rewards - algo.beta * sequence_kl_penalty(old.logp, anchor.logp, mask)
     else:
         rewards_for_adv = rewards
-    adv = advantages(rewards_for_adv, algo.group_size, algo.adv_norm)  # (N,)
+    if algo.adv_norm == "global" and world.size > 1:  # mean and std over the whole batch, all ranks
+        adv = advantages(world.all_gather_cat(rewards_for_adv), algo.group_size, algo.adv_norm)[world.block(
+            world.size * len(rewards))]
+    else:
+        adv = advantages(rewards_for_adv, algo.group_size, algo.adv_norm)  # (N,)
+    engine_gap, tis = None, None
+    if rollouts.engine_logp is not None:  # an inference engine sampled: its numerics differ from the trainer's
+        engine_gap = (old.logp - rollouts.engine_logp) * mask  # log pi_old_train - log pi_engine, (N, T)
+        if rollout.tis_cap > 0:  # truncated importance sampling of the PG term: w = min(pi_old / pi_engine, C)
+            tis = engine_gap.exp().clamp(max=rollout.tis_cap)
 
     # 3. Lambda passes of minibatch updates (Alg 3, lines 13-23)
     n_rows = len(rollouts)
-    minibatch = algo.minibatch_size or n_rows
+    minibatch = algo.minibatch_size // world.size or n_rows  # per rank
     token_kl = algo.beta != 0.0 and algo.reward_kl == "none" and estimator.name != "none"
     order_gen = torch.Generator().manual_seed(it_seed)
     sums: dict[str, float] = {}
@@ -188,7 +204,10 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
                 ))  # (mb, T)
             loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=algo.beta,
                                            eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg,
-                                           norm_len=rollout.max_new_tokens)
+                                           norm_len=rollout.max_new_tokens, pg_weight=None if tis is None else tis[rows])
+            if world.size > 1 and algo.loss_agg == "token-mean":  # the strategy averages over ranks: weigh
+                n_tok = mask[rows].sum().float()              # each rank's token mean by its share of tokens
+                loss = loss * (world.size * n_tok / world.sum(n_tok).clamp(min=1))
             loss_metrics.update(updater.step(loss), loss=loss.detach())
             n_updates += 1
             for key, value in loss_metrics.items():
@@ -197,9 +216,10 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
 
     # 4. metrics (namespaced; the README has the table)
     metrics = {f"train/{key}": total / max(n_updates, 1) for key, total in sums.items()}
+    all_rewards = world.all_gather_cat(rewards)
     metrics.update({
-        "train/reward_mean": float(rewards.mean()),
-        "train/reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "train/reward_mean": float(all_rewards.mean()),
+        "train/reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
         "train/entropy": float(masked_mean(old.entropy, mask)) if old.entropy is not None else float("nan"),
         "train/response_len": float(mask.sum(-1).float().mean()),
         "train/lr": updater.lr,
@@ -208,6 +228,12 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
         log_w = anchor.logp - old.logp
         metrics["train/kl_k1"] = float(masked_mean(-log_w, mask))
         metrics["train/kl_k3"] = float(masked_mean(k3_core(log_w), mask))
+    if engine_gap is not None:
+        m = mask.bool()
+        metrics["rollout/logp_gap_mean"] = float(engine_gap.abs()[m].mean()) if m.any() else 0.0
+        metrics["rollout/logp_gap_max"] = float(engine_gap.abs()[m].max()) if m.any() else 0.0
+        if tis is not None:
+            metrics["rollout/tis_weight_mean"] = float(masked_mean(tis, mask))
     metrics.update({"time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
                     "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)})
-    return StepResult(metrics, rollouts)
+    return StepResult(world.reduce_metrics(metrics), rollouts)

@@ -70,7 +70,9 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     policy, tok = build_policy(cfg, task)
-    validate(cfg, vocab_size=policy.config.vocab_size)
+    mc = policy.config
+    validate(cfg, vocab_size=mc.vocab_size,
+             head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
     anchor = None
     if cfg.anchor.name != "none":
         anchor = EMAAnchor(eta=cfg.anchor.eta, update_every=cfg.anchor.update_every, eval_every=cfg.anchor.eval_every)

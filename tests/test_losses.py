@@ -119,6 +119,24 @@ def test_grpo_loss_by_hand_with_kl():
     assert m["ratio_mean"].item() == pytest.approx(1.0)
 
 
+def test_tis_weight_scales_the_policy_gradient_term_only():
+    # pg_weight w: loss = agg(-w * J + beta * KL); by hand on-policy (J = A), seq-mean-token-mean
+    logp = torch.zeros(2, 2, requires_grad=True)
+    kl = torch.tensor([[2.0, 4.0], [6.0, 8.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    w = torch.tensor([[0.5, 2.0], [3.0, 7.0]])
+    adv = torch.tensor([1.0, -2.0])
+    loss, m = grpo_loss(logp, logp.detach(), adv, mask, kl, beta=0.1, pg_weight=w, **PAPER)
+    # seq 0: mean(-0.5 + .2, -2 + .4) = -0.95 ; seq 1: (6 + .6) = 6.6 ; mean = 2.825
+    assert loss.item() == pytest.approx(2.825)
+    assert m["pg_loss"].item() == pytest.approx((-1.25 + 6.0) / 2)
+    loss.backward()  # d/dlogp of -w * A * ratio at ratio 1 = -w * A, over the seq-mean-token-mean weights
+    assert torch.allclose(logp.grad, torch.tensor([[-0.5 / 4, -2.0 / 4], [6.0 / 2, 0.0]]))
+    ones, _ = grpo_loss(logp, logp.detach(), adv, mask, kl, beta=0.1, pg_weight=torch.ones(2, 2), **PAPER)
+    none, _ = grpo_loss(logp, logp.detach(), adv, mask, kl, beta=0.1, **PAPER)
+    assert ones.item() == none.item()
+
+
 def test_loss_with_a_registry_estimator_end_to_end():
     B, T, V = 4, 3, 6
     logits = torch.randn(B, T, V, requires_grad=True)

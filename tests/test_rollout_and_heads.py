@@ -103,7 +103,7 @@ def test_ragged_observations_are_packed_and_scored_exactly(policy):
         return None if calls[row] >= 5 else ""  # "" = continue without text
 
     ro = HFSampler(tok).generate(m, ["1+1=", "22+3=", "4="], 2, temperature=1.0, max_new_tokens=8, stop=[""],
-                                 on_stop=on_stop, seed=5,
+                                 on_stop=on_stop, seed=6,
                                  score=ScoreRequest())
     am = ro.attention_mask[:, ro.prompt_len:]
     lengths = am.sum(1)

@@ -1,4 +1,4 @@
-"""Samplers behind one interface (:class:`Sampler`): ``hf`` (default, CPU/GPU) and ``vllm`` (GPU extra)."""
+"""Samplers behind one interface (:class:`Sampler`): ``hf`` (default) and ``vllm`` (the scale or gpu extra)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from .hf import HFSampler, sample_token
 
 def build_sampler(cfg, tokenizer) -> Sampler:
     if cfg.name == "hf":
-        return HFSampler(tokenizer, max_obs_tokens=cfg.get("max_obs_tokens", 256))
+        return HFSampler(tokenizer, max_obs_tokens=cfg.max_obs_tokens)
     if cfg.name == "vllm":
         from .vllm import VLLMSampler
 

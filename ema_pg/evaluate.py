@@ -22,13 +22,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .dist import World
+
 
 @torch.no_grad()
 def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, progress: bool = True,
-                    splits: dict | None = None, desc: str = "eval", show: int = 0) -> dict:
+                    splits: dict | None = None, desc: str = "eval", show: int = 0, world: World = World()) -> dict:
     """{"splits": {name: {metric: mean reward, "n": n}}, "avg": mean over splits} with greedy decoding.
 
     ``show`` > 0 also keeps that many (prompt, response, reward) samples per split under "samples".
+    ``world``: on several processes each rank evaluates every ``world.size``-th prompt and the
+    scores are gathered, so every rank returns the result of the whole set.
     """
     metric = task.metric
     splits = splits if splits is not None else task.eval_splits()
@@ -37,6 +41,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     bar = tqdm(total=total, desc=desc, disable=not progress, leave=False)
     for name, prompts in splits.items():
         scores = []
+        all_prompts, prompts = prompts, prompts[world.rank::world.size]
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i : i + batch_size]
             ro = sampler.generate(model, [p.text for p in chunk], 1, temperature=rollout_cfg.eval_temperature,
@@ -48,6 +53,9 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
                                   "reward": task.reward(chunk[j], text)}
                                  for j, text in list(zip(ro.prompt_index, ro.responses))[:show]]
             bar.update(1)
+        if world.size > 1:  # back in the prompts' own order: rank r scored prompts r, r + size, ...
+            parts = world.gather_objects(scores)
+            scores = [parts[i % world.size][i // world.size] for i in range(len(all_prompts))]
         out[name] = {metric: sum(scores) / max(len(scores), 1), "n": len(scores)}
     bar.close()
     avg = sum(v[metric] for v in out.values()) / max(len(out), 1)

@@ -16,7 +16,8 @@ import torch
 
 from .anchor import EMAAnchor
 from .chunked import auto_chunk
-from .config import kl_params
+from .config import ConfigError, kl_params
+from .dist import World
 from .evaluate import evaluate_policy
 from .kl import get_estimator
 from .monitor import StabilityMonitor
@@ -89,7 +90,8 @@ class GRPOModule(L.LightningModule):
             raise RuntimeError(f"the dataloader yielded iteration {iteration} but the module is at {self.iteration}")
         res = rl_step(iteration, policy=self.policy, anchor_model=None if self.anchor is None else self.anchor.model,
                       task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
-                      algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk)
+                      algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk,
+                      world=World.current())
         self.iteration += 1
         metrics = res.metrics
         if self.anchor is not None:
@@ -105,14 +107,15 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def run_eval(self) -> dict:
-        res = evaluate_policy(self.policy, self.sampler, self.task, self.cfg.rollout,
-                              progress=self.cfg.trainer.progress_bar, desc=f"eval @ {self.iteration}")
+        world = World.current()
+        res = evaluate_policy(self.policy, self.sampler, self.task, self.cfg.rollout, world=world,
+                              progress=self.cfg.trainer.progress_bar and world.rank == 0, desc=f"eval @ {self.iteration}")
         metric = res["metric"]
         m = {f"eval/{name}/{metric}": v[metric] for name, v in res["splits"].items()}
         m[f"eval/avg/{metric}"] = res["avg"]
         an = self.anchor
         if an is not None and an.eval_every and self.iteration % an.eval_every == 0:
-            ra = evaluate_policy(an.model, self.sampler, self.task, self.cfg.rollout, progress=False)
+            ra = evaluate_policy(an.model, self.sampler, self.task, self.cfg.rollout, progress=False, world=world)
             m.update({f"eval_anchor/{name}/{metric}": v[metric] for name, v in ra["splits"].items()})
             m[f"eval_anchor/avg/{metric}"] = ra["avg"]
         self._log_metrics(m)
@@ -122,6 +125,16 @@ class GRPOModule(L.LightningModule):
                 if isinstance(cb, EvalCallback):
                     cb.on_ema_pg_eval(self.trainer, self, self.eval_history[-1])
         return res
+
+    def setup(self, stage: str) -> None:
+        """The batch split needs the world size, known only now (``trainer.devices`` may be auto)."""
+        w, a = self.trainer.world_size, self.cfg.algo
+        if a.prompts_per_step % w:
+            raise ConfigError(f"algo.prompts_per_step={a.prompts_per_step} must be divisible by the number of "
+                              f"processes ({w}): each takes a block of whole prompt groups")
+        if a.minibatch_size and (a.minibatch_size % w or (a.prompts_per_step * a.group_size // w) % (a.minibatch_size // w)):
+            raise ConfigError(f"algo.minibatch_size={a.minibatch_size} must split over {w} processes: a multiple of "
+                              f"{w} whose per-process share divides each process's {a.prompts_per_step * a.group_size // w} rows")
 
     def on_train_start(self) -> None:
         if self.iteration == 0:

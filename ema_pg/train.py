@@ -34,6 +34,13 @@ from .tasks import build_task
 log = logging.getLogger("ema_pg")
 
 
+def is_rank_zero() -> bool:
+    """True in the first process of a run (the only one, unless Lightning launched several)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
 def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     """Run (or resume) one training run; returns (final metrics, objects).
 
@@ -88,11 +95,13 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         resume_step = int(torch.load(last, map_location="cpu", weights_only=False)["ema_pg"]["iteration"])
         log.info("resuming %s from iteration %d", run_dir, resume_step)
     else:
-        if last.is_file():
+        if last.exists():
             raise ConfigError(f"{run_dir} already holds a run; pass resume={run_dir} to continue it, or another run_dir")
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        save_run_model(run_dir, policy, tok, cfg.model.path)
-    (run_dir / "git.txt").write_text(git_commit() + "\n")
+        if is_rank_zero():  # the other processes of a multi-process run run this function too
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+            save_run_model(run_dir, policy, tok, cfg.model.path)
+    if is_rank_zero():
+        (run_dir / "git.txt").write_text(git_commit() + "\n")
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -108,7 +117,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
             max_epochs=-1, logger=make_loggers(cfg, run_dir, resume_step), callbacks=callbacks,
             enable_progress_bar=tc.progress_bar, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
             num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),
-            deterministic=False,
+            deterministic=False, use_distributed_sampler=False,  # every rank runs every iteration number
         )
         try:
             trainer.fit(module, ckpt_path=ckpt_path)
@@ -119,10 +128,12 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
                 except Exception:  # noqa: BLE001 - closing must not mask the real error
                     pass
     final = dict(module.eval_history[-1]) if module.eval_history else {}
-    if module.eval_history and module.iteration >= cfg.algo.iterations:  # a finished run (not a pruned one)
-        final["base_avg"] = module.eval_history[0]["avg"]
-        (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
-    plot = plot_run(run_dir)
+    plot = run_dir / "curves.png"
+    if is_rank_zero():
+        if module.eval_history and module.iteration >= cfg.algo.iterations:  # a finished run (not a pruned one)
+            final["base_avg"] = module.eval_history[0]["avg"]
+            (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+        plot = plot_run(run_dir)
     metric = final.get("metric", "em")
     metrics = {f"eval/avg/{metric}": final.get("avg", float("nan")), "iteration": module.iteration,
                "base/avg": module.eval_history[0]["avg"] if module.eval_history else float("nan"),
@@ -150,6 +161,8 @@ def main(cfg: DictConfig) -> float:
         log.error("config error: %s", e)
         raise SystemExit(f"config error: {e}") from None
     metric_key = next(k for k in metrics if k.startswith("eval/avg/"))
+    if not is_rank_zero():
+        return float(metrics[metric_key])
     print(f"run folder: {objs['run_dir']}\nmetrics:    {objs['run_dir'] / 'metrics.csv'}\nplot:       {objs['plot']}")
     print(f"final {metric_key} = {metrics[metric_key]:.3f} (base policy: {metrics['base/avg']:.3f})")
     return float(metrics[metric_key])

@@ -310,11 +310,17 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
             bad(f"logger={cfg.logger.name} needs its package: pip install -e '.[{cfg.logger.name}]' (or use logger=csv)")
     if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
         bad(f"model.dtype={cfg.model.dtype!r}; choose float32, bfloat16 or float16")
-    if cfg.trainer.name == "deepspeed" or "deepspeed" in str(cfg.trainer.strategy):
-        import torch
+    if "deepspeed" in str(cfg.trainer.strategy):
+        import importlib.util
 
-        if not torch.cuda.is_available():
-            bad("trainer=deepspeed needs CUDA (and the gpu extra); on this machine use trainer=cpu")
+        if str(cfg.trainer.strategy) not in ("deepspeed_stage_2", "deepspeed_stage_3"):
+            bad(f"trainer.strategy={cfg.trainer.strategy!r}; choose deepspeed_stage_2 or deepspeed_stage_3")
+        if not importlib.util.find_spec("deepspeed"):
+            bad("trainer=deepspeed needs DeepSpeed: `make scale-setup` (CPU) or pip install -e '.[gpu]' (CUDA); "
+                "or use trainer=cpu / trainer=ddp")
+        if cfg.rollout.name == "vllm" and str(cfg.trainer.strategy) == "deepspeed_stage_3":
+            bad("rollout=vllm with deepspeed_stage_3 is not built: pushing weights would gather the whole model on "
+                "every rank; use deepspeed_stage_2 (full weights on each rank) or rollout=hf")
     if cfg.rollout.name not in ("hf", "vllm"):
         bad(f"rollout={cfg.rollout.name!r}; choose hf or vllm")
     if cfg.rollout.name == "vllm":

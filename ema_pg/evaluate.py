@@ -42,6 +42,9 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     for name, prompts in splits.items():
         scores = []
         all_prompts, prompts = prompts, prompts[world.rank::world.size]
+        n_mine = len(prompts)
+        if world.size > 1:  # same number of prompts on every rank (forwards may be collective): repeat one
+            prompts = prompts + all_prompts[:1] * (-(-len(all_prompts) // world.size) - n_mine)
         for i in range(0, len(prompts), batch_size):
             chunk = prompts[i : i + batch_size]
             ro = sampler.generate(model, [p.text for p in chunk], 1, temperature=rollout_cfg.eval_temperature,
@@ -54,7 +57,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
                                  for j, text in list(zip(ro.prompt_index, ro.responses))[:show]]
             bar.update(1)
         if world.size > 1:  # back in the prompts' own order: rank r scored prompts r, r + size, ...
-            parts = world.gather_objects(scores)
+            parts = world.gather_objects(scores[:n_mine])
             scores = [parts[i % world.size][i // world.size] for i in range(len(all_prompts))]
         out[name] = {metric: sum(scores) / max(len(scores), 1), "n": len(scores)}
     bar.close()

@@ -12,7 +12,9 @@ indices and ``index_logp`` the model's log-probs there, so a reader never has to
 
 All log-probs are of the temperature-scaled distribution softmax(logits / temperature), the
 distribution the sampler draws from (nucleus truncation aside). The output layer must be a
-plain linear map without bias or logit soft-capping (Qwen2, Llama, Mistral, ...).
+plain linear map without bias or logit soft-capping (Qwen2, Llama, Mistral, ...). Under
+DeepSpeed ZeRO-3 the output embedding alone is gathered for the head (for the gradient pass,
+by running the head as the output layer's forward, so its backward is gathered too).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import Tensor
 from .chunked import chunked_head_nograd, chunked_logprobs
 from .rollout.base import Rollouts
 from .scores import TokenScores
+from .strategies import call_through, maybe_gathered, zero3_partitioned
 
 
 def output_layer(model) -> Tensor:
@@ -41,7 +44,12 @@ def response_hidden(model, batch: Rollouts) -> Tensor:
 
 def response_logits(model, batch: Rollouts, temperature: float = 1.0) -> Tensor:
     """(N, T, V) materialized logits (exact estimators and tests only)."""
-    logits = (response_hidden(model, batch) @ output_layer(model).T).float()
+    hid = response_hidden(model, batch)
+    W = output_layer(model)
+    if zero3_partitioned(W):
+        logits = call_through(model.get_output_embeddings(), lambda x: (x @ output_layer(model).T).float(), hid)
+    else:
+        logits = (hid @ W.T).float()
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -75,9 +83,14 @@ def head(model, batch: Rollouts, *, topk: int = 0, index: Tensor | None = None, 
     if torch.is_grad_enabled() and (h.requires_grad or W.requires_grad):
         if topk or entropy:
             raise ValueError("head: the gradient pass scores a given index set only (topk/entropy are no-grad stats)")
-        logp, ixl = chunked_logprobs(h, W, t, ix, temperature, chunk)
+        if zero3_partitioned(W):  # the output layer's module gathers W for the head and for its backward
+            logp, ixl = call_through(model.get_output_embeddings(),
+                                     lambda x: chunked_logprobs(x, output_layer(model), t, ix, temperature, chunk), h)
+        else:
+            logp, ixl = chunked_logprobs(h, W, t, ix, temperature, chunk)
         return TokenScores(logp=shape(logp), index=index, index_logp=None if ixl is None else shape(ixl))
-    r = chunked_head_nograd(h, W, t, k=topk, index=ix, entropy=entropy, temperature=temperature, chunk=chunk)
+    with maybe_gathered([W]):  # ZeRO-3: the output embedding only, not the whole model
+        r = chunked_head_nograd(h, W, t, k=topk, index=ix, entropy=entropy, temperature=temperature, chunk=chunk)
     out = TokenScores(logp=shape(r.logp), entropy=None if r.entropy is None else shape(r.entropy))
     if topk > 0:
         out.index, out.index_logp = shape(r.topk_idx.long()), shape(r.topk_logp)

@@ -23,6 +23,7 @@ from .kl import get_estimator
 from .monitor import StabilityMonitor
 from .rollout import build_sampler
 from .step import rl_step
+from .strategies import full_shape, zero3_partitioned
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,12 @@ class _StrategyUpdater:
         opt.zero_grad(set_to_none=True)
         self.module.manual_backward(loss)
         out = {}
+        engine = self.module.trainer.model
+        if hasattr(engine, "get_global_grad_norm"):  # DeepSpeed: gradients live in its partitions; it clips
+            opt.step()                                # (gradient_clipping = algo.grad_clip) and keeps the norm
+            out["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
+            sched.step()
+            return out
         if self.grad_clip > 0:
             grads = [p.grad for p in self.module.policy.parameters() if p.grad is not None]
             out["grad_norm"] = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -80,7 +87,7 @@ class GRPOModule(L.LightningModule):
     def head_chunk(self, n_tokens: int) -> int:
         """Tokens per chunk of the log-prob head: fixed by ``model.head_chunk_tokens`` or sized by memory."""
         m = self.cfg.model
-        V = self.policy.get_output_embeddings().weight.shape[0]
+        V = full_shape(self.policy.get_output_embeddings().weight)[0]
         return m.head_chunk_tokens or auto_chunk(n_tokens, V, m.head_chunk_mb)
 
     # ------------------------------------------------------------------ one RL iteration
@@ -135,6 +142,10 @@ class GRPOModule(L.LightningModule):
         if a.minibatch_size and (a.minibatch_size % w or (a.prompts_per_step * a.group_size // w) % (a.minibatch_size // w)):
             raise ConfigError(f"algo.minibatch_size={a.minibatch_size} must split over {w} processes: a multiple of "
                               f"{w} whose per-process share divides each process's {a.prompts_per_step * a.group_size // w} rows")
+
+    def on_fit_start(self) -> None:
+        if any(zero3_partitioned(p) for p in self.policy.parameters()) and hasattr(self.sampler, "lockstep"):
+            self.sampler.lockstep = World.current()  # every forward is collective under ZeRO-3
 
     def on_train_start(self) -> None:
         if self.iteration == 0:

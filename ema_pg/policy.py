@@ -45,9 +45,44 @@ def save_run_model(run_dir: Path, model, tokenizer, model_path: str | None) -> P
 
 
 def checkpoint_file(run_dir: Path) -> Path | None:
-    """The run's last checkpoint, or None if it wrote none yet."""
+    """The run's last checkpoint (a file; a folder under DeepSpeed), or None if it wrote none yet."""
     last = Path(run_dir) / "checkpoints" / "last.ckpt"
-    return last if last.is_file() else None
+    return last if last.is_file() or (last / "checkpoint").is_dir() else None
+
+
+def checkpoint_state(ckpt: Path) -> dict:
+    """A checkpoint's Lightning state (``ema_pg``, ``callbacks``, ...); a DeepSpeed checkpoint folder keeps
+    it in rank 0's model-states file."""
+    ckpt = Path(ckpt)
+    if ckpt.is_dir():  # ZeRO-2 names it mp_rank_00_model_states.pt, ZeRO-3 zero_pp_rank_0_mp_rank_00_model_states.pt
+        ckpt = next(f for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+                    if (f := ckpt / "checkpoint" / name).is_file())
+    return torch.load(ckpt, map_location="cpu", weights_only=False)
+
+
+def _policy_weights(ckpt: Path, state: dict) -> dict:
+    if Path(ckpt).is_dir():  # DeepSpeed (ZeRO-2 or 3): its own gatherer assembles the full fp32 weights
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        full = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="checkpoint")
+    else:
+        full = state["state_dict"]
+    return {k.split("policy.", 1)[1]: v for k, v in full.items() if "policy." in k}
+
+
+def _anchor_weights(ckpt: Path, state: dict, model) -> dict:
+    anchors = [v for k, v in state.get("callbacks", {}).items() if k.startswith("EMAAnchor")]
+    if not anchors:
+        raise ValueError(f"{ckpt} holds no anchor (the run used anchor=none)")
+    a = anchors[0]
+    if "shards" not in a:
+        return a["master"]
+    # ZeRO-3: each rank saved the fp32 master of its partition; a parameter is its ranks' pieces end to end
+    it, world = a["shards"]["iteration"], a["shards"]["world_size"]
+    shard_dir = Path(ckpt).parent / "anchor_shards"
+    parts = [torch.load(shard_dir / f"iter{it}_rank{r}.pt", map_location="cpu", weights_only=True) for r in range(world)]
+    shapes = dict(model.named_parameters())
+    return {n: torch.cat([p[n].flatten() for p in parts])[: shapes[n].numel()].view(shapes[n].shape) for n in parts[0]}
 
 
 def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtype = torch.float32):
@@ -74,14 +109,8 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
     tok = PreTrainedTokenizerFast.from_pretrained(str(mdir), local_files_only=True)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(mdir), local_files_only=True))
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
-    if which == "policy":
-        weights = {k.removeprefix("policy."): v for k, v in state["state_dict"].items() if k.startswith("policy.")}
-    else:
-        anchors = [v for k, v in state.get("callbacks", {}).items() if k.startswith("EMAAnchor")]
-        if not anchors:
-            raise ValueError(f"{ckpt} holds no anchor (the run used anchor=none)")
-        weights = anchors[0]["master"]
+    state = checkpoint_state(ckpt)
+    weights = _policy_weights(ckpt, state) if which == "policy" else _anchor_weights(ckpt, state, model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if unexpected or [m for m in missing if m not in tied and not (model.config.tie_word_embeddings and "lm_head" in m)]:

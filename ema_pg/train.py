@@ -27,7 +27,8 @@ from .config import CONF_DIR, ConfigError, fill_defaults, register_configs, vali
 from .models import ModelPathError
 from .module import GRPOModule
 from .plotting import plot_run
-from .policy import build_policy, save_run_model
+from .policy import build_policy, checkpoint_file, checkpoint_state, save_run_model
+from .strategies import build_strategy
 from .runs import config_differences, finished_metrics, git_commit, make_loggers, resolve_resume
 from .tasks import build_task
 
@@ -60,7 +61,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         if done is not None:
             log.info("%s already finished %d iterations: skipped", run_dir, done["iteration"])
             return done, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True}
-        if (run_dir / "checkpoints" / "last.ckpt").is_file():
+        if checkpoint_file(run_dir) is not None:
             cfg.resume = str(run_dir)
     if cfg.get("resume"):
         cfg = resolve_resume(cfg)
@@ -89,10 +90,10 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     ckpt_path, resume_step = None, None
     last = run_dir / "checkpoints" / "last.ckpt"
     if cfg.get("resume"):
-        if not last.is_file():
+        if checkpoint_file(run_dir) is None:
             raise ConfigError(f"resume: {last} does not exist; the run wrote no checkpoint yet (start it again instead)")
         ckpt_path = str(last)
-        resume_step = int(torch.load(last, map_location="cpu", weights_only=False)["ema_pg"]["iteration"])
+        resume_step = int(checkpoint_state(last)["ema_pg"]["iteration"])
         log.info("resuming %s from iteration %d", run_dir, resume_step)
     else:
         if last.exists():
@@ -113,7 +114,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         # the run folder holds config.yaml before the CSV logger starts: its "not empty" warning is expected
         warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
         trainer = L.Trainer(
-            accelerator=tc.accelerator, devices=tc.devices, strategy=tc.strategy, precision=tc.precision,
+            accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(cfg), precision=tc.precision,
             max_epochs=-1, logger=make_loggers(cfg, run_dir, resume_step), callbacks=callbacks,
             enable_progress_bar=tc.progress_bar, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
             num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),

@@ -46,6 +46,21 @@ class HFSampler:
     def __init__(self, tokenizer, max_obs_tokens: int = 256):
         self.tok = tokenizer
         self.max_obs_tokens = max_obs_tokens
+        #: a :class:`ema_pg.dist.World` whose ranks must run the same forwards (DeepSpeed ZeRO-3, where every
+        #: forward gathers parameters collectively): the loop then runs until every rank's rows are done
+        self.lockstep = None
+
+    def _any(self, flag: bool) -> bool:
+        if self.lockstep is None or self.lockstep.size == 1:
+            return flag
+        return bool(self.lockstep.sum(torch.tensor([int(flag)])).item())
+
+    def _max(self, n: int) -> int:
+        if self.lockstep is None or self.lockstep.size == 1:
+            return n
+        t = torch.tensor([n])
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
 
     @torch.no_grad()
     def generate(self, model, prompts: list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
@@ -89,7 +104,7 @@ class HFSampler:
             next_logits = torch.where(real_last[:, None], o.logits[:, -1].float(), next_logits)
             last_pos = last_pos + block_am.sum(-1)
 
-        while active.any():
+        while self._any(bool(active.any())):
             logp_all = torch.log_softmax(next_logits / temperature, -1) if temperature > 0 and score else None
             nxt = sample_token(next_logits, temperature, top_p, gen)
             nxt = torch.where(active, nxt, torch.full_like(nxt, pad))
@@ -123,11 +138,11 @@ class HFSampler:
                         observations[r] = obs
                 if counts[r] >= max_new_tokens:
                     active[r] = False
-            if not active.any():
+            if not self._any(bool(active.any())):
                 break  # every row has ended: nothing left to feed
             feed(nxt[:, None], a[:, None])
             enc_obs = {r: tok(o, add_special_tokens=False)["input_ids"][: self.max_obs_tokens] for r, o in observations.items()}
-            W = max((len(v) for v in enc_obs.values()), default=0)
+            W = self._max(max((len(v) for v in enc_obs.values()), default=0))
             if W > 0:  # an empty observation just lets the row continue
                 block = torch.full((N, W), pad, dtype=torch.long, device=dev)
                 block_am = torch.zeros((N, W), dtype=torch.long, device=dev)

@@ -1,0 +1,144 @@
+"""Several processes on this CPU, through the README's command line: DDP, DeepSpeed ZeRO-2 and ZeRO-3 (gloo).
+
+Each 2-process run is compared with a 1-process run of the same global batch. Tolerances: the
+rewards are equal (each prompt samples from its own stream, so the split does not change the
+rollouts); the first update's loss and gradient norm agree to 1e-5 relative (an all-reduce sums
+in another order than one process does); the weights after 6 updates agree to 1e-2 relative to
+the size of the update (Adam turns rounding-level differences of near-zero gradient coordinates
+into lr-sized steps). A ZeRO-3 run killed with SIGKILL after a checkpoint and resumed ends with
+exactly the weights and anchor of the uninterrupted run.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+pytestmark = pytest.mark.scale
+
+ROOT = Path(__file__).resolve().parent.parent
+ARGS = ["experiment=demo", "algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatch_size=0",
+        "algo.iterations=6", "algo.eval_every=2", "anchor.update_every=1", "optim.lr=1e-3",
+        "trainer.progress_bar=false", "task.eval_size=16"]
+TWO = {
+    "ddp": ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"],
+    "zero2": ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_2", "trainer.devices=2"],
+    "zero3": ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "trainer.devices=2"],
+}
+
+
+def run(run_dir: Path, extra=(), cache: Path | None = None, background: bool = False):
+    cmd = [sys.executable, "-m", "ema_pg.train", *ARGS, *extra, f"run_dir={run_dir}"]
+    if cache is not None:
+        cmd.append(f"sft.cache_dir={cache}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return run_dir
+
+
+def weights(run_dir, which):
+    from ema_pg.policy import load_run_model
+
+    return load_run_model(run_dir, which=which)[0].state_dict()
+
+
+def curves(run_dir):
+    d = pd.read_csv(Path(run_dir) / "metrics.csv")
+    return d[["step", "train/loss", "train/reward_mean", "train/grad_norm", "anchor/lag_norm"]].dropna()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cold_start")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, cache):
+    return run(tmp_path_factory.mktemp("one") / "run", cache=cache)
+
+
+@pytest.fixture(scope="module")
+def two_process(tmp_path_factory, cache, one_process):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = run(tmp_path_factory.mktemp(name) / "run", TWO[name], cache=cache)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("strategy", list(TWO))
+def test_two_processes_train_like_one(strategy, one_process, two_process):
+    ref, got = curves(one_process), curves(two_process(strategy))
+    assert len(got) == len(ref) == 6
+    assert got["train/reward_mean"].tolist() == ref["train/reward_mean"].tolist()  # same prompts and samples
+    first = lambda d, k: float(d[k].iloc[0])
+    for key in ("train/grad_norm", "anchor/lag_norm"):
+        assert first(got, key) == pytest.approx(first(ref, key), rel=1e-5), key
+    assert float(got["train/loss"].iloc[1]) == pytest.approx(float(ref["train/loss"].iloc[1]), rel=1e-4)
+    init = weights(one_process, "initial")
+    for which in ("policy", "anchor"):
+        a, b = weights(one_process, which), weights(two_process(strategy), which)
+        step = sum(((a[k] - init[k]) ** 2).sum() for k in a) ** 0.5
+        diff = sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5
+        assert step > 0.1 and diff / step < 1e-2, (which, float(diff / step))
+
+
+def test_ranks_take_disjoint_blocks_of_whole_groups():
+    from ema_pg.dist import World
+    from ema_pg.rollout.base import prompt_seeds
+
+    prompts = list(range(8))
+    blocks = [prompts[World(r, 4).block(8)] for r in range(4)]
+    assert blocks == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    seeds = prompt_seeds(7, 8)
+    assert [seeds[World(r, 2).block(8)] for r in range(2)] == [seeds[:4], seeds[4:]] and len(set(seeds)) == 8
+    with pytest.raises(ValueError, match="do not split evenly"):
+        World(0, 3).block(8)
+
+
+def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, cache, two_process):
+    full = two_process("zero3")
+    killed = tmp_path / "run"
+    proc = run(killed, TWO["zero3"], cache=cache, background=True)
+    marker = killed / "checkpoints" / "last.ckpt" / "latest"  # DeepSpeed writes it once the checkpoint is complete
+    t0 = time.time()
+    while not marker.is_file() and proc.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.is_file() and not (killed / "eval.json").exists()  # killed mid-run, after a checkpoint
+    out = subprocess.run([sys.executable, "-m", "ema_pg.train", f"resume={killed}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    for which in ("policy", "anchor"):
+        a, b = weights(full, which), weights(killed, which)
+        assert all(torch.equal(a[k], b[k]) for k in a), which
+    pd.testing.assert_frame_equal(curves(full).reset_index(drop=True), curves(killed).reset_index(drop=True))
+
+
+def test_export_of_a_zero3_run_loads_with_from_pretrained(tmp_path, two_process):
+    from transformers import AutoModelForCausalLM
+
+    run_dir = two_process("zero3")
+    for which in ("policy", "anchor"):
+        out = tmp_path / which
+        flag = ["--anchor"] if which == "anchor" else []
+        r = subprocess.run([sys.executable, "-m", "ema_pg.export", str(run_dir), str(out), *flag], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        m = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
+        ref = weights(run_dir, which)
+        assert all(torch.equal(m.state_dict()[k], ref[k]) for k in ref)

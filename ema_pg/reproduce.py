@@ -37,6 +37,15 @@ def scale_file(name: str, scale: str) -> str:
     raise SystemExit(f"no scale {scale!r} for {name}: add sweeps/scale/{name}_{scale}.yaml (there are: {', '.join(have)})")
 
 
+def overlay_choices(overlay: str) -> list[str]:
+    """Group choices a scale overlay asks for on its ``# choices:`` line (``experiment=search_paper``):
+    an overlay cannot re-choose a group the sweep file already chose, the command line can."""
+    for line in (SWEEPS / "scale" / f"{overlay}.yaml").read_text().splitlines():
+        if line.startswith("# choices:"):
+            return line.split(":", 1)[1].split()
+    return []
+
+
 def commands(name: str, scale: str, overrides: list[str], runs: Path | None = None, out: Path | None = None):
     if name not in REPORTS:
         raise SystemExit(f"unknown reproduction {name!r}; choose one of: {', '.join(REPORTS)}")
@@ -45,8 +54,9 @@ def commands(name: str, scale: str, overrides: list[str], runs: Path | None = No
     runs = runs or ROOT / "runs" / "reproduce" / f"{name}-{scale}"
     out = out or (ROOT / "reproductions" / name if scale == "mini" else
                   runs / "report" if scale == "smoke" else ROOT / "reproductions" / name / scale)
+    overlay = scale_file(name, scale)
     sweep = [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", str(SWEEPS), "--config-name", name,
-             f"+scale={scale_file(name, scale)}", f"hydra.sweep.dir={runs}", *overrides]
+             *overlay_choices(overlay), f"+scale={overlay}", f"hydra.sweep.dir={runs}", *overrides]
     analysis = [sys.executable, "-m", "ema_pg.reports", name, "--runs", str(runs), "--out", str(out)]
     return sweep, analysis, runs, out
 

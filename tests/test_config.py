@@ -24,10 +24,11 @@ def test_groups_have_options():
 def test_every_option_composes_and_validates(group, option):
     extra = ["model.path=/tmp/x"] if (group, option) == ("model", "local") else []
     cfg = compose_cfg([f"{group}={option}"] + extra, tiny=group not in ("experiment", "method"))
-    needs_cuda = group == "trainer" and option in ("gpu", "deepspeed")
+    needs_cuda = group == "trainer" and option == "gpu"
     import importlib.util
 
-    if (group, option) == ("rollout", "vllm") and not importlib.util.find_spec("vllm"):
+    engine = {("rollout", "vllm"): "vllm", ("trainer", "deepspeed"): "deepspeed"}.get((group, option))
+    if engine and not importlib.util.find_spec(engine):
         with pytest.raises(ConfigError, match="make scale-setup"):
             validate(cfg)
         return
@@ -84,11 +85,17 @@ def test_typos_and_wrong_types_fail_at_composition():
         compose_cfg(["kl=topk_backward"])
 
 
-def test_deepspeed_on_cpu_says_it_needs_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present")
-    with pytest.raises(ConfigError, match="trainer=deepspeed needs CUDA"):
-        validate(compose_cfg(["trainer=deepspeed"]))
+def test_deepspeed_knobs_are_checked_at_start():
+    import importlib.util
+
+    with pytest.raises(ConfigError, match="choose deepspeed_stage_2 or deepspeed_stage_3"):
+        validate(compose_cfg(["trainer=deepspeed", "trainer.strategy=deepspeed_stage_1"]))
+    if not importlib.util.find_spec("deepspeed"):
+        with pytest.raises(ConfigError, match="make scale-setup"):
+            validate(compose_cfg(["trainer=deepspeed"]))
+        return
+    with pytest.raises(ConfigError, match="rollout=vllm with deepspeed_stage_3 is not built"):
+        validate(compose_cfg(["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "rollout=vllm"]))
 
 
 def test_vllm_knobs_are_checked_before_the_engine_starts():
@@ -120,3 +127,25 @@ def test_missing_logger_package_says_how_to_install(tmp_path):
 
     with pytest.raises(ConfigError, match=r"pip install -e '.\[tensorboard\]'"):
         train(compose_cfg(["logger=tensorboard", "algo.iterations=1", "algo.eval_every=1"], tmp_path))
+
+
+def test_the_paper_scale_recipe_has_the_papers_settings(monkeypatch):
+    """conf/experiment/search_paper.yaml: Appendix A's values, checked at start like any run."""
+    import importlib.util
+
+    from ema_pg.config import fill_defaults
+
+    for var in ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER"):
+        monkeypatch.setenv(var, "/nowhere")
+    cfg = compose_cfg(["experiment=search_paper"], tiny=False)
+    fill_defaults(cfg)
+    a = cfg.algo
+    assert (cfg.optim.lr, a.beta, cfg.anchor.eta, cfg.anchor.update_every, cfg.kl.k) == (1e-6, 0.001, 0.9, 10, 32)
+    assert (a.eps_low, a.eps_high, a.group_size, a.prompts_per_step) == (0.2, 0.28, 5, 512)
+    assert (cfg.kl.name, cfg.rollout.name, cfg.trainer.strategy, cfg.model.path) == (
+        "topk_reverse", "vllm", "deepspeed_stage_2", "/nowhere")
+    if importlib.util.find_spec("vllm") and importlib.util.find_spec("deepspeed"):
+        validate(cfg, vocab_size=151_936, head_dim=128)  # Qwen2.5-3B's
+    else:
+        with pytest.raises(ConfigError, match="make scale-setup"):
+            validate(cfg)

@@ -55,6 +55,13 @@ class World:
         torch.distributed.all_reduce(x)
         return x
 
+    def max(self, n: int) -> int:
+        if self.size == 1:
+            return n
+        t = torch.tensor([n])
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj``, in rank order."""
         if self.size == 1:

@@ -25,7 +25,7 @@ from torch import Tensor
 from .chunked import chunked_head_nograd, chunked_logprobs
 from .rollout.base import Rollouts
 from .scores import TokenScores
-from .strategies import call_through, maybe_gathered, zero3_partitioned
+from .strategies import call_through, gathered, zero3_partitioned
 
 
 def output_layer(model) -> Tensor:
@@ -89,7 +89,7 @@ def head(model, batch: Rollouts, *, topk: int = 0, index: Tensor | None = None, 
         else:
             logp, ixl = chunked_logprobs(h, W, t, ix, temperature, chunk)
         return TokenScores(logp=shape(logp), index=index, index_logp=None if ixl is None else shape(ixl))
-    with maybe_gathered([W]):  # ZeRO-3: the output embedding only, not the whole model
+    with gathered([W]):  # ZeRO-3: the output embedding only, not the whole model
         r = chunked_head_nograd(h, W, t, k=topk, index=ix, entropy=entropy, temperature=temperature, chunk=chunk)
     out = TokenScores(logp=shape(r.logp), entropy=None if r.entropy is None else shape(r.entropy))
     if topk > 0:

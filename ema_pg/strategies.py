@@ -14,7 +14,7 @@ Helpers here let the rest of the code ask about ZeRO-3 partitioning without impo
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -39,11 +39,6 @@ def gathered(params, modifier_rank=None):
 
     with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
         yield
-
-
-def maybe_gathered(params):
-    params = list(params)
-    return gathered(params) if any(zero3_partitioned(p) for p in params) else nullcontext()
 
 
 def call_through(module: torch.nn.Module, fn, *inputs):

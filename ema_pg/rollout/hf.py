@@ -51,16 +51,10 @@ class HFSampler:
         self.lockstep = None
 
     def _any(self, flag: bool) -> bool:
-        if self.lockstep is None or self.lockstep.size == 1:
-            return flag
-        return bool(self.lockstep.sum(torch.tensor([int(flag)])).item())
+        return flag if self.lockstep is None else bool(self.lockstep.max(int(flag)))
 
     def _max(self, n: int) -> int:
-        if self.lockstep is None or self.lockstep.size == 1:
-            return n
-        t = torch.tensor([n])
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-        return int(t.item())
+        return n if self.lockstep is None else self.lockstep.max(n)
 
     @torch.no_grad()
     def generate(self, model, prompts: list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,

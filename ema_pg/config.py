@@ -32,6 +32,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
+    name: str = "tiny"  #: tiny (built from the fields below, cold-started) | local (a saved model at ``path``)
     path: str | None = None  #: local model directory (save_pretrained); None = tiny model + cold start
     hidden_size: int = 128  #: tiny model width
     num_layers: int = 4  #: tiny model depth
@@ -109,6 +110,7 @@ class AlgoConfig:
     eval_every: int = 20  #: iterations between evaluations and checkpoints
     grad_clip: float = 1.0  #: gradient-norm clip (0 = off)
     warmup_steps: int = 0  #: linear LR warm-up length, in optimizer steps
+    max_bad_steps: int = 3  #: consecutive updates skipped for a non-finite loss/gradient before the run stops
     reward_kl: str = "none"  #: none | sequence: subtract beta * sequence KL from the reward (WARP, eq. 10-12)
 
 
@@ -235,6 +237,55 @@ def fill_defaults(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def _check_finite(cfg) -> None:
+    """Every float knob (lists included) must be a finite number: inf/nan would pass the range checks."""
+    import math
+
+    from omegaconf import OmegaConf
+
+    def walk(node, prefix):
+        for k in node:
+            if OmegaConf.is_missing(node, k) or OmegaConf.is_interpolation(node, k):
+                continue
+            v = node[k]
+            key = f"{prefix}{k}"
+            items = list(v) if OmegaConf.is_list(v) else [v]
+            if OmegaConf.is_dict(v):
+                walk(v, key + ".")
+            elif any(isinstance(x, float) and not math.isfinite(x) for x in items):
+                raise ConfigError(f"{key}={v} is not a finite number; give a finite value")
+
+    walk(cfg, "")
+
+
+_GROUP_SCHEMAS = {"model": ModelConfig, "rollout": RolloutConfig, "kl": KLConfig, "anchor": AnchorConfig,
+                  "algo": AlgoConfig, "optim": OptimConfig, "trainer": TrainerConfig, "logger": LoggerConfig,
+                  "sft": SFTConfig, "monitor": MonitorConfig}
+
+
+def _check_known_keys(cfg) -> None:
+    """A key the schema does not have (``+anchor.etaa=0.9`` gets past Hydra's own check) is refused."""
+    import difflib
+
+    from .tasks import task_defaults
+
+    known_top = {f.name for f in fields(Config)}
+    groups = {g: {f.name for f in fields(dc)} for g, dc in _GROUP_SCHEMAS.items()}
+    try:
+        groups["task"] = set(task_defaults(cfg.task.name)) | {"name"}
+    except (ValueError, KeyError, AttributeError, FileNotFoundError):
+        pass  # an unknown task is reported by build_task with the list of tasks
+    for k in cfg:
+        if k not in known_top:
+            raise ConfigError(f"unknown key {k!r}; remove it (known: {', '.join(sorted(known_top))})")
+    for g, names in groups.items():
+        for k in cfg[g]:
+            if k not in names and not str(k).startswith("_"):
+                near = difflib.get_close_matches(k, names, n=1)
+                hint = f"did you mean {g}.{near[0]}? " if near else ""
+                raise ConfigError(f"unknown key {g}.{k}: {hint}remove it (the {g} keys: {', '.join(sorted(names))})")
+
+
 def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) -> None:
     """Range and combination checks; raises ConfigError naming the knob and the fix.
 
@@ -247,6 +298,8 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
     def bad(msg: str):
         raise ConfigError(msg)
 
+    _check_finite(cfg)
+    _check_known_keys(cfg)
     if a.group_size < 2:
         bad(f"algo.group_size must be >= 2 for group-baselined advantages; got {a.group_size} (the paper uses 5-16)")
     if a.prompts_per_step < 1:
@@ -285,6 +338,24 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
             "algo.reward_kl=none to keep the token KL")
     if cfg.optim.lr <= 0:
         bad(f"optim.lr must be > 0; got {cfg.optim.lr}")
+    o = cfg.optim
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        bad(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {list(o.betas)}")
+    for key, v, lo in (("optim.weight_decay", o.weight_decay, 0), ("algo.grad_clip", a.grad_clip, 0),
+                       ("algo.warmup_steps", a.warmup_steps, 0), ("rollout.eval_temperature", cfg.rollout.eval_temperature, 0),
+                       ("monitor.every", cfg.monitor.every, 0), ("anchor.eval_every", an.eval_every, 0),
+                       ("seed", cfg.seed, 0), ("sft.steps", cfg.sft.steps, 0), ("sft.batch_size", cfg.sft.batch_size, 1),
+                       ("sft.check_every", cfg.sft.check_every, 1), ("sft.num_demos", cfg.sft.num_demos, 1),
+                       ("algo.max_bad_steps", a.max_bad_steps, 1), ("monitor.num_sequences", cfg.monitor.num_sequences, 1)):
+        if v < lo:
+            bad(f"{key} must be >= {lo}; got {v}")
+    if cfg.sft.lr <= 0:
+        bad(f"sft.lr must be > 0; got {cfg.sft.lr}")
+    from omegaconf import OmegaConf
+
+    if cfg.model.name == "local" and not OmegaConf.is_interpolation(cfg.model, "path") and not cfg.model.path:
+        bad("model=local needs model.path=DIR, a local folder saved with save_pretrained (or use model=tiny)")
+
     if cfg.rollout.temperature < 0 or not (0 < cfg.rollout.top_p <= 1):
         bad(f"rollout.temperature must be >= 0 and rollout.top_p in (0, 1]; got {cfg.rollout.temperature}, {cfg.rollout.top_p}")
     if cfg.rollout.temperature == 0:
@@ -299,6 +370,10 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         raise ConfigError(f"kl: {e}") from None
     if vocab_size is not None and est.k > vocab_size:
         bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
+    tiny = not OmegaConf.is_interpolation(cfg.model, "path") and not cfg.model.path
+    if tiny and est.k > cfg.model.tokenizer_vocab:  # known before the cold start builds anything
+        bad(f"kl.k={est.k} is larger than the vocabulary of the tiny model (model.tokenizer_vocab="
+            f"{cfg.model.tokenizer_vocab}); choose kl.k <= {cfg.model.tokenizer_vocab}")
     if cfg.logger.name not in ("csv", "wandb", "tensorboard"):
         bad(f"logger={cfg.logger.name!r}; choose one of: csv, wandb, tensorboard")
     if cfg.logger.name in ("wandb", "tensorboard"):

@@ -10,6 +10,7 @@ history travel in checkpoints. The EMA anchor is a callback (:class:`ema_pg.anch
 from __future__ import annotations
 
 import logging
+import math
 
 import lightning as L
 import torch
@@ -22,7 +23,7 @@ from .evaluate import evaluate_policy
 from .kl import get_estimator
 from .monitor import StabilityMonitor
 from .rollout import build_sampler
-from .step import rl_step
+from .step import FiniteGuard, NonFiniteUpdates, rl_step
 from .strategies import full_shape, zero3_partitioned
 
 log = logging.getLogger(__name__)
@@ -38,27 +39,37 @@ class EvalCallback(L.Callback):
 class _StrategyUpdater:
     """The :class:`ema_pg.step.Updater` of a Lightning module: backward and clipping through the strategy."""
 
-    def __init__(self, module: GRPOModule, grad_clip: float):
+    def __init__(self, module: GRPOModule, grad_clip: float, max_bad_steps: int):
         self.module, self.grad_clip = module, grad_clip
+        self.guard = FiniteGuard(max_bad_steps)
 
     def step(self, loss: torch.Tensor) -> dict[str, float]:
         opt, sched = self.module.optimizers(), self.module.lr_schedulers()
         opt.zero_grad(set_to_none=True)
-        self.module.manual_backward(loss)
-        out = {}
         engine = self.module.trainer.model
         if hasattr(engine, "get_global_grad_norm"):  # DeepSpeed: gradients live in its partitions; it clips
-            opt.step()                                # (gradient_clipping = algo.grad_clip) and keeps the norm
-            out["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)
+            # (gradient_clipping = algo.grad_clip); every rank must skip together, so the loss check is global
+            loss_bad = World.current().max(int(not torch.isfinite(loss.detach()).item()))
+            if self.guard.bad(float("nan") if loss_bad else float(loss)):
+                return {"skipped_steps": 1.0}
+            self.module.manual_backward(loss)
+            opt.step()
             sched.step()
-            return out
+            return {"grad_norm": float(engine.get_global_grad_norm() or 0.0), "skipped_steps": 0.0}
+        if self.guard.bad(float(loss)):
+            return {"skipped_steps": 1.0}
+        self.module.manual_backward(loss)  # DDP: gradients are all-reduced here, so every rank sees one norm
+        grads = [p.grad for p in self.module.policy.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if self.guard.bad(float(loss), norm):
+            opt.zero_grad(set_to_none=True)
+            return {"skipped_steps": 1.0, "grad_norm": norm}
         if self.grad_clip > 0:
-            grads = [p.grad for p in self.module.policy.parameters() if p.grad is not None]
-            out["grad_norm"] = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
             self.module.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
         opt.step()
+        self.guard.check_params(self.module.policy.parameters())
         sched.step()
-        return out
+        return {"grad_norm": norm, "skipped_steps": 0.0}
 
     @property
     def lr(self) -> float:
@@ -72,11 +83,12 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.estimator = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
         self.sampler = build_sampler(cfg.rollout, tokenizer)
-        self.updater = _StrategyUpdater(self, cfg.algo.grad_clip)
+        self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps)
         self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, cfg.anchor.eta, cfg.algo.beta)
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
         self.eval_history: list[dict] = []
         self.last_metrics: dict = {}
+        self._collapse_warned = False
         if self.estimator.needs_full_logits:
             V = policy.get_output_embeddings().weight.shape[0]
             n = cfg.algo.prompts_per_step * cfg.algo.group_size * cfg.rollout.max_new_tokens
@@ -95,10 +107,14 @@ class GRPOModule(L.LightningModule):
         iteration = int(iteration)
         if iteration != self.iteration:
             raise RuntimeError(f"the dataloader yielded iteration {iteration} but the module is at {self.iteration}")
-        res = rl_step(iteration, policy=self.policy, anchor_model=None if self.anchor is None else self.anchor.model,
-                      task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
-                      algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk,
-                      world=World.current())
+        try:
+            res = self._rl_step(iteration)
+        except NonFiniteUpdates as e:
+            c = self.cfg
+            raise NonFiniteUpdates(
+                f"{e} at iteration {iteration}; the last checkpoint is kept. Likely causes: model.dtype={c.model.dtype} (float16 "
+                f"overflows: use bfloat16 or float32), optim.lr={c.optim.lr} too large, algo.beta={c.algo.beta} too "
+                f"large; algo.max_bad_steps={c.algo.max_bad_steps} sets how many bad updates in a row end the run") from None
         self.iteration += 1
         metrics = res.metrics
         if self.anchor is not None:
@@ -108,9 +124,26 @@ class GRPOModule(L.LightningModule):
                 metrics.update(self.monitor(self.policy, res.rollouts, lr=self.updater.lr,
                                             temperature=self.cfg.rollout.temperature))
         self._log_metrics(metrics)
+        self._warn_collapse(metrics)
         self.log("reward", metrics["train/reward_mean"], prog_bar=True, logger=False)
         self.log("kl", metrics.get("train/kl", 0.0), prog_bar=True, logger=False)
         self.last_metrics = metrics
+
+    def _rl_step(self, iteration: int):
+        return rl_step(iteration, policy=self.policy, anchor_model=None if self.anchor is None else self.anchor.model,
+                       task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
+                       algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk,
+                       world=World.current())
+
+    def _warn_collapse(self, metrics: dict) -> None:
+        """A policy at (near) uniform entropy that earns nothing has collapsed: say so once."""
+        V = self.policy.config.vocab_size
+        if (not self._collapse_warned and metrics.get("train/entropy", 0.0) >= 0.95 * math.log(V)
+                and metrics.get("train/reward_mean", 1.0) == 0.0):
+            self._collapse_warned = True
+            log.warning("policy collapse at iteration %d: entropy %.2f is near ln V = %.2f (uniform) and the reward "
+                        "is 0; optim.lr=%g is likely too large", self.iteration, metrics["train/entropy"], math.log(V),
+                        self.cfg.optim.lr)
 
     # ------------------------------------------------------------------ evaluation
     def run_eval(self) -> dict:

@@ -119,3 +119,58 @@ def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
 
     a, b = flat(saved), flat(cfg)
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+CLAIM = ".ema_pg_run"  #: the file whose exclusive creation makes a folder one run's own
+
+
+def claim_run_dir(run_dir: Path) -> Path:
+    """Make ``run_dir`` this process's run folder, atomically; if another live run holds it (two runs
+    started in the same second get the same Hydra folder), take ``<name>-2``, ``-3``, ... instead.
+
+    The claim is a file created with O_EXCL holding host and pid; a claim whose process is gone
+    (a killed run being started again) is taken over.
+    """
+    import os
+    import socket
+
+    me = f"{socket.gethostname()} {os.getpid()}"
+    for i in range(1, 1000):
+        cand = run_dir if i == 1 else run_dir.with_name(f"{run_dir.name}-{i}")
+        cand.mkdir(parents=True, exist_ok=True)
+        claim = cand / CLAIM
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _claim_is_stale(claim.read_text().split()) and _take_over(claim, me):
+                return cand
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        return cand
+    raise RuntimeError(f"no free run folder next to {run_dir}")
+
+
+def _claim_is_stale(owner: list[str]) -> bool:
+    import os
+    import socket
+
+    if len(owner) != 2 or owner[0] != socket.gethostname():
+        return False  # another machine's run (a shared file system): never taken over
+    try:
+        os.kill(int(owner[1]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError):
+        return False
+    return int(owner[1]) == os.getpid()  # this process claimed it before (a run started again in-process)
+
+
+def _take_over(claim: Path, me: str) -> bool:
+    """Replace a stale claim; of several processes taking over at once exactly one wins (rename is atomic)."""
+    import os
+
+    tmp = claim.with_name(f"{CLAIM}.{os.getpid()}")
+    tmp.write_text(me)
+    os.replace(tmp, claim)
+    return claim.read_text() == me

@@ -197,15 +197,15 @@ def _heartbeat(storage, trial_id: int, interval: int):
 
 
 def open_study(spec: StudySpec, worker_index: int = 0) -> optuna.Study:
-    """Create or load the study. ``worker_index`` offsets the sampler's seed, so that workers
-    sharing a study do not propose the same parameters (worker 0 keeps the file's seed)."""
+    """Create or load the study. The sampler's seed is offset by ``worker_index`` and by the number
+    of trials already in storage, so neither two workers sharing a study nor a worker restarted on
+    a study that has run trials replays another's proposals (worker 0 of a new study keeps the
+    file's seed)."""
     url = spec.storage
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     s, p = dict(spec.sampler), dict(spec.pruner)
-    if s.get("seed") is not None:
-        s["seed"] = int(s["seed"]) + worker_index
-    sampler = SAMPLERS[s.pop("name")](**s)
+    name = s.pop("name")
     pruner = PRUNERS[p.pop("name")](**p)
     # workers starting together must not race to create the tables (SQLAlchemy: "alembic_version already exists")
     with _file_lock(spec.trials_dir / ".create.lock"):
@@ -213,8 +213,21 @@ def open_study(spec: StudySpec, worker_index: int = 0) -> optuna.Study:
             url, heartbeat_interval=spec.heartbeat_interval, grace_period=spec.grace_period,
             heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
             engine_kwargs={"connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
-        return optuna.create_study(study_name=spec.study_name, storage=storage, direction=spec.direction,
-                                   sampler=sampler, pruner=pruner, load_if_exists=True)
+        study = optuna.create_study(study_name=spec.study_name, storage=storage, direction=spec.direction,
+                                    sampler=SAMPLERS[name](**s), pruner=pruner, load_if_exists=True)
+        if s.get("seed") is not None:
+            n_before = len(study.get_trials(deepcopy=False))
+            study.sampler = SAMPLERS[name](**{**s, "seed": int(s["seed"]) + worker_index + 1_000 * n_before})
+        return study
+
+
+def _already_run(study: optuna.Study, trial, params: dict) -> bool:
+    """True when a COMPLETE or PRUNED trial (not this one) ran exactly ``params``."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        if t.number != trial.number and t.params == params:
+            trial.set_user_attr("duplicate_of", t.number)
+            return True
+    return False
 
 
 def _requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -235,7 +248,7 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
     from .train import train
 
     n_trials = n_trials or spec.n_trials
-    failures, max_failures = 0, 3
+    failures, max_failures, duplicates = 0, 3, 0
     study = open_study(spec, worker_index)
     lock = spec.trials_dir / ".study.lock"
     done = []
@@ -253,10 +266,18 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
                 if len(counted) >= n_trials:
                     break
                 trial = study.ask()
-            done.append(trial.number)
             stop = _heartbeat(study._storage, trial._trial_id, spec.heartbeat_interval)
+            params = suggest(trial, spec.params)
+            if _already_run(study, trial, params):  # never run a finished point twice (FAIL is not counted)
+                stop.set()
+                study.tell(trial, state=TrialState.FAIL)
+                duplicates += 1
+                if duplicates >= 20:
+                    raise RuntimeError("the sampler proposed 20 points that had already run: the search space is "
+                                       "exhausted; lower n_trials or widen the space")
+                continue
+            done.append(trial.number)
             try:
-                params = suggest(trial, spec.params)
                 run_dir = Path(trial.user_attrs.get("run_dir") or spec.trials_dir / f"trial_{trial.number:04d}")
                 trial.set_user_attr("run_dir", str(run_dir))
                 trial.set_user_attr("worker", f"{os.uname().nodename}:{os.getpid()}")

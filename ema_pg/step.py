@@ -23,6 +23,7 @@ The EMA update of the anchor is not part of the step: the caller applies it afte
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,6 +95,37 @@ class OldAndAnchorScorer:
 
 
 # ---------------------------------------------------------------------- the optimizer side
+class NonFiniteUpdates(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient; none of them was applied."""
+
+
+class FiniteGuard:
+    """The numerical guard of every :class:`Updater`: an update whose loss or gradient norm is not
+    finite is skipped (no optimizer or scheduler step, gradients dropped), so the policy, the
+    optimizer state and, through them, the anchor never see it. ``limit`` consecutive skips raise
+    :class:`NonFiniteUpdates`; the run then stops at its last good checkpoint."""
+
+    def __init__(self, limit: int):
+        self.limit, self.consecutive = int(limit), 0
+
+    def bad(self, loss: float, grad_norm: float = 0.0) -> bool:
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.consecutive = 0
+            return False
+        self.consecutive += 1
+        if self.consecutive >= self.limit:
+            raise NonFiniteUpdates(f"{self.consecutive} consecutive updates had a non-finite loss or gradient "
+                                   f"(last: loss={loss}, grad_norm={grad_norm}); none was applied")
+        return True
+
+    def check_params(self, params) -> None:
+        """After an update: a finite gradient can still make a parameter non-finite (float16 weights, where
+        Adam's eps underflows to 0). The run stops at once, before anything is saved."""
+        if not all(bool(torch.isfinite(p).all()) for p in params):
+            raise NonFiniteUpdates("an update made parameters non-finite (float16 weights are the usual cause: "
+                                   "Adam's eps underflows); nothing after the last checkpoint was saved")
+
+
 class Updater(Protocol):
     """Applies one gradient update for a loss: zero grads, backward, clip, optimizer and LR steps."""
 
@@ -104,18 +136,28 @@ class Updater(Protocol):
 
 
 class TorchUpdater:
-    """:class:`Updater` over a plain torch optimizer (tests, benchmarks, scripts)."""
+    """:class:`Updater` over a plain torch optimizer (tests, benchmarks, scripts), with the :class:`FiniteGuard`."""
 
-    def __init__(self, params, optimizer: torch.optim.Optimizer, scheduler=None, grad_clip: float = 0.0):
+    def __init__(self, params, optimizer: torch.optim.Optimizer, scheduler=None, grad_clip: float = 0.0,
+                 max_bad_steps: int = 3):
         self.params, self.opt, self.sched, self.grad_clip = list(params), optimizer, scheduler, grad_clip
+        self.guard = FiniteGuard(max_bad_steps)
 
     def step(self, loss: Tensor) -> dict[str, float]:
         self.opt.zero_grad(set_to_none=True)
+        if self.guard.bad(float(loss)):
+            return {"skipped_steps": 1.0}
         loss.backward()
-        out = {}
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if self.guard.bad(float(loss), float(norm)):
+            self.opt.zero_grad(set_to_none=True)
+            return {"skipped_steps": 1.0, "grad_norm": float(norm)}
+        out = {"grad_norm": float(norm), "skipped_steps": 0.0}
         if self.grad_clip > 0:
-            out["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, norm)
         self.opt.step()
+        self.guard.check_params(self.params)
         if self.sched is not None:
             self.sched.step()
         return out
@@ -216,6 +258,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
 
     # 4. metrics (namespaced; the README has the table)
     metrics = {f"train/{key}": total / max(n_updates, 1) for key, total in sums.items()}
+    metrics["train/skipped_steps"] = sums.get("skipped_steps", 0.0)  # a count, not a mean
     all_rewards = world.all_gather_cat(rewards)
     metrics.update({
         "train/reward_mean": float(all_rewards.mean()),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -26,13 +27,35 @@ from .anchor import EMAAnchor
 from .config import CONF_DIR, ConfigError, fill_defaults, register_configs, validate
 from .models import ModelPathError
 from .module import GRPOModule
+from .step import NonFiniteUpdates
 from .plotting import plot_run
 from .policy import build_policy, checkpoint_file, checkpoint_state, save_run_model
 from .strategies import build_strategy
-from .runs import config_differences, finished_metrics, git_commit, make_loggers, resolve_resume
+from .runs import claim_run_dir, config_differences, finished_metrics, git_commit, make_loggers, resolve_resume
 from .tasks import build_task
 
 log = logging.getLogger("ema_pg")
+RUN_DIR_ENV = "EMA_PG_RUN_DIR"  #: the run folder rank 0 claimed, for the processes it launches
+
+
+def readable_checkpoint(run_dir: Path) -> tuple[Path, dict]:
+    """The newest checkpoint of ``run_dir`` that can be read, and its state; says so when it is not last.ckpt."""
+    folder = run_dir / "checkpoints"
+    last = folder / "last.ckpt"
+    others = sorted((p for p in folder.glob("*.ckpt") if p.name != "last.ckpt"), key=lambda p: p.stat().st_mtime,
+                    reverse=True)
+    errors = []
+    for ckpt in [last, *others]:
+        try:
+            state = checkpoint_state(ckpt)
+        except Exception as e:  # noqa: BLE001 - a truncated or corrupted file: try the next one
+            errors.append(f"{ckpt.name}: {type(e).__name__}: {e}")
+            continue
+        if ckpt != last:
+            log.warning("resume: %s is unreadable (%s); resuming from %s (iteration %d) instead", last.name,
+                        errors[0], ckpt.name, state["ema_pg"]["iteration"])
+        return ckpt, state
+    raise ConfigError(f"resume: no readable checkpoint in {folder} ({'; '.join(errors)}); start the run again")
 
 
 def is_rank_zero() -> bool:
@@ -68,7 +91,16 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     validate(cfg)
     fill_defaults(cfg)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.get("resume"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    elif is_rank_zero():
+        claimed = claim_run_dir(run_dir)
+        if claimed != run_dir:
+            log.warning("%s is taken by another run started at the same time: this run writes to %s", run_dir, claimed)
+            cfg.run_dir = run_dir = claimed
+        os.environ[RUN_DIR_ENV] = str(run_dir)  # the processes Lightning launches next write here too
+    elif os.environ.get(RUN_DIR_ENV):
+        cfg.run_dir = run_dir = Path(os.environ[RUN_DIR_ENV])
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -92,8 +124,8 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     if cfg.get("resume"):
         if checkpoint_file(run_dir) is None:
             raise ConfigError(f"resume: {last} does not exist; the run wrote no checkpoint yet (start it again instead)")
-        ckpt_path = str(last)
-        resume_step = int(checkpoint_state(last)["ema_pg"]["iteration"])
+        ckpt, state = readable_checkpoint(run_dir)
+        ckpt_path, resume_step = str(ckpt), int(state["ema_pg"]["iteration"])
         log.info("resuming %s from iteration %d", run_dir, resume_step)
     else:
         if last.exists():
@@ -161,6 +193,9 @@ def main(cfg: DictConfig) -> float:
     except (ConfigError, ModelPathError) as e:
         log.error("config error: %s", e)
         raise SystemExit(f"config error: {e}") from None
+    except NonFiniteUpdates as e:
+        log.error("stopped: %s", e)
+        raise SystemExit(f"stopped: {e}") from None
     metric_key = next(k for k in metrics if k.startswith("eval/avg/"))
     if not is_rank_zero():
         return float(metrics[metric_key])

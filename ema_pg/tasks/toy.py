@@ -22,6 +22,10 @@ class AdditionTask(Task):
     def __init__(self, *, digits: int, eval_size: int, heldout_mod: int, reverse_answer: bool, seed: int):
         if digits < 1 or digits > 6:
             raise ValueError(f"task.digits must be in [1, 6]; got {digits}")
+        if heldout_mod < 2:  # 1 would hold every pair out and leave nothing to train on (the draw never ends)
+            raise ValueError(f"task.heldout_mod must be >= 2 (1 in heldout_mod operand pairs is held out); got {heldout_mod}")
+        if eval_size < 1:
+            raise ValueError(f"task.eval_size must be >= 1; got {eval_size}")
         self.digits, self.eval_size, self.heldout_mod, self.seed = digits, eval_size, heldout_mod, seed
         self.reverse_answer = reverse_answer
         self.lo, self.hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1

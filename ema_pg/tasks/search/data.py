@@ -24,7 +24,9 @@ def _row_to_prompt(row: dict, where: str) -> Prompt:
     except (KeyError, TypeError) as e:
         raise ValueError(f"{where}: malformed Search-R1 row (missing {e}); expected data_source, "
                          "prompt=[{role, content}], reward_model.ground_truth.target") from None
-    if not golds:
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError(f"{where}: the prompt is empty or not text ({content!r}); fix or drop that row")
+    if not golds or not any(g.strip() for g in golds):
         raise ValueError(f"{where}: row has no gold answers in reward_model.ground_truth.target")
     return Prompt(text=content, answer=golds[0], meta={"answers": golds, "split": source, "hops": 0,
                                                        "question": content})

@@ -1,0 +1,196 @@
+"""Faults a demanding user runs into: each case fails on the code before the reliability work.
+
+Non-finite updates are skipped and counted, never applied; bad knobs stop at start with one line
+naming the knob; two runs never share a folder; a corrupted last checkpoint falls back to an
+intact one; Optuna never runs a finished point again; bad data rows are named by their index.
+"""
+
+import copy
+import math
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import compose_cfg
+
+from ema_pg.config import ConfigError, validate
+from ema_pg.step import NonFiniteUpdates, TorchUpdater
+
+
+# ---------------------------------------------------------------------- the numerical guard
+def _model_and_updater(limit=3):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    up = TorchUpdater(m.parameters(), opt, grad_clip=1.0, max_bad_steps=limit)
+    x = torch.randn(8, 4)
+    up.step(m(x).pow(2).mean())  # one good update: the optimizer has state
+    return m, opt, up, x
+
+
+def _snapshot(m, opt):
+    return copy.deepcopy(m.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def _same(a, b):
+    (pa, oa), (pb, ob) = a, b
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    for sa, sb in zip(oa["state"].values(), ob["state"].values()):
+        assert all(torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k] for k in sa)
+
+
+@pytest.mark.parametrize("poison", ["nan_loss", "inf_gradient"])
+def test_a_non_finite_update_is_skipped_and_leaves_weights_and_optimizer_bit_identical(poison):
+    m, opt, up, x = _model_and_updater()
+    before = _snapshot(m, opt)
+    if poison == "nan_loss":
+        loss = m(x).mean() * float("nan")
+    else:  # a finite loss whose gradient norm overflows (sqrt(2) * 3e38 > float32's max)
+        loss = (m.weight[0, 0] + m.weight[0, 1]) * 3e38
+        assert torch.isfinite(loss)
+    out = up.step(loss)
+    assert out["skipped_steps"] == 1.0
+    _same(before, _snapshot(m, opt))
+    ok = up.step(m(x).pow(2).mean())  # a good update goes through and resets the count
+    assert ok["skipped_steps"] == 0.0 and up.guard.consecutive == 0
+
+
+def test_consecutive_non_finite_updates_stop_with_a_message():
+    m, opt, up, x = _model_and_updater(limit=2)
+    up.step(m(x).mean() * float("inf"))
+    with pytest.raises(NonFiniteUpdates, match="2 consecutive updates"):
+        up.step(m(x).mean() * float("nan"))
+
+
+def test_a_float16_run_stops_at_its_first_bad_update_and_saves_nothing_non_finite(tmp_path):
+    """model.dtype=float16 (a documented option): Adam's eps underflows and the first update makes weights
+    NaN. The run used to save NaN into the policy, the anchor and the checkpoint and exit 0."""
+    from ema_pg.train import train
+
+    cfg = compose_cfg(["model.dtype=float16", "algo.iterations=6"], tmp_path)
+    with pytest.raises(NonFiniteUpdates, match="model.dtype=float16"):
+        train(cfg)
+    run = Path(cfg.run_dir)
+    assert not (run / "checkpoints").exists() and not (run / "eval.json").exists()
+
+
+# ---------------------------------------------------------------------- knobs checked at start
+@pytest.mark.parametrize("overrides,match", [
+    (["algo.beta=inf"], "algo.beta=inf is not a finite number"),
+    (["optim.lr=nan"], "optim.lr=nan is not a finite number"),
+    (["kl.iw_clip=[0.0,inf]"], "kl.iw_clip=.* is not a finite number"),
+    (["algo.grad_clip=-1"], "algo.grad_clip must be >= 0"),
+    (["algo.warmup_steps=-5"], "algo.warmup_steps must be >= 0"),
+    (["rollout.eval_temperature=-1"], "rollout.eval_temperature must be >= 0"),
+    (["monitor.every=-1"], "monitor.every must be >= 0"),
+    (["anchor.eval_every=-1"], "anchor.eval_every must be >= 0"),
+    (["seed=-1"], "seed must be >= 0"),
+    (["optim.betas=[0.9]"], "optim.betas must be two numbers"),
+    (["optim.weight_decay=-1"], "optim.weight_decay must be >= 0"),
+    (["sft.batch_size=0"], "sft.batch_size must be >= 1"),
+    (["algo.max_bad_steps=0"], "algo.max_bad_steps must be >= 1"),
+    (["+anchor.etaa=0.9"], "unknown key anchor.etaa: did you mean anchor.eta"),
+    (["+task.digitz=3"], "unknown key task.digitz: did you mean task.digits"),
+    (["model=local"], "model=local needs model.path"),
+    (["kl.k=400"], "larger than the vocabulary of the tiny model"),
+])
+def test_bad_knobs_stop_at_start_naming_the_knob(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(overrides))
+
+
+def test_task_knobs_are_checked_before_any_model_is_built(tmp_path):
+    from ema_pg.train import train
+
+    for bad, match in (("task.heldout_mod=1", "task.heldout_mod must be >= 2"), ("task.eval_size=0", "eval_size must be >= 1")):
+        cfg = compose_cfg([bad], tmp_path)
+        with pytest.raises(ConfigError, match=match):
+            train(cfg)
+        assert not (tmp_path / "cold_start_cache").exists()  # stopped before the cold start
+
+
+def test_search_r1_rows_are_checked_on_load_with_their_index(tmp_path):
+    import pandas as pd
+
+    from ema_pg.tasks.search.data import load_search_r1
+
+    good = {"data_source": "nq", "prompt": [{"role": "user", "content": "Who?"}],
+            "reward_model": {"ground_truth": {"target": ["x"]}}}
+    empty = {**good, "prompt": [{"role": "user", "content": "  "}]}
+    pd.DataFrame([good, empty]).to_parquet(tmp_path / "train.parquet")
+    with pytest.raises(ValueError, match=r"train.parquet:1: the prompt is empty"):
+        load_search_r1(str(tmp_path))
+
+
+# ---------------------------------------------------------------------- run folders
+def _claim(run_dir, barrier, out):
+    from ema_pg.runs import claim_run_dir
+
+    barrier.wait()
+    out.put(str(claim_run_dir(Path(run_dir))))
+
+
+def test_runs_started_at_the_same_moment_get_different_folders(tmp_path):
+    ctx = mp.get_context("spawn")
+    n = 4
+    barrier, out = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_claim, args=(tmp_path / "run", barrier, out)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    got = sorted(out.get(timeout=5) for _ in range(n))
+    assert len(set(got)) == n and str(tmp_path / "run") in got
+
+
+def test_a_dead_runs_claim_is_taken_over_and_a_live_ones_is_not(tmp_path):
+    import socket
+
+    from ema_pg.runs import CLAIM, claim_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CLAIM).write_text(f"{socket.gethostname()} 999999999")  # no such process
+    assert claim_run_dir(run) == run
+    (run / CLAIM).write_text(f"{socket.gethostname()} {os.getppid()}")  # alive (the test runner's parent)
+    assert claim_run_dir(run) == tmp_path / "run-2"
+
+
+def test_a_truncated_last_checkpoint_falls_back_to_the_intact_one(tmp_path, caplog):
+    import shutil
+
+    from ema_pg.train import readable_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"ema_pg": {"iteration": 4}}, folder / "iterepoch=1.ckpt")
+    shutil.copy(folder / "iterepoch=1.ckpt", folder / "last.ckpt")
+    with open(folder / "last.ckpt", "r+b") as f:
+        f.truncate(40)
+    ckpt, state = readable_checkpoint(tmp_path)
+    assert ckpt.name == "iterepoch=1.ckpt" and state["ema_pg"]["iteration"] == 4
+    assert "last.ckpt is unreadable" in caplog.text
+    (folder / "iterepoch=1.ckpt").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="no readable checkpoint"):
+        readable_checkpoint(tmp_path)
+
+
+# ---------------------------------------------------------------------- Optuna
+def test_a_restarted_worker_does_not_propose_a_point_already_run(tmp_path):
+    import optuna
+
+    from ema_pg.search import StudySpec, open_study
+
+    spec = StudySpec(study_name="s", params={"x": {"type": "float", "low": 0.0, "high": 1.0}},
+                     storage=f"sqlite:///{tmp_path}/s.db", sampler={"name": "random", "seed": 0})
+    first = open_study(spec)
+    t = first.ask()
+    x0 = t.suggest_float("x", 0.0, 1.0)
+    first.tell(t, x0)
+    restarted = open_study(spec)  # the same worker index and seed, started again on the same study
+    t2 = restarted.ask()
+    assert t2.suggest_float("x", 0.0, 1.0) != x0
+    assert len(restarted.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 1
+    assert math.isfinite(x0)

@@ -38,6 +38,32 @@ log = logging.getLogger("ema_pg")
 RUN_DIR_ENV = "EMA_PG_RUN_DIR"  #: the run folder rank 0 claimed, for the processes it launches
 
 
+def _adopt_hydra_output(run_dir: Path) -> None:
+    """A resume writes its log into the run folder it resumes: Hydra opened a fresh output folder for this
+    invocation (``runs/<name>/<time>``); its log handler is moved to ``run_dir`` and the folder, which
+    then holds nothing of the run, removed."""
+    import shutil
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    out = Path(HydraConfig.get().runtime.output_dir).resolve()
+    if out == run_dir.resolve() or run_dir.resolve() in out.parents:
+        return
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == out:
+            new = logging.FileHandler(run_dir / Path(h.baseFilename).name, mode="a")
+            new.setFormatter(h.formatter)
+            new.setLevel(h.level)
+            root.removeHandler(h)
+            h.close()
+            root.addHandler(new)
+    if {p.name for p in out.iterdir()} <= {".hydra", f"{HydraConfig.get().job.name}.log"}:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def readable_checkpoint(run_dir: Path) -> tuple[Path, dict]:
     """The newest checkpoint of ``run_dir`` that can be read, and its state; says so when it is not last.ckpt."""
     folder = run_dir / "checkpoints"
@@ -93,6 +119,8 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     run_dir = Path(cfg.run_dir)
     if cfg.get("resume"):
         run_dir.mkdir(parents=True, exist_ok=True)
+        if is_rank_zero():
+            _adopt_hydra_output(run_dir)
     elif is_rank_zero():
         claimed = claim_run_dir(run_dir)
         if claimed != run_dir:

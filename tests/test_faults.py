@@ -194,3 +194,30 @@ def test_a_restarted_worker_does_not_propose_a_point_already_run(tmp_path):
     assert t2.suggest_float("x", 0.0, 1.0) != x0
     assert len(restarted.get_trials(states=(optuna.trial.TrialState.COMPLETE,))) == 1
     assert math.isfinite(x0)
+
+
+@pytest.mark.slow
+def test_resume_refuses_changed_settings_and_writes_its_log_into_the_run_folder(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    tiny = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+            "model.tokenizer_vocab=300", "sft.steps=20", "sft.batch_size=16", "sft.num_demos=200",
+            "algo.prompts_per_step=4", "algo.group_size=4", "algo.eval_every=2", "rollout.max_new_tokens=4",
+            "trainer.progress_bar=false", "task.eval_size=16", f"sft.cache_dir={tmp_path / 'cache'}"]
+    run, stray = tmp_path / "run", tmp_path / "hydra_out"
+    py = [sys.executable, "-m", "ema_pg.train"]
+    first = subprocess.run(py + tiny + ["algo.iterations=2", f"run_dir={run}", f"hydra.run.dir={run}"], cwd=root,
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    for change, says in (("algo.beta=0.5", "settings differ from the run's (algo.beta"),
+                         ("kl=k3", "changes the config group kl")):
+        refused = subprocess.run(py + [f"resume={run}", change, f"hydra.run.dir={stray}"], cwd=root,
+                                 capture_output=True, text=True, timeout=600)
+        assert refused.returncode != 0 and says in refused.stdout + refused.stderr, refused.stderr[-2000:]
+    again = subprocess.run(py + [f"resume={run}", "algo.iterations=4", f"hydra.run.dir={stray}"], cwd=root,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert not stray.exists()
+    assert "resuming" in (run / "train.log").read_text()

@@ -221,3 +221,46 @@ def test_resume_refuses_changed_settings_and_writes_its_log_into_the_run_folder(
     assert again.returncode == 0, again.stderr[-2000:]
     assert not stray.exists()
     assert "resuming" in (run / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrupted_run_does(tmp_path):
+    """Three runs each SIGKILLed once at a random moment (cold start, an iteration, an evaluation or a
+    checkpoint write), then continued by the same command (``if_exists=resume``): the final policy and
+    anchor are bit-identical to an uninterrupted run's."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ema_pg.policy import load_run_model
+
+    root = Path(__file__).resolve().parent.parent
+    tiny = ["model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
+            "model.tokenizer_vocab=300", "sft.steps=20", "sft.batch_size=16", "sft.num_demos=200",
+            "algo.prompts_per_step=4", "algo.group_size=4", "algo.iterations=8", "algo.eval_every=2",
+            "rollout.max_new_tokens=4", "trainer.progress_bar=false", "task.eval_size=16", "if_exists=resume",
+            f"sft.cache_dir={tmp_path / 'cache'}"]
+
+    def cmd(run):
+        return [sys.executable, "-m", "ema_pg.train", *tiny, f"run_dir={run}", f"hydra.run.dir={run}"]
+
+    ref = tmp_path / "ref"
+    assert subprocess.run(cmd(ref), cwd=root, capture_output=True, timeout=600).returncode == 0
+    t0 = time.time()
+    subprocess.run(cmd(tmp_path / "timing"), cwd=root, capture_output=True, timeout=600)
+    whole = time.time() - t0  # one run, cold start cached
+    rng = random.Random(0)
+    for trial in range(3):
+        run = tmp_path / f"killed{trial}"
+        p = subprocess.Popen(cmd(run), cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        time.sleep(rng.uniform(0.2, 0.9) * whole)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        again = subprocess.run(cmd(run), cwd=root, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stderr[-2000:]
+        for which in ("policy", "anchor"):
+            a, b = load_run_model(ref, which=which)[0].state_dict(), load_run_model(run, which=which)[0].state_dict()
+            assert all(torch.equal(a[k], b[k]) for k in a), (trial, which)

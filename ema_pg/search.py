@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,8 +265,14 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
                 counted = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
                                                                    TrialState.RUNNING))
                 if len(counted) >= n_trials:
-                    break
-                trial = study.ask()
+                    if not any(t.state == TrialState.RUNNING for t in counted):
+                        break
+                    trial = None  # others still run: wait, so a dead worker's trial is re-queued and run here
+                else:
+                    trial = study.ask()
+            if trial is None:
+                time.sleep(spec.heartbeat_interval)
+                continue
             stop = _heartbeat(study._storage, trial._trial_id, spec.heartbeat_interval)
             params = suggest(trial, spec.params)
             if _already_run(study, trial, params):  # never run a finished point twice (FAIL is not counted)

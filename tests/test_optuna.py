@@ -125,3 +125,47 @@ def test_two_workers_share_one_study_without_losing_or_duplicating_trials(tmp_pa
     assert len({t.user_attrs["worker"] for t in trials}) == 2, "both workers ran trials"
     params = {tuple(sorted(t.params.items())) for t in trials}
     assert len(params) == n, "the workers' samplers proposed distinct parameters"
+
+
+@pytest.mark.slow
+def test_three_workers_one_killed_the_others_requeue_its_trial_and_finish_the_study(tmp_path):
+    """A worker SIGKILLed mid-trial stops sending heartbeats; a live worker fails the stale trial and
+    re-queues it with its parameters and run folder, without any restart; the study ends with exactly
+    n_trials complete, none run twice."""
+    import signal
+    import time
+
+    n = 6
+    f = study_file(tmp_path, n_trials=n, heartbeat_interval=1, grace_period=4,
+                   overrides=["experiment=demo", *TINY_RUN, "algo.iterations=8", "algo.eval_every=2",
+                              f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "ema_pg.search", str(f)]
+    procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for i in range(3)]
+    victim = procs[2]
+    storage = f"sqlite:///{tmp_path}/t.db"
+    killed_trial, t0 = None, time.time()
+    while killed_trial is None and time.time() - t0 < 600:  # wait until the victim runs a trial, then kill it
+        time.sleep(0.5)
+        try:
+            study = optuna.load_study(study_name="t", storage=storage)
+        except KeyError:
+            continue
+        mine = [t for t in study.get_trials(states=(TrialState.RUNNING,))
+                if t.user_attrs.get("worker", "").endswith(f":{victim.pid}")]
+        if mine:
+            time.sleep(1.0)  # well inside the trial
+            victim.send_signal(signal.SIGKILL)
+            killed_trial = mine[0]
+    assert killed_trial is not None, "the victim never started a trial"
+    for p in procs[:2]:
+        assert p.wait(timeout=900) == 0
+    trials = optuna.load_study(study_name="t", storage=storage).get_trials()
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(complete) == n
+    killed = next(t for t in trials if t.number == killed_trial.number)
+    assert killed.state == TrialState.FAIL  # failed by a live worker's stale-heartbeat check...
+    retry = [t for t in complete if t.user_attrs.get("run_dir") == killed_trial.user_attrs["run_dir"]]
+    assert len(retry) == 1 and retry[0].params == killed_trial.params  # ...and run again with its point
+    assert len({tuple(sorted(t.params.items())) for t in complete}) == n  # no point run twice

@@ -265,3 +265,18 @@ def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrup
         for which in ("policy", "anchor"):
             a, b = load_run_model(ref, which=which)[0].state_dict(), load_run_model(run, which=which)[0].state_dict()
             assert all(torch.equal(a[k], b[k]) for k in a), (trial, which)
+
+
+def test_a_collapsed_policy_is_warned_once(caplog):
+    from types import SimpleNamespace
+
+    from ema_pg.module import GRPOModule
+
+    me = SimpleNamespace(policy=SimpleNamespace(config=SimpleNamespace(vocab_size=300)), _collapse_warned=False,
+                         iteration=7, cfg=SimpleNamespace(optim=SimpleNamespace(lr=1e3)))
+    GRPOModule._warn_collapse(me, {"train/entropy": 0.5 * math.log(300), "train/reward_mean": 0.0})
+    GRPOModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.25})
+    assert "policy collapse" not in caplog.text  # low entropy, or some reward: not a collapse
+    GRPOModule._warn_collapse(me, {"train/entropy": 0.99 * math.log(300), "train/reward_mean": 0.0})
+    GRPOModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.0})
+    assert caplog.text.count("policy collapse at iteration 7") == 1 and "optim.lr=1000" in caplog.text

@@ -27,6 +27,19 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def shard_file(shard_dir: Path, iteration: int, rank: int) -> Path:
+    """Where rank ``rank`` keeps its fp32 master shard of the checkpoint at ``iteration`` (ZeRO-3)."""
+    return Path(shard_dir) / f"iter{iteration}_rank{rank}.pt"
+
+
+def load_shard(shard_dir: Path, iteration: int, rank: int) -> dict:
+    f = shard_file(shard_dir, iteration, rank)
+    if not f.is_file():
+        raise FileNotFoundError(f"the anchor's shard {f} is missing; the checkpoint of iteration {iteration} "
+                                "cannot be read without it")
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
 class EMAAnchor(L.Callback):
     def __init__(self, eta: float = 0.9, update_every: int = 10, eval_every: int = 0):
         if not 0.0 <= eta <= 1.0:
@@ -119,14 +132,15 @@ class EMAAnchor(L.Callback):
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self._shard_dir.mkdir(parents=True, exist_ok=True)
         it = self._iteration
-        tmp = self._shard_dir / f".iter{it}_rank{rank}.pt.tmp"
+        final = shard_file(self._shard_dir, it, rank)
+        tmp = final.with_name(f".{final.name}.tmp")
         torch.save({n: t.detach().cpu() for n, t in self.master.items()}, tmp)
-        tmp.replace(self._shard_dir / f"iter{it}_rank{rank}.pt")
+        tmp.replace(final)
         done = sorted({int(f.name[4:].split("_")[0]) for f in self._shard_dir.glob(f"iter*_rank{rank}.pt")})
         keep = {it} | {max((t for t in done if t < it), default=it)}  # this checkpoint's and the one before
         for t in done:  # (the one before stays until this checkpoint is surely written)
             if t not in keep:
-                (self._shard_dir / f"iter{t}_rank{rank}.pt").unlink(missing_ok=True)
+                shard_file(self._shard_dir, t, rank).unlink(missing_ok=True)
         return {"updates": self.updates, "shards": {"iteration": it, "world_size": world}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -134,13 +148,6 @@ class EMAAnchor(L.Callback):
             self._pending = state
         else:
             self._apply_state(state)
-
-    def load_shards(self, shard_dir: Path, iteration: int, rank: int) -> dict:
-        f = Path(shard_dir) / f"iter{iteration}_rank{rank}.pt"
-        if not f.is_file():
-            raise FileNotFoundError(f"the anchor's shard {f} is missing; the checkpoint of iteration {iteration} "
-                                    "cannot be resumed without it")
-        return torch.load(f, map_location="cpu", weights_only=True)
 
     @torch.no_grad()
     def _apply_state(self, state: dict) -> None:
@@ -155,7 +162,7 @@ class EMAAnchor(L.Callback):
                 raise RuntimeError(f"the checkpoint's anchor is sharded over {state['shards']['world_size']} processes; "
                                    f"resume it with trainer.devices={state['shards']['world_size']} (not {world})")
             self._iteration = int(state["shards"]["iteration"])
-            master = self.load_shards(self._shard_dir, self._iteration, torch.distributed.get_rank())
+            master = load_shard(self._shard_dir, self._iteration, torch.distributed.get_rank())
             for n, t in master.items():
                 self.master[n] = t.to(self.master[n].device).float().clone()
                 params[n].ds_tensor.copy_(self.master[n])

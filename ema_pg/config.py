@@ -16,7 +16,7 @@ combinations, with messages that say what to change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -258,11 +258,6 @@ def _check_finite(cfg) -> None:
     walk(cfg, "")
 
 
-_GROUP_SCHEMAS = {"model": ModelConfig, "rollout": RolloutConfig, "kl": KLConfig, "anchor": AnchorConfig,
-                  "algo": AlgoConfig, "optim": OptimConfig, "trainer": TrainerConfig, "logger": LoggerConfig,
-                  "sft": SFTConfig, "monitor": MonitorConfig}
-
-
 def _check_known_keys(cfg) -> None:
     """A key the schema does not have (``+anchor.etaa=0.9`` gets past Hydra's own check) is refused."""
     import difflib
@@ -270,7 +265,8 @@ def _check_known_keys(cfg) -> None:
     from .tasks import task_defaults
 
     known_top = {f.name for f in fields(Config)}
-    groups = {g: {f.name for f in fields(dc)} for g, dc in _GROUP_SCHEMAS.items()}
+    groups = {f.name: {g.name for g in fields(f.default_factory)} for f in fields(Config)
+              if callable(f.default_factory) and is_dataclass(f.default_factory)}
     try:
         groups["task"] = set(task_defaults(cfg.task.name)) | {"name"}
     except (ValueError, KeyError, AttributeError, FileNotFoundError):

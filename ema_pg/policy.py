@@ -78,9 +78,11 @@ def _anchor_weights(ckpt: Path, state: dict, model) -> dict:
     if "shards" not in a:
         return a["master"]
     # ZeRO-3: each rank saved the fp32 master of its partition; a parameter is its ranks' pieces end to end
+    from .anchor import load_shard
+
     it, world = a["shards"]["iteration"], a["shards"]["world_size"]
     shard_dir = Path(ckpt).parent / "anchor_shards"
-    parts = [torch.load(shard_dir / f"iter{it}_rank{r}.pt", map_location="cpu", weights_only=True) for r in range(world)]
+    parts = [load_shard(shard_dir, it, r) for r in range(world)]
     shapes = dict(model.named_parameters())
     return {n: torch.cat([p[n].flatten() for p in parts])[: shapes[n].numel()].view(shapes[n].shape) for n in parts[0]}
 

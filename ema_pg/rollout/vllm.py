@@ -118,7 +118,7 @@ class VLLMSampler:
         if torch.cuda.is_available():
             kw["gpu_memory_utilization"] = c.gpu_memory_utilization
         else:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(c.kv_cache_gb))
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(c.kv_cache_gb)  # the knob is the one home of this size
         with _llvmlite_hidden():
             self.llm = LLM(model=self._dir, dtype=dtype, enforce_eager=c.enforce_eager, seed=0,
                            max_model_len=c.max_model_len or model.config.max_position_embeddings,

@@ -32,9 +32,13 @@ reproduce-fig4: setup ## Fig 4: bias-variance of Top-k KL gradients (writes repr
 reproduce-stability: setup ## EMA stability lemma: simulated phase diagram (writes reproductions/stability/)
 	$(PY) analysis/stability.py --out reproductions/stability
 
-bench-step: setup ## Time one RL step beside TRL's GRPOTrainer (installs the bench extra: TRL)
+bench-step: setup ## Time one RL step beside TRL's GRPOTrainer, fp32 and bf16 rows (installs the bench extra: TRL)
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/rl_step.py --out benchmarks/results/rl_step.json
+
+bench-step-curve: setup ## The step beside TRL at 1M/10M/50M params x 64/256 tokens, with the FLOP floor (~30 min)
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) benchmarks/rl_step.py --curve --prompts 4 --warmup 1 --steps 2 --precisions fp32 --out benchmarks/results/rl_step_curve.json
 
 bench-head: setup ## Memory and time of the chunked Top-k head vs materialized logits (long on CPU)
 	$(PY) benchmarks/kl_head.py --max-gb 16 --out benchmarks/results/kl_head_cpu.json
@@ -97,4 +101,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup scale-setup test-scale bench-rollout bench-zero3 demo train sweep figures reproduce reproduce-table2 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-head test test-full lint clean
+.PHONY: help setup scale-setup test-scale bench-rollout bench-zero3 demo train sweep figures reproduce reproduce-table2 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-step-curve bench-head test test-full lint clean

@@ -1,12 +1,25 @@
-"""Time one GRPO step of ema-pg, and of TRL's GRPOTrainer on the same model and prompts.
+"""Time one GRPO step of ema-pg beside TRL's GRPOTrainer: same model, prompts and settings, one run.
 
-Settings (the peer comparison of the training-engine issue): a tiny Qwen2 model, 16 prompts
-x 8 samples, 64-token completions, beta = 0.001 with a reference model, K3 KL, one update
-per batch. Prints and writes JSON: seconds per step split into sampling, old log-probs,
-anchor log-probs and updates (median over the steps after a warm-up), completion tokens/s,
-and, when TRL is installed (``pip install -e '.[bench]'``), TRL's numbers from the same run.
+Both trainers get the settings of :data:`SETTINGS` (one home; TRL's differing defaults are set
+to ours explicitly: its ``loss_type`` ``dapo`` -> ``grpo`` (seq-mean-token-mean, ours),
+``use_bias_correction_kl`` True -> False (plain K3, ours), clip 0.2 / 0.28, temperature 1,
+top-p 1, one pass per batch, group-scaled rewards, constant LR, grad-norm clip 1, AdamW with
+no weight decay). The JSON records each trainer's effective settings as it read them, the
+completion tokens per step of each (their ratio should be 1 within sampling noise), seconds
+per step (median after a warm-up), completion tokens/s, and for ema-pg the split into
+sampling, scoring (pi_old, anchor) and update.
 
-    python benchmarks/rl_step.py --steps 8 --warmup 2 --out benchmarks/results/rl_step.json
+Rows: ``fp32`` for both (the headline: equal precision); ``bf16`` for both (each trainer's
+best precision on a CPU with AMX: ema-pg ``trainer.precision=bf16-mixed``, TRL ``bf16=True``;
+both autocast with fp32 master weights).
+
+``--curve``: step time and tokens/s of both at three model sizes x two completion lengths,
+beside the physical floor: the step's matmul FLOPs (sampling forward, anchor forward, policy
+forward + backward; 2 / 2 / 6 FLOPs per parameter and token plus attention) over this CPU's
+measured matmul rate at that precision, and the fraction of it each trainer reaches.
+
+    python benchmarks/rl_step.py --out benchmarks/results/rl_step.json            # headline rows
+    python benchmarks/rl_step.py --curve --out benchmarks/results/rl_step_curve.json
 """
 
 from __future__ import annotations
@@ -15,51 +28,65 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+#: the settings both trainers run with (ema-pg's defaults; TRL's differing ones are overridden from here)
+SETTINGS = {"kl": "k3 (no importance weight)", "beta": 0.001, "eps_low": 0.2, "eps_high": 0.28, "temperature": 1.0,
+            "top_p": 1.0, "lr": 1e-6, "grad_clip": 1.0, "weight_decay": 0.0, "lr_schedule": "constant",
+            "loss_agg": "seq-mean-token-mean", "adv_norm": "group", "updates_per_batch": 1, "reference": "fixed"}
+#: model sizes of the scale curve: name -> (hidden, layers, heads, kv heads)
+SIZES = {"1M": (128, 4, 4, 2), "10M": (320, 8, 8, 2), "50M": (512, 16, 8, 2)}
 
 
-def make_model_dir(root: Path, hidden: int, layers: int) -> Path:
+def make_model_dir(root: Path, hidden: int, layers: int, heads: int = 4, kv_heads: int = 2) -> Path:
     from ema_pg.models import build_tiny_model, save_model_dir, train_bpe_tokenizer
     from ema_pg.tasks import build_task
 
     tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
-    model = build_tiny_model(len(tok), hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2,
+    model = build_tiny_model(len(tok), hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    return save_model_dir(model, tok, root / "model")
+    return save_model_dir(model, tok, root / f"model_{hidden}x{layers}")
 
 
-def bench_ours(model_dir: Path, root: Path, a) -> dict:
+def bench_ours(model_dir: Path, root: Path, a, bf16: bool) -> dict:
     import pandas as pd
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
     from ema_pg.config import compose
     from ema_pg.train import train
 
-    n = a.warmup + a.steps
-    cfg = compose([f"model.path={model_dir}", "kl=k3", "anchor=fixed", "algo.beta=0.001",
-                       f"algo.prompts_per_step={a.prompts}", f"algo.group_size={a.group}", "algo.ppo_epochs=1",
-                       "algo.minibatch_size=0", f"algo.iterations={n}", f"algo.eval_every={n}", "task.eval_size=8",
-                       f"rollout.max_new_tokens={a.completion}", "optim.lr=1e-6", "trainer.progress_bar=false"])
+    n, s = a.warmup + a.steps, SETTINGS
+    cfg = compose([f"model.path={model_dir}", "kl=k3", "anchor=fixed", f"algo.beta={s['beta']}",
+                   f"algo.eps_low={s['eps_low']}", f"algo.eps_high={s['eps_high']}", f"rollout.temperature={s['temperature']}",
+                   f"rollout.top_p={s['top_p']}", f"optim.lr={s['lr']}", f"algo.grad_clip={s['grad_clip']}",
+                   f"optim.weight_decay={s['weight_decay']}", "algo.warmup_steps=0", f"algo.loss_agg={s['loss_agg']}",
+                   f"algo.adv_norm={s['adv_norm']}", f"algo.ppo_epochs={s['updates_per_batch']}", "algo.minibatch_size=0",
+                   f"algo.prompts_per_step={a.prompts}", f"algo.group_size={a.group}", f"algo.iterations={n}",
+                   f"algo.eval_every={n}", "task.eval_size=8", f"rollout.max_new_tokens={a.completion}",
+                   f"trainer.precision={'bf16-mixed' if bf16 else '32-true'}", "trainer.progress_bar=false"])
+    run = root / f"ours_{model_dir.name}_{a.completion}_{'bf16' if bf16 else 'fp32'}"
     with open_dict(cfg):
-        cfg.run_dir = str(root / "ours")
+        cfg.run_dir = str(run)
         cfg.sft.cache_dir = str(root / "cache")
     train(cfg)
-    df = pd.read_csv(root / "ours" / "metrics.csv")
+    df = pd.read_csv(run / "metrics.csv")
     df = df[df["time/step_s"].notna()].sort_values("step").iloc[a.warmup:]
     med = lambda c: float(df[c].median())
     tokens = float((df["train/response_len"] * a.prompts * a.group).median())
+    eff = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("algo", "rollout", "optim", "kl", "anchor")}
+    eff["trainer.precision"] = cfg.trainer.precision
     return {"step_s": med("time/step_s"), "sampling_s": med("time/rollout_s"), "score_s": med("time/score_s"),
-            "update_s": med("time/update_s"),
-            "completion_tokens_per_step": tokens, "completion_tokens_per_s": tokens / med("time/step_s"),
-            "steps_timed": len(df)}
+            "update_s": med("time/update_s"), "completion_tokens_per_step": tokens,
+            "completion_tokens_per_s": tokens / med("time/step_s"), "steps_timed": len(df), "effective_settings": eff}
 
 
-def bench_trl(model_dir: Path, root: Path, a) -> dict:
+def bench_trl(model_dir: Path, root: Path, a, bf16: bool) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -76,7 +103,7 @@ def bench_trl(model_dir: Path, root: Path, a) -> dict:
 
     tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))  # transformers' own sdpa attention
     times: list[float] = []
     lengths: list[float] = []
 
@@ -91,11 +118,16 @@ def bench_trl(model_dir: Path, root: Path, a) -> dict:
             if logs and "completions/mean_length" in logs:
                 lengths.append(float(logs["completions/mean_length"]))
 
+    s = SETTINGS
     cfg = GRPOConfig(
         output_dir=str(root / "trl"), per_device_train_batch_size=a.prompts * a.group, num_generations=a.group,
-        max_completion_length=a.completion, beta=0.001, learning_rate=1e-6, use_cpu=True, report_to="none",
+        max_completion_length=a.completion, beta=s["beta"], learning_rate=s["lr"], use_cpu=True, report_to="none",
         max_steps=a.warmup + a.steps, logging_steps=1, save_strategy="no", gradient_checkpointing=False,
-        disable_tqdm=True, bf16=False, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, bf16=bf16, seed=0, dataloader_num_workers=0,
+        loss_type="grpo", use_bias_correction_kl=False, epsilon=s["eps_low"], epsilon_high=s["eps_high"],
+        temperature=s["temperature"], top_p=s["top_p"], num_iterations=s["updates_per_batch"], scale_rewards=s["adv_norm"],
+        lr_scheduler_type=s["lr_schedule"], max_grad_norm=s["grad_clip"], weight_decay=s["weight_decay"],
+        mask_truncated_completions=False,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[Timer()])
@@ -104,8 +136,63 @@ def bench_trl(model_dir: Path, root: Path, a) -> dict:
     L = lengths[a.warmup:] or lengths
     step = statistics.median(t)
     tokens = statistics.median(L) * a.prompts * a.group
+    keys = ("loss_type", "use_bias_correction_kl", "beta", "epsilon", "epsilon_high", "temperature", "top_p", "top_k",
+            "num_iterations", "scale_rewards", "learning_rate", "lr_scheduler_type", "warmup_steps", "max_grad_norm",
+            "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "num_generations",
+            "per_device_train_batch_size", "max_completion_length", "mask_truncated_completions", "sync_ref_model")
     return {"step_s": step, "completion_tokens_per_step": tokens, "completion_tokens_per_s": tokens / step,
-            "steps_timed": len(t), "trl_version": __import__("trl").__version__}
+            "steps_timed": len(t), "trl_version": __import__("trl").__version__,
+            "effective_settings": {k: getattr(cfg, k) for k in keys}}
+
+
+def matmul_rate(hidden: int, dtype: torch.dtype) -> float:
+    """FLOP/s of this CPU on the model's dominant matmul shape: (4096 tokens x hidden) @ (hidden x 4 hidden)."""
+    x, w = torch.randn(4096, hidden, dtype=dtype), torch.randn(hidden, 4 * hidden, dtype=dtype)
+    for _ in range(3):
+        x @ w
+    n, t0 = 20, time.perf_counter()
+    for _ in range(n):
+        x @ w
+    return 2 * 4096 * hidden * 4 * hidden * n / (time.perf_counter() - t0)
+
+
+def step_flops(model_dir: Path, prompts: int, group: int, completion: int, prompt_len: int = 8) -> float:
+    """Matmul FLOPs of one step: sampling forward (2/param/token), anchor forward (2), policy forward +
+    backward (6), over N = prompts x group rows of prompt_len + completion tokens, plus attention
+    (4 L^2 d per layer and row forward, three times that for forward + backward)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(str(model_dir))
+    h, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size
+    kv = h * c.num_key_value_heads // c.num_attention_heads
+    per_tok = L * (2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size) + h * V  # multiply-adds per token
+    N, T = prompts * group, prompt_len + completion
+    attn = 4 * T * T * h * L * N / 2  # causal: half the square, forward
+    fwd = 2 * per_tok * N * T + attn
+    return fwd + fwd + 3 * fwd  # sampling, anchor, policy forward + backward
+
+
+def run_pair(model_dir: Path, root: Path, a, bf16: bool) -> dict:
+    row = {"precision": "bf16" if bf16 else "fp32", "ema_pg": bench_ours(model_dir, root, a, bf16)}
+    if a.trl:
+        row["trl"] = bench_trl(model_dir, root, a, bf16)
+        o, t = row["ema_pg"], row["trl"]
+        row["speedup_completion_tokens_per_s"] = o["completion_tokens_per_s"] / t["completion_tokens_per_s"]
+        row["completion_tokens_ratio"] = o["completion_tokens_per_step"] / t["completion_tokens_per_step"]
+    return row
+
+
+def print_rows(rows: list[dict]) -> None:
+    print(f"\n{'point':<18}{'prec':<6}{'ema-pg s/step':>14}{'tok/s':>9}{'TRL s/step':>12}{'tok/s':>9}{'ratio':>7}"
+          f"{'floor':>8}{'ours%':>7}{'TRL%':>7}")
+    for r in rows:
+        o, t = r["ema_pg"], r.get("trl") or {}
+        floor = r.get("floor_s")
+        print(f"{r.get('point', 'headline'):<18}{r['precision']:<6}{o['step_s']:>14.3f}{o['completion_tokens_per_s']:>9.0f}"
+              f"{t.get('step_s', float('nan')):>12.3f}{t.get('completion_tokens_per_s', float('nan')):>9.0f}"
+              f"{r.get('speedup_completion_tokens_per_s', float('nan')):>7.2f}"
+              + (f"{floor:>8.3f}{100 * floor / o['step_s']:>6.0f}%{100 * floor / t['step_s'] if t else float('nan'):>6.0f}%"
+                 if floor else ""))
 
 
 def main() -> None:
@@ -115,38 +202,47 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--completion", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--no-trl", action="store_true")
+    ap.add_argument("--size", default="1M", choices=list(SIZES))
+    ap.add_argument("--precisions", default="fp32,bf16", help="rows to run: fp32, bf16 or both")
+    ap.add_argument("--curve", action="store_true", help="the scale curve: every size x completion 64, 256")
+    ap.add_argument("--no-trl", dest="trl", action="store_false")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="rl_step_"))
-    model_dir = make_model_dir(root, a.hidden, a.layers)
-    from transformers import AutoModelForCausalLM
-
-    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model_dir)).parameters())
-    out = {"benchmark": "rl_step", "device": platform.processor() or platform.machine(), "torch": torch.__version__,
-           "torch_threads": torch.get_num_threads(), "model_params": params,
-           "settings": {"prompts": a.prompts, "group": a.group, "completion_tokens": a.completion, "kl": "k3",
-                        "beta": 0.001, "updates_per_step": 1, "warmup_steps": a.warmup, "timed_steps": a.steps}}
-    out["ema_pg"] = bench_ours(model_dir, root, a)
-    have_trl = False
-    if not a.no_trl:
+    if a.trl:
         try:
             import trl  # noqa: F401
-
-            have_trl = True
         except ImportError:
-            out["trl"] = "not installed (pip install -e '.[bench]')"
-    if have_trl:
-        out["trl"] = bench_trl(model_dir, root, a)
-        out["speedup_completion_tokens_per_s"] = (out["ema_pg"]["completion_tokens_per_s"]
-                                                  / out["trl"]["completion_tokens_per_s"])
-    text = json.dumps(out, indent=2)
-    print(text)
+            sys.exit("TRL is not installed: pip install -e '.[bench]' (or run with --no-trl)")
+    root = Path(tempfile.mkdtemp(prefix="rl_step_"))
+    cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True, text=True)
+    out = {"benchmark": "rl_step_curve" if a.curve else "rl_step", "device": cpu.stdout.strip() or platform.machine(),
+           "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "settings": SETTINGS,
+           "batch": {"prompts": a.prompts, "group": a.group}, "warmup_steps": a.warmup, "timed_steps": a.steps,
+           "rows": []}
+    points = [(s, c) for s in SIZES for c in (64, 256)] if a.curve else [(a.size, a.completion)]
+    rates = {}
+    for size, completion in points:
+        model_dir = make_model_dir(root, *SIZES[size])
+        a.completion = completion
+        from transformers import AutoModelForCausalLM
+
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model_dir)).parameters())
+        for prec in a.precisions.split(","):
+            bf16 = prec == "bf16"
+            row = run_pair(model_dir, root, a, bf16)
+            dtype = torch.bfloat16 if bf16 else torch.float32
+            rates.setdefault((size, prec), matmul_rate(SIZES[size][0], dtype))
+            flops = step_flops(model_dir, a.prompts, a.group, completion)
+            row.update(point=f"{size} x {completion} tok", model_params=params, completion_tokens=completion,
+                       step_flops=flops, matmul_flops_per_s=rates[(size, prec)], floor_s=flops / rates[(size, prec)])
+            out["rows"].append(row)
+            print_rows(out["rows"][-1:])
+    print_rows(out["rows"])
+    text = json.dumps(out, indent=2, default=str)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(text + "\n")
+        print(f"\nwrote {a.out}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from .attention import use_fast_attention
+
 SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 
 
@@ -58,7 +60,7 @@ def build_tiny_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
-    return model
+    return use_fast_attention(model)
 
 
 def load_model_dir(path: str | os.PathLike, dtype: torch.dtype | None = None):
@@ -90,7 +92,7 @@ def load_model_dir(path: str | os.PathLike, dtype: torch.dtype | None = None):
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
-    return model, tok
+    return use_fast_attention(model), tok
 
 
 def save_model_dir(model, tokenizer, path: str | os.PathLike) -> Path:

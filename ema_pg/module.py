@@ -88,7 +88,7 @@ class GRPOModule(L.LightningModule):
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
         self.eval_history: list[dict] = []
         self.last_metrics: dict = {}
-        self._collapse_warned = False
+        self._collapse_warned, self._was_peaked = False, False
         if self.estimator.needs_full_logits:
             V = policy.get_output_embeddings().weight.shape[0]
             n = cfg.algo.prompts_per_step * cfg.algo.group_size * cfg.rollout.max_new_tokens
@@ -136,9 +136,12 @@ class GRPOModule(L.LightningModule):
                        world=World.current())
 
     def _warn_collapse(self, metrics: dict) -> None:
-        """A policy at (near) uniform entropy that earns nothing has collapsed: say so once."""
-        V = self.policy.config.vocab_size
-        if (not self._collapse_warned and metrics.get("train/entropy", 0.0) >= 0.95 * math.log(V)
+        """A policy that was peaked and is now at (near) uniform entropy, earning nothing, has collapsed: say
+        so once. A policy that starts uniform (a random initialization, as in the benchmarks) is not warned."""
+        V, entropy = self.policy.config.vocab_size, metrics.get("train/entropy", 0.0)
+        if entropy < 0.9 * math.log(V):
+            self._was_peaked = True
+        if (not self._collapse_warned and getattr(self, "_was_peaked", False) and entropy >= 0.95 * math.log(V)
                 and metrics.get("train/reward_mean", 1.0) == 0.0):
             self._collapse_warned = True
             log.warning("policy collapse at iteration %d: entropy %.2f is near ln V = %.2f (uniform) and the reward "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .attention import use_fast_attention
 from .models import load_model_dir, save_model_dir
 from .sft import cold_start
 
@@ -119,4 +120,4 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
         raise ValueError(f"{ckpt}: the {which} weights do not fit model/config.json "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     model.tie_weights()
-    return model.to(dtype).eval(), tok
+    return use_fast_attention(model).to(dtype).eval(), tok

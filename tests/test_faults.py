@@ -274,6 +274,8 @@ def test_a_collapsed_policy_is_warned_once(caplog):
 
     me = SimpleNamespace(policy=SimpleNamespace(config=SimpleNamespace(vocab_size=300)), _collapse_warned=False,
                          iteration=7, cfg=SimpleNamespace(optim=SimpleNamespace(lr=1e3)))
+    GRPOModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.0})
+    assert "policy collapse" not in caplog.text  # uniform from the start (random init): nothing collapsed
     GRPOModule._warn_collapse(me, {"train/entropy": 0.5 * math.log(300), "train/reward_mean": 0.0})
     GRPOModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.25})
     assert "policy collapse" not in caplog.text  # low entropy, or some reward: not a collapse

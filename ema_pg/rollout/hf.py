@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from ..scores import ScoreRequest, TokenScores
 from .base import OnStop, Rollouts, prompt_seeds
@@ -38,6 +39,45 @@ def sample_token(logits: Tensor, temperature: float, top_p: float,
     else:
         race = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / race).argmax(-1)
+
+
+class GrowingLayer(DynamicLayer):
+    """A :class:`DynamicLayer` that writes new keys/values into a buffer with spare room instead of
+    concatenating: one copy per doubling of the length, not one copy of the whole cache per token.
+    Returns views of the filled part, so attention sees exactly what the concatenation gave."""
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.n, self.kbuf, self.vbuf = 0, None, None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, add = self.n, key_states.shape[-2]
+        if self.kbuf is None or n + add > self.kbuf.shape[-2]:
+            cap = max(2 * (n + add), 64)
+            kbuf = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
+            vbuf = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+            if n:
+                kbuf[..., :n, :], vbuf[..., :n, :] = self.kbuf[..., :n, :], self.vbuf[..., :n, :]
+            self.kbuf, self.vbuf = kbuf, vbuf
+        self.kbuf[..., n : n + add, :] = key_states
+        self.vbuf[..., n : n + add, :] = value_states
+        self.n = n + add
+        self.keys, self.values = self.kbuf[..., : self.n, :], self.vbuf[..., : self.n, :]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.n if self.is_initialized else 0
+
+
+def new_cache(model) -> Cache:
+    """A :class:`GrowingLayer` cache for models whose layers all use full attention, else transformers' own."""
+    text = model.config.get_text_config(decoder=True)
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:  # sliding-window or other layer kinds: their own cache layers
+        return DynamicCache(config=model.config)
+    return Cache(layers=[GrowingLayer() for _ in range(text.num_hidden_layers)])
 
 
 class HFSampler:
@@ -76,7 +116,7 @@ class HFSampler:
 
         was_training = model.training
         model.eval()
-        cache = DynamicCache(config=model.config)
+        cache = new_cache(model)
         pos = (am.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
         next_logits = out.logits[:, -1].float()  # (N, V)

@@ -1,0 +1,89 @@
+"""The step's fast paths compute what transformers' reference paths compute.
+
+- ``ema_pg_sdpa`` (grouped-query attention without repeated key/value copies) against
+  transformers' ``sdpa`` and ``eager`` attention: logits and gradients, with padding;
+- the sampler's growing KV cache against transformers' ``DynamicCache``: the same tokens and
+  log-probs, across a buffer reallocation and a multi-turn observation block.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from ema_pg.attention import NAME, use_fast_attention
+from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.rollout import HFSampler
+from ema_pg.rollout import hf as hf_rollout
+from ema_pg.rollout.hf import GrowingLayer
+from ema_pg.scores import ScoreRequest
+from ema_pg.tasks import build_task
+
+
+@pytest.fixture(scope="module")
+def gqa_policy():
+    tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
+    m = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=3)
+    return m, tok
+
+
+def _padded_batch(tok):
+    enc = tok(["1+2=", "12+345=3", "7"], return_tensors="pt", padding=True, add_special_tokens=False)
+    am = enc["attention_mask"]
+    return enc["input_ids"], am, (am.cumsum(-1) - 1).clamp(min=0)
+
+
+def test_models_built_or_loaded_here_use_the_fast_attention(gqa_policy):
+    m, _ = gqa_policy
+    assert m.config._attn_implementation == NAME
+
+
+@pytest.mark.parametrize("reference", ["sdpa", "eager"])
+def test_gqa_attention_equals_transformers_attention_in_value_and_gradient(gqa_policy, reference):
+    m, tok = gqa_policy
+    ids, am, pos = _padded_batch(tok)
+    out = {}
+    for impl in (NAME, reference):
+        m.set_attn_implementation(impl)
+        m.zero_grad()
+        logits = m(input_ids=ids, attention_mask=am, position_ids=pos).logits
+        (logits * am[..., None]).pow(2).mean().backward()  # padded rows' garbage is excluded
+        out[impl] = (logits.detach(), [p.grad.clone() for p in m.parameters()])
+    m.set_attn_implementation("sdpa")
+    use_fast_attention(m)
+    real = am.bool()
+    assert (out[NAME][0] - out[reference][0])[real].abs().max() < 1e-5
+    for g_fast, g_ref in zip(out[NAME][1], out[reference][1]):
+        assert torch.allclose(g_fast, g_ref, atol=1e-6, rtol=1e-4)
+
+
+def test_growing_layer_returns_what_concatenation_returns():
+    grow, ref = GrowingLayer(), DynamicLayer()
+    torch.manual_seed(0)
+    for width in [5, 1, 1, 30, 1, 40, 3]:  # passes the first capacity (64) and doubles
+        k, v = torch.randn(2, 2, width, 4), torch.randn(2, 2, width, 4)
+        gk, gv = grow.update(k, v)
+        rk, rv = ref.update(k, v)
+        assert torch.equal(gk, rk) and torch.equal(gv, rv)
+        assert grow.get_seq_length() == ref.get_seq_length()
+    assert grow.kbuf.shape[-2] >= 81
+
+
+def test_sampler_with_growing_cache_equals_dynamic_cache(gqa_policy, monkeypatch):
+    m, tok = gqa_policy
+    calls = {"n": 0}
+
+    def observation(row, text):  # a multi-turn block on the first stop of every row
+        calls["n"] += 1
+        return " 1 2 3" if calls["n"] < 4 else None
+
+    kw = dict(temperature=1.0, max_new_tokens=70, seed=5, stop=["+"], score=ScoreRequest(topk=3, entropy=True))
+    fast = HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, on_stop=observation, **kw)
+    calls["n"] = 0
+    monkeypatch.setattr(hf_rollout, "new_cache", lambda model: DynamicCache(config=model.config))
+    ref = HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, on_stop=observation, **kw)
+    assert torch.equal(fast.input_ids, ref.input_ids) and torch.equal(fast.loss_mask, ref.loss_mask)
+    assert fast.input_ids.shape[1] - fast.prompt_len > 64  # the cache grew past its first buffer
+    assert torch.allclose(fast.old.logp, ref.old.logp, atol=1e-6)
+    assert torch.equal(fast.old.index, ref.old.index)

@@ -231,7 +231,8 @@ def main() -> None:
             bf16 = prec == "bf16"
             row = run_pair(model_dir, root, a, bf16)
             dtype = torch.bfloat16 if bf16 else torch.float32
-            rates.setdefault((size, prec), matmul_rate(SIZES[size][0], dtype))
+            if (size, prec) not in rates:  # measured once per size and precision
+                rates[(size, prec)] = matmul_rate(SIZES[size][0], dtype)
             flops = step_flops(model_dir, a.prompts, a.group, completion)
             row.update(point=f"{size} x {completion} tok", model_params=params, completion_tokens=completion,
                        step_flops=flops, matmul_flops_per_s=rates[(size, prec)], floor_s=flops / rates[(size, prec)])

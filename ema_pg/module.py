@@ -141,7 +141,7 @@ class GRPOModule(L.LightningModule):
         V, entropy = self.policy.config.vocab_size, metrics.get("train/entropy", 0.0)
         if entropy < 0.9 * math.log(V):
             self._was_peaked = True
-        if (not self._collapse_warned and getattr(self, "_was_peaked", False) and entropy >= 0.95 * math.log(V)
+        if (not self._collapse_warned and self._was_peaked and entropy >= 0.95 * math.log(V)
                 and metrics.get("train/reward_mean", 1.0) == 0.0):
             self._collapse_warned = True
             log.warning("policy collapse at iteration %d: entropy %.2f is near ln V = %.2f (uniform) and the reward "

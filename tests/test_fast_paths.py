@@ -12,7 +12,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ema_pg.attention import NAME, use_fast_attention
-from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler
 from ema_pg.rollout import hf as hf_rollout
 from ema_pg.rollout.hf import GrowingLayer
@@ -34,9 +34,12 @@ def _padded_batch(tok):
     return enc["input_ids"], am, (am.cumsum(-1) - 1).clamp(min=0)
 
 
-def test_models_built_or_loaded_here_use_the_fast_attention(gqa_policy):
-    m, _ = gqa_policy
+def test_models_built_or_loaded_here_use_the_fast_attention(gqa_policy, tmp_path):
+    m, tok = gqa_policy
     assert m.config._attn_implementation == NAME
+    loaded, _ = load_model_dir(save_model_dir(m, tok, tmp_path / "m"))
+    assert loaded.config._attn_implementation == NAME
+    assert "_attn_implementation" not in (tmp_path / "m" / "config.json").read_text()  # not saved: loads anywhere
 
 
 @pytest.mark.parametrize("reference", ["sdpa", "eager"])

@@ -272,7 +272,7 @@ def test_a_collapsed_policy_is_warned_once(caplog):
 
     from ema_pg.module import GRPOModule
 
-    me = SimpleNamespace(policy=SimpleNamespace(config=SimpleNamespace(vocab_size=300)), _collapse_warned=False,
+    me = SimpleNamespace(policy=SimpleNamespace(config=SimpleNamespace(vocab_size=300)), _collapse_warned=False, _was_peaked=False,
                          iteration=7, cfg=SimpleNamespace(optim=SimpleNamespace(lr=1e3)))
     GRPOModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.0})
     assert "policy collapse" not in caplog.text  # uniform from the start (random init): nothing collapsed

@@ -13,6 +13,10 @@ index set,
     d z_n = (e_{y_n} g_t + sum_i e_{q_i} g_i - (g_t + sum_i g_i) softmax(z_n)) / tau
     dh    = dz W,   dW = dz^T h                                  (chunk by chunk)
 
+and with g_H the incoming gradient of the entropy H_n (the entropy bonus, when asked for)
+
+    d z_n += -g_H softmax(z_n) (log softmax(z_n) + H_n) / tau
+
 so neither the forward nor the backward ever holds an (N, V) tensor.
 """
 
@@ -78,23 +82,27 @@ def chunked_head_nograd(h: Tensor, W: Tensor, targets: Tensor, *, k: int = 0, in
 
 
 class ChunkedLogProb(torch.autograd.Function):
-    """(log pi(y_n), log pi at index) with a chunk-recomputing backward. Inputs: h (N, H), W (V, H)."""
+    """(log pi(y_n), log pi at index, entropy) with a chunk-recomputing backward. Inputs: h (N, H), W (V, H).
+
+    The index and entropy outputs are empty tensors when not asked for."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, W: Tensor, targets: Tensor, index: Tensor | None, temperature: float, chunk: int):
-        out = chunked_head_nograd(h, W, targets, index=index, temperature=temperature, chunk=chunk)
-        ctx.save_for_backward(h, W, targets, out.lse, *([index] if index is not None else []))
+    def forward(ctx, h: Tensor, W: Tensor, targets: Tensor, index: Tensor | None, temperature: float, chunk: int,
+                entropy: bool = False):
+        out = chunked_head_nograd(h, W, targets, index=index, entropy=entropy, temperature=temperature, chunk=chunk)
+        ent = out.entropy if entropy else torch.empty(0, device=h.device)
+        ctx.save_for_backward(h, W, targets, out.lse, ent, *([index] if index is not None else []))
         ctx.has_index, ctx.temperature, ctx.chunk = index is not None, temperature, chunk
-        if index is None:
-            return out.logp, torch.empty(0, device=h.device)
-        return out.logp, out.index_logp
+        ix = out.index_logp if index is not None else torch.empty(0, device=h.device)
+        return out.logp, ix, ent
 
     @staticmethod
-    def backward(ctx, g_logp: Tensor, g_index: Tensor):
+    def backward(ctx, g_logp: Tensor, g_index: Tensor, g_ent: Tensor):
         if ctx.has_index:
-            h, W, targets, lse, index = ctx.saved_tensors
+            h, W, targets, lse, ent, index = ctx.saved_tensors
         else:
-            (h, W, targets, lse), index = ctx.saved_tensors, None
+            (h, W, targets, lse, ent), index = ctx.saved_tensors, None
+        use_ent = g_ent is not None and ent.numel() > 0
         N, V = h.shape[0], W.shape[0]
         C = ctx.chunk or auto_chunk(N, V)
         tau = ctx.temperature
@@ -108,13 +116,20 @@ class ChunkedLogProb(torch.autograd.Function):
             z = (h[s:e] @ W.T).to(acc)  # (C, V), recomputed
             if tau != 1.0:
                 z.div_(tau)
-            p = z.sub_(lse[s:e, None]).exp_()  # softmax, in place: one (C, V) buffer
+            lp = z.sub_(lse[s:e, None])  # log softmax, in place
+            ent_term = None
+            if use_ent:  # -g_H p (log p + H), formed before lp becomes p
+                ge = g_ent[s:e].to(acc)
+                ent_term = (lp + ent[s:e, None].to(acc)).mul_(lp.exp()).mul_(-ge[:, None])  # (C, V)
+            p = lp.exp_()  # softmax, in place: one (C, V) buffer
             gt = g_logp[s:e]  # (C,)
             total = gt.clone()
             if index is not None and g_index is not None and g_index.numel():
                 gi = g_index[s:e].to(acc)  # (C, k)
                 total += gi.sum(-1)
             dz = p.mul_(-total[:, None])  # -(g_t + sum g_i) softmax
+            if ent_term is not None:
+                dz.add_(ent_term)
             dz.scatter_add_(-1, targets[s:e, None].long(), gt[:, None])
             if index is not None and g_index is not None and g_index.numel():
                 dz.scatter_add_(-1, index[s:e].long(), gi)
@@ -125,11 +140,14 @@ class ChunkedLogProb(torch.autograd.Function):
                 torch.mm(dz, W, out=gh[s:e])  # (C, H), written in place
             if need_W:
                 gW.addmm_(dz.T.to(acc), h[s:e].to(acc))  # (V, H) accumulated in place: no per-chunk temporary
-        return gh, (gW.to(W.dtype) if need_W else None), None, None, None, None
+        return gh, (gW.to(W.dtype) if need_W else None), None, None, None, None, None
 
 
 def chunked_logprobs(h: Tensor, W: Tensor, targets: Tensor, index: Tensor | None = None, temperature: float = 1.0,
-                     chunk: int = 0) -> tuple[Tensor, Tensor | None]:
-    """Differentiable (log pi(y_n) (N,), log pi at index (N, k) or None) with O(N k) saved state."""
-    logp, ix = ChunkedLogProb.apply(h, W, targets, index, temperature, chunk)
+                     chunk: int = 0, entropy: bool = False):
+    """Differentiable (log pi(y_n) (N,), log pi at index (N, k) or None) with O(N k) saved state;
+    with ``entropy=True`` a third output, the differentiable entropy (N,)."""
+    logp, ix, ent = ChunkedLogProb.apply(h, W, targets, index, temperature, chunk, entropy)
+    if entropy:
+        return logp, (ix if index is not None else None), ent
     return logp, (ix if index is not None else None)

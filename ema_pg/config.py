@@ -39,6 +39,7 @@ class ModelConfig:
     num_heads: int = 4  #: attention heads
     num_kv_heads: int = 2  #: key/value heads (grouped-query attention)
     max_positions: int = 512  #: context length of the tiny model
+    teacher_path: str | None = None  #: anchor=teacher: a local teacher model (same tokenizer; any architecture)
     tokenizer_vocab: int = 512  #: BPE vocabulary size when a tokenizer is trained on the task text
     dtype: str = "float32"  #: float32 | bfloat16 | float16 (the anchor's master copy stays fp32)
     head_chunk_tokens: int = 0  #: tokens per chunk of the log-prob head (0 = sized by head_chunk_mb)
@@ -83,16 +84,22 @@ class KLConfig:
     iw_clip: list[float] | None = None  #: [s_min, s_max] clip of the off-policy weight; [1, 1] = none
     divergence: str | None = None  #: topk_fdiv only: Table 5 divergence
     alpha: float | None = None  #: topk_fdiv alpha-divergence only
+    clamp: bool | None = None  #: k3/k3pp: the authors' clamp (log w to [-20, 20], K3 to [-10, 10])
+    straight_through: bool | None = None  #: sampled estimators: the "+" variant, K_n's value with K2's gradient
 
 
 @dataclass
 class AnchorConfig:
-    """The anchor (reference) policy. ``anchor=fixed`` is the preset ``eta: 1.0`` (standard GRPO)."""
+    """The anchor (reference) policy (ema_pg/anchor.py has the schemes). ``anchor=fixed`` is the preset
+    ``eta: 1.0`` (standard GRPO), ``anchor=reset`` the preset ``eta: 0.0`` (a hard reset every update_every)."""
 
-    name: str = "ema"  #: ema (an EMA of the policy; eta = 1 is the fixed anchor) | none (no anchor, beta = 0)
+    name: str = "ema"  #: ema (EMA of the policy; eta 1 = fixed, 0 = hard reset) | sync (peers' soft sync) | teacher | none
     eta: float = 0.9  #: EMA coefficient, theta_ema <- eta theta_ema + (1 - eta) theta (eq. 2); 1.0 = fixed
     update_every: int = 10  #: T_ema: iterations between EMA updates (Alg 3, line 25)
     eval_every: int = 0  #: evaluate the anchor policy itself every N iterations (0 = never)
+    sync_alpha: float = 0.6  #: sync: theta_ref <- (1 - alpha) theta_ref + alpha theta (TRL ref_model_mixup_alpha)
+    sync_steps: int = 512  #: sync: optimizer steps between mixes (TRL ref_model_sync_steps)
+    path: str | None = None  #: the anchor's initial weights from a local model folder (None = the initial policy)
 
 
 @dataclass
@@ -112,6 +119,19 @@ class AlgoConfig:
     warmup_steps: int = 0  #: linear LR warm-up length, in optimizer steps
     max_bad_steps: int = 3  #: consecutive updates skipped for a non-finite loss/gradient before the run stops
     reward_kl: str = "none"  #: none | sequence: subtract beta * sequence KL from the reward (WARP, eq. 10-12)
+    advantage: str = "group"  #: group (Monte-Carlo, GRPO: adv_norm applies) | gae (PPO with a critic, token level)
+    gamma: float = 1.0  #: gae: discount over policy tokens
+    lam: float = 1.0  #: gae: lambda of GAE
+    critic_lr: float = 1e-5  #: gae: the value model's AdamW learning rate
+    cliprange_value: float = 0.2  #: gae: clip of the value update around the old values (0 = unclipped)
+    loss: str = "ppo"  #: the surrogate J: ppo (clip-higher, Appendix A) | gspo (sequence ratio) | cispo (clipped IS weight)
+    clip_ratio_c: float = 0.0  #: dual-clip PPO bound c > 1 on negative-advantage tokens (0 = off; peers use 3)
+    entropy_coef: float = 0.0  #: entropy bonus c_H: loss -= c_H * H(pi) per token (0 = off)
+    dynamic_sampling: bool = False  #: DAPO: drop groups with equal rewards and sample new prompts to refill the batch
+    max_sampling_rounds: int = 4  #: dynamic sampling: rollout rounds per iteration at most (then filled up)
+    mask_truncated: bool = False  #: DAPO overlong filtering: no loss on responses cut at rollout.max_new_tokens
+    overlong_buffer: int = 0  #: DAPO soft overlong penalty: the last L_cache policy tokens before the limit (0 = off)
+    overlong_penalty: float = 1.0  #: the penalty at the limit (it falls linearly from 0 over the buffer)
 
 
 @dataclass
@@ -166,7 +186,7 @@ class Config:
     name: str = "${kl.name}-${anchor.name}"  #: a short label for the run (experiments set it)
 
 
-ANCHORS = ("ema", "none")  #: anchor.name choices
+ANCHORS = ("ema", "sync", "teacher", "none")  #: anchor.name choices (ema_pg.anchor.SCHEMES + none)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -308,6 +328,29 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         bad(f"algo.adv_norm={a.adv_norm!r}; choose one of: {', '.join(ADV_NORMS)}")
     if a.loss_agg not in LOSS_AGGS:
         bad(f"algo.loss_agg={a.loss_agg!r}; choose one of: {', '.join(LOSS_AGGS)}")
+    from .losses import SURROGATES
+
+    if a.loss not in SURROGATES:
+        bad(f"algo.loss={a.loss!r}; choose one of: {', '.join(SURROGATES)}")
+    if a.clip_ratio_c != 0 and (a.clip_ratio_c <= 1 or a.loss != "ppo"):
+        bad(f"algo.clip_ratio_c={a.clip_ratio_c} is the dual clip of algo.loss=ppo and must be > 1 (peers use 3.0), "
+            "or 0 to switch it off")
+    if a.advantage not in ("group", "gae"):
+        bad(f"algo.advantage={a.advantage!r}; choose group (Monte-Carlo, GRPO) or gae (PPO with a critic)")
+    if a.advantage == "gae":
+        if a.adv_norm == "group":
+            bad("algo.advantage=gae gives token-level advantages: algo.adv_norm must be global (whitened over the "
+                "batch, PPO's) or none (method=ppo sets global)")
+        if a.loss == "gspo":
+            bad("algo.loss=gspo needs one advantage per sequence; with algo.advantage=gae use algo.loss=ppo or cispo")
+        if not (0 <= a.gamma <= 1 and 0 <= a.lam <= 1) or a.critic_lr <= 0 or a.cliprange_value < 0:
+            bad(f"algo.gamma and algo.lam must be in [0, 1], algo.critic_lr > 0, algo.cliprange_value >= 0; got "
+                f"{a.gamma}, {a.lam}, {a.critic_lr}, {a.cliprange_value}")
+    if a.max_sampling_rounds < 1:
+        bad(f"algo.max_sampling_rounds must be >= 1; got {a.max_sampling_rounds}")
+    if not (0 <= a.overlong_buffer < cfg.rollout.max_new_tokens) or a.overlong_penalty < 0:
+        bad(f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}) and "
+            f"algo.overlong_penalty >= 0; got {a.overlong_buffer}, {a.overlong_penalty} (0 = no overlong penalty)")
     if a.ppo_epochs < 1:
         bad(f"algo.ppo_epochs must be >= 1; got {a.ppo_epochs}")
     n = a.prompts_per_step * a.group_size
@@ -325,6 +368,16 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         bad(f"anchor.eta must be in [0, 1] (1.0 = fixed anchor; the paper recommends 0.9-0.95); got {an.eta}")
     if an.update_every < 1:
         bad(f"anchor.update_every must be >= 1 (paper: 10); got {an.update_every}")
+    if an.name == "sync" and not (0.0 < an.sync_alpha <= 1.0 and an.sync_steps >= 1):
+        bad(f"anchor=sync needs anchor.sync_alpha in (0, 1] and anchor.sync_steps >= 1 (TRL: 0.6, 512); got "
+            f"{an.sync_alpha}, {an.sync_steps}")
+    if an.name == "teacher" and not an.path:
+        bad("anchor=teacher needs model.teacher_path=DIR, a local model folder (save_pretrained) with the policy's "
+            "tokenizer")
+    if an.name in ("sync", "teacher") or an.path:
+        if str(cfg.trainer.strategy) == "deepspeed_stage_3":
+            bad(f"anchor={an.name}{' with anchor.path' if an.path else ''} is not built under deepspeed_stage_3 "
+                "(its anchor is not partitioned); use deepspeed_stage_2, ddp or cpu")
     if an.name == "none" and (a.beta != 0.0 or cfg.kl.name != "none" or a.reward_kl != "none"):
         bad("anchor=none keeps no anchor model: set algo.beta=0, kl=none and algo.reward_kl=none "
             "(or choose anchor=ema / anchor=fixed)")

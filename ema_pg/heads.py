@@ -58,8 +58,8 @@ def head(model, batch: Rollouts, *, topk: int = 0, index: Tensor | None = None, 
     """Score ``batch``'s response tokens under ``model``.
 
     ``topk`` > 0: the index set is the model's own top-k (no-grad passes only);
-    ``index`` (N, T, k): the index set is given. With grad enabled only ``logp`` and
-    ``index_logp`` carry gradients (the policy's update pass).
+    ``index`` (N, T, k): the index set is given. With grad enabled ``logp``, ``index_logp``
+    and (``entropy=True``, the entropy bonus) ``entropy`` carry gradients (the policy's update pass).
     """
     if topk and index is not None:
         raise ValueError("head: give topk (the model's own top-k) or index (a given index set), not both")
@@ -81,14 +81,16 @@ def head(model, batch: Rollouts, *, topk: int = 0, index: Tensor | None = None, 
     ix = None if index is None else index.reshape(N * T, -1)
     shape = lambda x: x.view(N, T, *x.shape[1:])
     if torch.is_grad_enabled() and (h.requires_grad or W.requires_grad):
-        if topk or entropy:
-            raise ValueError("head: the gradient pass scores a given index set only (topk/entropy are no-grad stats)")
+        if topk:
+            raise ValueError("head: the gradient pass scores a given index set only (its own top-k is a no-grad stat)")
         if zero3_partitioned(W):  # the output layer's module gathers W for the head and for its backward
-            logp, ixl = call_through(model.get_output_embeddings(),
-                                     lambda x: chunked_logprobs(x, output_layer(model), t, ix, temperature, chunk), h)
+            outs = call_through(model.get_output_embeddings(),
+                                lambda x: chunked_logprobs(x, output_layer(model), t, ix, temperature, chunk, entropy), h)
         else:
-            logp, ixl = chunked_logprobs(h, W, t, ix, temperature, chunk)
-        return TokenScores(logp=shape(logp), index=index, index_logp=None if ixl is None else shape(ixl))
+            outs = chunked_logprobs(h, W, t, ix, temperature, chunk, entropy)
+        logp, ixl = outs[0], outs[1]
+        return TokenScores(logp=shape(logp), index=index, index_logp=None if ixl is None else shape(ixl),
+                           entropy=shape(outs[2]) if entropy else None)
     with gathered([W]):  # ZeRO-3: the output embedding only, not the whole model
         r = chunked_head_nograd(h, W, t, k=topk, index=ix, entropy=entropy, temperature=temperature, chunk=chunk)
     out = TokenScores(logp=shape(r.logp), entropy=None if r.entropy is None else shape(r.entropy))

@@ -1,8 +1,13 @@
 """The GRPO loss of Appendix A, as small functions composed in :func:`grpo_loss`.
 
     A        = advantages(R, group_size, norm)                      per sequence, (B,)
-    J_n      = A * [M_n * ratio_n + (1 - M_n) * sg(clip(ratio_n))]   clip-higher surrogate
-    loss     = aggregate(-J + beta * KL, mask, mode)
+    J_n      = A * [M_n * ratio_n + (1 - M_n) * sg(clip(ratio_n))]   clip-higher surrogate (algo.loss=ppo)
+    loss     = aggregate(-J + beta * KL - c_H * H, mask, mode)
+
+The surrogate J is one of :data:`SURROGATES` (``algo.loss``): ``ppo`` (the paper's clip-higher
+PPO/GRPO, with optional dual clip), ``gspo`` (a sequence-level ratio) or ``cispo`` (a clipped,
+stop-gradient IS weight on the log-prob gradient); the paper calls its two changes orthogonal
+to this choice (Appendix A).
 
 Departures from the paper's text, all documented at their function:
 - the surrogate uses ratio = pi/pi_old in the masked form so that its *value* equals PPO's
@@ -19,7 +24,7 @@ import torch
 from torch import Tensor
 
 ADV_NORMS = ("group", "global", "none")
-LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def advantages(rewards: Tensor, group_size: int, norm: str = "group", eps: float = 1e-6) -> Tensor:
@@ -61,8 +66,12 @@ def clip_masks(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> t
     return low, high
 
 
+def _per_token(adv: Tensor, like: Tensor) -> Tensor:
+    return adv.unsqueeze(-1) if adv.dim() == like.dim() - 1 else adv  # (B, 1) or (B, T)
+
+
 def ppo_surrogate(
-    logp: Tensor, logp_old: Tensor, adv: Tensor, eps_low: float, eps_high: float
+    logp: Tensor, logp_old: Tensor, adv: Tensor, eps_low: float, eps_high: float, clip_ratio_c: float
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Per-token clip-higher PPO/GRPO objective J_n (to maximize), (B, T).
 
@@ -70,14 +79,66 @@ def ppo_surrogate(
     where a token is clipped (M_n = 0). Its gradient is s_n M_n A grad log pi (the paper's),
     and its value and gradient equal min(ratio A, clip(ratio, 1-eps_low, 1+eps_high) A).
     ``adv`` is (B,) per sequence or (B, T) per token.
+
+    ``clip_ratio_c`` > 1: dual-clip PPO (Ye et al. 2020): where A < 0 the objective is also
+    bounded below by c A, i.e. J = max(min(ratio A, clip(ratio) A), c A); a token with
+    ratio > c and A < 0 then carries no gradient. 0 = off (``algo.clip_ratio_c``).
     """
     ratio = torch.exp(logp - logp_old.detach())  # (B, T), grad = ratio * grad log pi
-    a = adv.unsqueeze(-1) if adv.dim() == logp.dim() - 1 else adv  # (B, 1) or (B, T)
+    a = _per_token(adv, logp)
     low, high = clip_masks(ratio.detach(), a, eps_low, eps_high)
     clipped = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)
     keep = ~(low | high)  # M_n
     J = a * torch.where(keep, ratio, clipped)  # (B, T)
-    return J, {"ratio": ratio.detach(), "clipped_low": low, "clipped_high": high}
+    info = {"ratio": ratio.detach(), "clipped_low": low, "clipped_high": high}
+    if clip_ratio_c > 0:
+        dual = (a < 0) & (ratio.detach() > clip_ratio_c)  # (B, T); here min(.) = ratio A < c A
+        J = torch.where(dual, (clip_ratio_c * a).expand_as(J), J)
+        info["clipped_dual"] = dual
+    return J, info
+
+
+def gspo_surrogate(
+    logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, s_i = exp(mean_t log(pi/pi_old)).
+
+    J_i = min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i). Written per token as
+    J_t = A * sg(s_i) * pi_t/sg(pi_t) where unclipped (value s_i A, gradient s_i A grad log pi_t)
+    and A * sg(clip(s_i)) where clipped, so that with ``seq-mean-token-mean`` aggregation the
+    loss's value and gradient are GSPO's exactly (grad s_i = s_i * mean_t grad log pi_t).
+    The paper of GSPO uses a much tighter clip than PPO (eps ~ 3e-4 / 4e-4): set algo.eps_low/high.
+    """
+    m = mask.to(logp.dtype)
+    log_s = ((logp - logp_old.detach()) * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # (B,)
+    s = log_s.detach().exp()  # (B,)
+    a = adv if adv.dim() == 1 else adv[:, 0]  # (B,) sequence-level
+    s_tok = torch.exp(log_s.detach().unsqueeze(-1) + logp - logp.detach())  # (B, T): value s_i, grad s_i grad log pi_t
+    low, high = clip_masks(s, a, eps_low, eps_high)  # (B,)
+    keep = ~(low | high)
+    J = a.unsqueeze(-1) * torch.where(keep.unsqueeze(-1), s_tok, s.clamp(1.0 - eps_low, 1.0 + eps_high).unsqueeze(-1))
+    expand = lambda x: x.unsqueeze(-1).expand_as(logp)
+    return J, {"ratio": expand(s), "clipped_low": expand(low), "clipped_high": expand(high)}
+
+
+def cispo_surrogate(
+    logp: Tensor, logp_old: Tensor, adv: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (Chen et al. 2025, MiniMax-M1): the IS weight is clipped and stopped, never the token.
+
+    J_t = sg(clip(ratio_t, 1-eps_low, 1+eps_high)) * A * log pi_t in gradient: every token keeps a
+    gradient, scaled by its clipped weight. Written as A * sg(w) * pi/sg(pi), its value is w A.
+    (MiniMax clip only from above: a large ``algo.eps_low`` such as 1.0 switches the lower clip off.)
+    """
+    ratio = torch.exp(logp - logp_old.detach())  # (B, T)
+    a = _per_token(adv, logp)
+    w = ratio.detach().clamp(1.0 - eps_low, 1.0 + eps_high)
+    J = a * w * torch.exp(logp - logp.detach())  # value w A, gradient w A grad log pi
+    r = ratio.detach()
+    return J, {"ratio": r, "clipped_low": r < 1.0 - eps_low, "clipped_high": r > 1.0 + eps_high}  # weight clipped
+
+
+SURROGATES = ("ppo", "gspo", "cispo")  #: algo.loss choices
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean", norm_len: int | None = None) -> Tensor:
@@ -86,6 +147,7 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean"
     ``seq-mean-token-mean``     mean over sequences of the mean over each one's tokens
                                 (the paper's 1/N 1/L, Appendix A);
     ``token-mean``              sum over all tokens / number of tokens (DAPO);
+    ``seq-mean-token-sum``      mean over sequences of each one's token sum (the authors' code);
     ``seq-mean-token-sum-norm`` mean over sequences of the token sum / ``norm_len``
                                 (Dr. GRPO; default norm_len = T, the padded length).
     Positions outside the mask contribute nothing, even if they hold inf or nan.
@@ -99,6 +161,8 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean"
         return x.sum() / mf.sum().clamp(min=1.0)
     if mode == "seq-mean-token-mean":
         per_seq = x.sum(-1) / mf.sum(-1).clamp(min=1.0)  # (B,)
+    elif mode == "seq-mean-token-sum":
+        per_seq = x.sum(-1)  # (B,)
     else:
         per_seq = x.sum(-1) / float(norm_len or per_token.shape[-1])  # (B,)
     return per_seq.mean()
@@ -119,11 +183,19 @@ def grpo_loss(
     beta: float,
     eps_low: float,
     eps_high: float,
-    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"],
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"],
+    surrogate: Literal["ppo", "gspo", "cispo"],
+    clip_ratio_c: float,
+    entropy_coef: float,
+    entropy: Tensor | None = None,
     norm_len: int | None = None,
     pg_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """L = aggregate(-w * J + beta * KL, mask): Algorithm 3 line 22 (w = 1), with metrics.
+    """L = aggregate(-w * J + beta * KL - c_H * H, mask): Algorithm 3 line 22 (w = 1, c_H = 0), with metrics.
+
+    ``surrogate`` picks J (:data:`SURROGATES`); ``clip_ratio_c`` is the dual clip of ``ppo``
+    (0 = off); ``entropy_coef`` c_H weighs an entropy bonus on ``entropy`` (B, T), the policy's
+    entropy at each position with its gradient (needed when c_H != 0).
 
     ``pg_weight`` (B, T), no grad: a per-token weight w on the policy-gradient term only, the
     truncated importance-sampling correction of an inference engine's sampling mismatch.
@@ -133,10 +205,21 @@ def grpo_loss(
     ``kl`` is the (B, T) output of any registry estimator (or None). Observation and padding
     tokens have mask 0: they carry neither policy loss nor KL.
     """
-    J, info = ppo_surrogate(logp, logp_old, adv, eps_low, eps_high)
+    if surrogate not in SURROGATES:
+        raise ValueError(f"unknown surrogate {surrogate!r}; choose one of: {', '.join(SURROGATES)}")
+    if surrogate == "gspo":
+        J, info = gspo_surrogate(logp, logp_old, adv, mask, eps_low, eps_high)
+    elif surrogate == "cispo":
+        J, info = cispo_surrogate(logp, logp_old, adv, eps_low, eps_high)
+    else:
+        J, info = ppo_surrogate(logp, logp_old, adv, eps_low, eps_high, clip_ratio_c)
     per_token = -J if pg_weight is None else -J * pg_weight.detach()
     if kl is not None and beta != 0.0:
         per_token = per_token + beta * kl
+    if entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("entropy_coef != 0 needs the policy's per-token entropy (with its gradient)")
+        per_token = per_token - entropy_coef * entropy
     loss = aggregate(per_token, mask, loss_agg, norm_len)
     with torch.no_grad():
         ratio = info["ratio"]
@@ -151,4 +234,8 @@ def grpo_loss(
             "ratio_min": ratio[m].min() if m.any() else torch.ones(()),
             "approx_kl_old": masked_mean(-torch.log(ratio), mask),  # k1 of (pi_old || pi), cleanrl-style
         }
+        if "clipped_dual" in info:
+            metrics["clip_frac_dual"] = masked_mean(info["clipped_dual"].to(ratio.dtype), mask)
+        if entropy is not None and entropy.requires_grad:
+            metrics["entropy_cur"] = masked_mean(entropy.detach(), mask)
     return loss, metrics

@@ -55,6 +55,7 @@ class _StrategyUpdater:
             self.module.manual_backward(loss)
             opt.step()
             sched.step()
+            self.module.after_optimizer_step()
             return {"grad_norm": float(engine.get_global_grad_norm() or 0.0), "skipped_steps": 0.0}
         if self.guard.bad(float(loss)):
             return {"skipped_steps": 1.0}
@@ -69,6 +70,7 @@ class _StrategyUpdater:
         opt.step()
         self.guard.check_params(self.module.policy.parameters())
         sched.step()
+        self.module.after_optimizer_step()
         return {"grad_norm": norm, "skipped_steps": 0.0}
 
     @property
@@ -84,6 +86,12 @@ class GRPOModule(L.LightningModule):
         self.estimator = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
         self.sampler = build_sampler(cfg.rollout, tokenizer)
         self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps)
+        self.critic = None
+        if cfg.algo.advantage == "gae":  # PPO's value model: its own optimizer, saved in checkpoints
+            from .critic import Critic
+
+            self.critic = Critic(policy, cfg.algo.critic_lr, cfg.algo.cliprange_value, cfg.algo.grad_clip)
+            self.value_model = self.critic.model  # a submodule: it moves with the module
         self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, cfg.anchor.eta, cfg.algo.beta)
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
         self.eval_history: list[dict] = []
@@ -133,7 +141,12 @@ class GRPOModule(L.LightningModule):
         return rl_step(iteration, policy=self.policy, anchor_model=None if self.anchor is None else self.anchor.model,
                        task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
                        algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk,
-                       world=World.current())
+                       world=World.current(), critic=self.critic)
+
+    def after_optimizer_step(self) -> None:
+        """Called after every applied optimizer step (the anchor's soft sync counts them)."""
+        if self.anchor is not None:
+            self.anchor.after_optimizer_step(self.policy)
 
     def _warn_collapse(self, metrics: dict) -> None:
         """A policy that was peaked and is now at (near) uniform entropy, earning nothing, has collapsed: say
@@ -175,6 +188,12 @@ class GRPOModule(L.LightningModule):
         if a.prompts_per_step % w:
             raise ConfigError(f"algo.prompts_per_step={a.prompts_per_step} must be divisible by the number of "
                               f"processes ({w}): each takes a block of whole prompt groups")
+        if a.advantage == "gae" and w > 1:
+            raise ConfigError("algo.advantage=gae (PPO's critic) with several processes is not built: the value model "
+                              "is trained per process; use one process")
+        if a.dynamic_sampling and w > 1:
+            raise ConfigError("algo.dynamic_sampling with several processes is not built (each rank would refill its "
+                              "own share and their rounds would differ); use one process or algo.dynamic_sampling=false")
         if a.minibatch_size and (a.minibatch_size % w or (a.prompts_per_step * a.group_size // w) % (a.minibatch_size // w)):
             raise ConfigError(f"algo.minibatch_size={a.minibatch_size} must split over {w} processes: a multiple of "
                               f"{w} whose per-process share divides each process's {a.prompts_per_step * a.group_size // w} rows")
@@ -212,8 +231,12 @@ class GRPOModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["ema_pg"] = {"iteration": self.iteration, "eval_history": self.eval_history}
+        if self.critic is not None:  # its weights are in the module's state_dict; its optimizer is not Lightning's
+            checkpoint["ema_pg"]["critic_opt"] = self.critic.opt.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         st = checkpoint.get("ema_pg", {})
         self.iteration = int(st.get("iteration", 0))
         self.eval_history = list(st.get("eval_history", []))
+        if self.critic is not None and "critic_opt" in st:
+            self.critic.opt.load_state_dict(st["critic_opt"])

@@ -36,6 +36,7 @@ from .heads import head
 from .kl import Estimator, KLInputs, sequence_kl_penalty
 from .kl.sampled import k3_core
 from .dist import World
+from .critic import gae, last_token_rewards, whiten
 from .losses import advantages, grpo_loss, masked_mean
 from .rollout.base import Rollouts, Sampler, prompt_seeds
 from .scores import ScoreRequest, TokenScores
@@ -167,6 +168,63 @@ class TorchUpdater:
         return float(self.opt.param_groups[0]["lr"])
 
 
+# ---------------------------------------------------------------------- rollouts and reward shaping
+def overlong_penalty(length: Tensor, max_len: int, buffer: int, factor: float) -> Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer policy tokens, then falling linearly to
+    -factor at max_len: factor * min(0, ((max_len - buffer) - length) / buffer). ``length`` (N,)."""
+    return factor * (((max_len - buffer) - length.float()) / buffer).clamp(max=0.0)
+
+
+def _sample_round(round_seed: int, *, policy, task, sampler, algo, rollout, score, world, device, offset: int):
+    all_prompts = task.sample(algo.prompts_per_step, seed=round_seed)
+    mine = world.block(len(all_prompts))  # this rank's prompts, each with its whole group
+    prompts = all_prompts[mine]
+    ro = sampler.generate(
+        policy, [p.text for p in prompts], algo.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
+        max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop), on_stop=task.on_stop_fn(prompts, algo.group_size),
+        seed=prompt_seeds(round_seed, len(all_prompts))[mine], score=score)
+    rewards = torch.tensor([task.reward(prompts[i], text) for i, text in zip(ro.prompt_index, ro.responses)],
+                           dtype=torch.float32, device=device)  # (N,)
+    ro.prompt_index = [i + offset for i in ro.prompt_index]
+    return ro, list(prompts), rewards
+
+
+def _collect(it_seed: int, *, policy, task, sampler, algo, rollout, score, world, device):
+    """(rollouts, prompts, rewards, metrics) of one iteration.
+
+    With ``algo.dynamic_sampling`` (DAPO): groups whose rewards are all equal (zero advantage, no
+    gradient) are dropped and new prompts are sampled, up to ``algo.max_sampling_rounds`` rounds
+    in all, until ``prompts_per_step`` groups have a reward spread; if the rounds run out, the
+    batch is filled up with dropped groups (they carry no policy gradient, only the KL)."""
+    kw = dict(policy=policy, task=task, sampler=sampler, algo=algo, rollout=rollout, score=score, world=world,
+              device=device)
+    ro, prompts, rewards = _sample_round(it_seed, offset=0, **kw)
+    G = algo.group_size
+    zero_std = rewards.view(-1, G).std(-1) == 0  # (groups,)
+    metrics = {"train/frac_groups_zero_std": float(world.all_gather_cat(zero_std.float()).mean())}
+    if not algo.dynamic_sampling:
+        return ro, prompts, rewards, metrics
+    parts, kept = [(ro, rewards, zero_std)], int((~zero_std).sum())
+    n_groups = len(prompts)
+    rounds = 1
+    while kept < n_groups and rounds < algo.max_sampling_rounds:
+        r_seed = step_seed(it_seed, 1_000 + rounds)  # a new prompt stream per round
+        ro2, p2, rw2 = _sample_round(r_seed, offset=len(prompts), **kw)
+        prompts += p2
+        z2 = rw2.view(-1, G).std(-1) == 0
+        parts.append((ro2, rw2, z2))
+        kept += int((~z2).sum())
+        rounds += 1
+    good = [(j, g) for j, (_, _, z) in enumerate(parts) for g in range(len(z)) if not z[g]][:n_groups]
+    dropped = [(j, g) for j, (_, _, z) in enumerate(parts) for g in range(len(z)) if z[g]]
+    chosen = good + dropped[: n_groups - len(good)]
+    batch = Rollouts.cat([parts[j][0].select(list(range(g * G, (g + 1) * G))) for j, g in chosen])
+    rewards = torch.cat([parts[j][1][g * G:(g + 1) * G] for j, g in chosen])
+    metrics.update({"train/sampling_rounds": float(rounds),
+                    "train/frac_groups_kept_zero_std": float(len(chosen) - len(good)) / n_groups})
+    return batch, prompts, rewards, metrics
+
+
 # ---------------------------------------------------------------------- the step
 @dataclass
 class StepResult:
@@ -176,30 +234,29 @@ class StepResult:
 
 def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, estimator: Estimator,
             updater: Updater, algo, rollout, seed: int, chunk: Callable[[int], int],
-            world: World = World()) -> StepResult:
+            world: World = World(), critic=None) -> StepResult:
     """Run RL iteration ``iteration`` (0-based) and return its metrics (namespaced) and rollouts.
 
     ``algo`` and ``rollout`` are the config nodes of the same names; ``chunk(n_tokens)`` gives the
     head's chunk size. ``anchor_model`` is None only when there is no KL (``anchor=none``).
     ``world``: on several processes, this rank's share of the batch (see :mod:`ema_pg.dist`);
-    the metrics returned are reduced over ranks.
+    the metrics returned are reduced over ranks. ``critic`` (:class:`ema_pg.critic.Critic`, with
+    ``algo.advantage=gae``): token-level GAE advantages, and a value update after each policy update.
     """
     device = next(policy.parameters()).device
     it_seed = step_seed(seed, iteration)
     scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk)
     t0 = time.perf_counter()
 
-    # 1. prompts, rollouts from pi_old (= the current policy), rewards
-    all_prompts = task.sample(algo.prompts_per_step, seed=it_seed)
-    mine = world.block(len(all_prompts))  # this rank's prompts, each with its whole group
-    prompts = all_prompts[mine]
-    rollouts = sampler.generate(
-        policy, [p.text for p in prompts], algo.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
-        max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop), on_stop=task.on_stop_fn(prompts, algo.group_size),
-        seed=prompt_seeds(it_seed, len(all_prompts))[mine], score=scorer.request())
+    # 1. prompts, rollouts from pi_old (= the current policy), rewards; DAPO's dynamic sampling refills
+    rollouts, prompts, rewards, sampling = _collect(it_seed, policy=policy, task=task, sampler=sampler, algo=algo,
+                                                    rollout=rollout, score=scorer.request(), world=world, device=device)
     mask = rollouts.response_mask  # (N, T): policy tokens only (no prompt, observation or padding)
-    rewards = torch.tensor([task.reward(prompts[i], text) for i, text in zip(rollouts.prompt_index, rollouts.responses)],
-                           dtype=torch.float32, device=device)  # (N,)
+    if algo.overlong_buffer > 0:  # DAPO's soft overlong punishment (eq. 13 of DAPO), added to the reward
+        rewards = rewards + overlong_penalty(mask.sum(-1), rollout.max_new_tokens, algo.overlong_buffer,
+                                             algo.overlong_penalty).to(rewards.dtype)
+    if algo.mask_truncated and rollouts.truncated is not None:  # DAPO's overlong filtering: no loss on them
+        mask = mask * (~rollouts.truncated).to(mask.dtype)[:, None]
     t1 = time.perf_counter()
 
     # 2. pi_old, the anchor and the index set (Alg 3, lines 6-11); advantages
@@ -210,7 +267,15 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
         rewards_for_adv = rewards - algo.beta * sequence_kl_penalty(old.logp, anchor.logp, mask)
     else:
         rewards_for_adv = rewards
-    if algo.adv_norm == "global" and world.size > 1:  # mean and std over the whole batch, all ranks
+    values = returns = None
+    if algo.advantage == "gae":  # PPO: token-level advantages from the critic (observation tokens skipped)
+        values = critic.values(rollouts)  # (N, T)
+        policy_tokens = rollouts.response_mask
+        adv, returns = gae(last_token_rewards(rewards_for_adv, policy_tokens), values, policy_tokens, algo.gamma,
+                           algo.lam)  # (N, T) each
+        if algo.adv_norm == "global":
+            adv = whiten(adv, mask)
+    elif algo.adv_norm == "global" and world.size > 1:  # mean and std over the whole batch, all ranks
         adv = advantages(world.all_gather_cat(rewards_for_adv), algo.group_size, algo.adv_norm)[world.block(
             world.size * len(rewards))]
     else:
@@ -235,7 +300,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
             batch = rollouts.select(rows)
             index = None if scores.index is None else scores.index[rows]  # (mb, T, k)
             cur = head(policy, batch, index=index, full_logits=scorer.full, temperature=rollout.temperature,
-                       chunk=chunk(batch.response_mask.numel()))
+                       chunk=chunk(batch.response_mask.numel()), entropy=algo.entropy_coef != 0)
             kl = None
             if token_kl:
                 kl = estimator(KLInputs(
@@ -246,11 +311,15 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
                 ))  # (mb, T)
             loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=algo.beta,
                                            eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg,
-                                           norm_len=rollout.max_new_tokens, pg_weight=None if tis is None else tis[rows])
+                                           surrogate=algo.loss, clip_ratio_c=algo.clip_ratio_c,
+                                           entropy_coef=algo.entropy_coef, entropy=cur.entropy, norm_len=rollout.max_new_tokens,
+                                           pg_weight=None if tis is None else tis[rows])
             if world.size > 1 and algo.loss_agg == "token-mean":  # the strategy averages over ranks: weigh
                 n_tok = mask[rows].sum().float()              # each rank's token mean by its share of tokens
                 loss = loss * (world.size * n_tok / world.sum(n_tok).clamp(min=1))
             loss_metrics.update(updater.step(loss), loss=loss.detach())
+            if critic is not None:  # the value model's own update on the same rows
+                loss_metrics.update(critic.update(batch, values[rows], returns[rows], mask[rows]))
             n_updates += 1
             for key, value in loss_metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
@@ -277,6 +346,9 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
         metrics["rollout/logp_gap_max"] = float(engine_gap.abs()[m].max()) if m.any() else 0.0
         if tis is not None:
             metrics["rollout/tis_weight_mean"] = float(masked_mean(tis, mask))
+    metrics.update(sampling)
+    if rollouts.truncated is not None:
+        metrics["train/frac_truncated"] = float(rollouts.truncated.float().mean())
     metrics.update({"time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
                     "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)})
     return StepResult(world.reduce_metrics(metrics), rollouts)

@@ -143,8 +143,13 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
              head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
     anchor = None
     if cfg.anchor.name != "none":
-        anchor = EMAAnchor(eta=cfg.anchor.eta, update_every=cfg.anchor.update_every, eval_every=cfg.anchor.eval_every)
-        anchor.attach(policy)
+        an = cfg.anchor
+        anchor = EMAAnchor(eta=an.eta, update_every=an.update_every, eval_every=an.eval_every, scheme=an.name,
+                           sync_alpha=an.sync_alpha, sync_steps=an.sync_steps, path=an.path)
+        try:
+            anchor.attach(policy)
+        except (ValueError, ModelPathError) as e:
+            raise ConfigError(str(e)) from None
     module = GRPOModule(cfg, policy, tok, task, anchor)
 
     ckpt_path, resume_step = None, None

@@ -95,3 +95,51 @@ def test_fisher_trace_is_the_mean_squared_score_norm():
     out = mon(m, ro, lr=1.5 / fisher_trace(m, ro, [0, 1]))  # bound = 1.5: between eta and 1 + eta
     assert out["anchor/regime"] == 1 and abs(out["anchor/alpha_beta_trF"] - 1.5) < 1e-2
     assert mon(m, ro, lr=1e-9)["anchor/regime"] == 0
+
+
+def test_reset_anchor_is_the_policy_after_each_update():
+    pol = net()
+    an = EMAAnchor(eta=0.0, update_every=1)  # anchor=reset
+    an.attach(pol)
+    with torch.no_grad():
+        for p in pol.parameters():
+            p.mul_(3.0).add_(0.5)
+    assert an.lag_norm(pol) > 0
+    an.update(pol)
+    assert all(torch.equal(a, p) for a, p in zip(an.model.parameters(), pol.parameters()))
+    assert an.lag_norm(pol) == 0.0
+
+
+def test_sync_mixes_every_sync_steps_optimizer_steps_in_the_anchors_dtype():
+    pol = net(torch.bfloat16)
+    an = EMAAnchor(eta=0.9, update_every=1, scheme="sync", sync_alpha=0.6, sync_steps=3)
+    an.attach(pol)
+    assert an.master == {}  # no fp32 master: the anchor's own weights are mixed
+    ref0 = [p.detach().clone() for p in an.model.parameters()]
+    with torch.no_grad():
+        for p in pol.parameters():
+            p.add_(1.0)
+    an.update(pol)  # the iteration-based EMA update does nothing under sync
+    an.after_optimizer_step(pol)
+    an.after_optimizer_step(pol)
+    assert all(torch.equal(a, b) for a, b in zip(ref0, an.model.parameters())) and an.updates == 0
+    an.after_optimizer_step(pol)  # the 3rd optimizer step: mix
+    for r0, p, a in zip(ref0, pol.parameters(), an.model.parameters()):
+        want = r0.clone().mul_(0.4).add_(p.detach(), alpha=0.6)  # in bf16, as the peers mix
+        assert a.dtype == torch.bfloat16 and torch.equal(a, want)
+    assert an.updates == 1 and an.optimizer_steps == 3
+    state = an.state_dict()
+    b = EMAAnchor(eta=0.9, update_every=1, scheme="sync", sync_alpha=0.6, sync_steps=3)
+    b.attach(net(torch.bfloat16))
+    b.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(an.model.parameters(), b.model.parameters()))
+    assert b.optimizer_steps == 3 and b.updates == 1
+
+
+def test_anchor_scheme_arguments_are_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="sync_alpha"):
+        EMAAnchor(scheme="sync", sync_alpha=0.0, sync_steps=1)
+    with pytest.raises(ValueError, match="teacher_path"):
+        EMAAnchor(eta=1.0, scheme="teacher")

@@ -22,7 +22,8 @@ def test_groups_have_options():
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_option_composes_and_validates(group, option):
-    extra = ["model.path=/tmp/x"] if (group, option) == ("model", "local") else []
+    extra = {("model", "local"): ["model.path=/tmp/x"], ("anchor", "teacher"): ["model.teacher_path=/tmp/x"]}.get(
+        (group, option), [])
     cfg = compose_cfg([f"{group}={option}"] + extra, tiny=group not in ("experiment", "method"))
     needs_cuda = group == "trainer" and option == "gpu"
     import importlib.util

@@ -85,6 +85,6 @@ def test_loss_coefficients_have_no_second_default():
 
     for fn in (grpo_loss, ppo_surrogate):
         sig = inspect.signature(fn)
-        for knob in ("beta", "eps_low", "eps_high", "loss_agg"):
+        for knob in ("beta", "eps_low", "eps_high", "loss_agg", "surrogate", "clip_ratio_c", "entropy_coef"):
             if knob in sig.parameters:
                 assert sig.parameters[knob].default is inspect.Parameter.empty, (fn.__name__, knob)

@@ -9,7 +9,8 @@ from ema_pg.losses import advantages, aggregate, grpo_loss, ppo_surrogate
 R = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
 
 
-PAPER = {"eps_low": 0.2, "eps_high": 0.28, "loss_agg": "seq-mean-token-mean"}  # Appendix A
+PAPER = {"eps_low": 0.2, "eps_high": 0.28, "loss_agg": "seq-mean-token-mean",  # Appendix A
+         "surrogate": "ppo", "clip_ratio_c": 0.0, "entropy_coef": 0.0}
 
 
 def test_group_advantages_by_hand():
@@ -64,7 +65,7 @@ def test_surrogate_by_hand():
     logp_old = torch.zeros(1, 3)
     logp = torch.log(torch.tensor([[1.5, 0.5, 0.5]])).requires_grad_(True)
     adv = torch.tensor([[1.0, -1.0, 1.0]])  # per token
-    J, info = ppo_surrogate(logp, logp_old, adv, 0.2, 0.28)
+    J, info = ppo_surrogate(logp, logp_old, adv, 0.2, 0.28, 0.0)
     # 1.5 with A>0 -> clipped at 1.28; 0.5 with A<0 -> clipped at 0.8 * -1; 0.5 with A>0 -> 0.5
     assert J.tolist()[0] == pytest.approx([1.28, -0.8, 0.5])
     assert info["clipped_high"].tolist() == [[True, False, False]]
@@ -79,7 +80,7 @@ def test_mask_form_equals_min_form_in_value_and_gradient():
     logp0 = logp_old + torch.randn(16, 9, generator=g, dtype=torch.float64) * 0.4
     adv = torch.randn(16, generator=g, dtype=torch.float64)
     a = logp0.clone().requires_grad_(True)
-    J, _ = ppo_surrogate(a, logp_old, adv, 0.2, 0.28)
+    J, _ = ppo_surrogate(a, logp_old, adv, 0.2, 0.28, 0.0)
     J.sum().backward()
     b = logp0.clone().requires_grad_(True)
     ratio = torch.exp(b - logp_old)

@@ -8,7 +8,8 @@
 Every estimator is a pure function of the tensors in :class:`KLInputs` that returns a (B, T)
 per-token estimate. Names follow Table 1, Alg 1-2 and Appendix H of the paper:
 
-- ``k1 k2 k3 k3pp k4 k5`` (sampled, :mod:`ema_pg.kl.sampled`), parameter ``iw_clip``;
+- ``k1 k2 k3 k3pp k4 k5 abs`` (sampled, :mod:`ema_pg.kl.sampled`), parameters ``iw_clip``,
+  ``straight_through`` (the "+" variants) and, for k3/k3pp, ``clamp``;
 - ``exact_reverse exact_forward`` (full logits, :mod:`ema_pg.kl.exact`);
 - ``topk_reverse topk_forward`` (:mod:`ema_pg.kl.topk`), parameters ``k``, ``tail``, ``iw_clip``;
 - ``topk_fdiv`` (:mod:`ema_pg.kl.fdiv`), parameters ``k``, ``divergence``, ``alpha``, ``iw_clip``;
@@ -28,7 +29,7 @@ from torch import Tensor
 from .base import Estimator, KLInputs
 from .exact import exact_forward, exact_reverse
 from .fdiv import DIVERGENCES, topk_fdiv
-from .sampled import k1, k2, k3, k3pp, k4, k5
+from .sampled import abs_kl, k1, k2, k3, k3pp, k4, k5
 from .sequence import sequence_kl_penalty
 from .topk import TAILS, topk_forward, topk_reverse
 
@@ -58,17 +59,19 @@ class EstimatorSpec:
     direction: str | None = None
 
 
-_SAMPLED_OFF = (1.0, 1.0)  # k1-k3: GRPO practice, no off-policy correction
-_SAMPLED_ON = (0.0, 10.0)  # our unbiased estimators: lenient clip (Fig 9)
+_SAMPLED_OFF = {"iw_clip": (1.0, 1.0), "straight_through": False}  # k1-k3: GRPO practice, no off-policy correction
+_SAMPLED_ON = {"iw_clip": (0.0, 10.0), "straight_through": False}  # our unbiased estimators: lenient clip (Fig 9)
+_CLAMP = {"clamp": False}  # the authors' numerical clamp of K3 / K3++ (off: exact)
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
     "none": EstimatorSpec(no_kl),
-    "k1": EstimatorSpec(k1, {"iw_clip": _SAMPLED_OFF}),  # -log w; unbiased value, zero gradient
-    "k2": EstimatorSpec(k2, {"iw_clip": _SAMPLED_OFF}, direction="reverse"),  # (log w)^2/2
-    "k3": EstimatorSpec(k3, {"iw_clip": _SAMPLED_OFF}, direction="forward"),  # unbiased reverse value, forward gradient
-    "k3pp": EstimatorSpec(k3pp, {"iw_clip": _SAMPLED_ON}, direction="reverse"),  # r K3 (eq. 22)
-    "k4": EstimatorSpec(k4, {"iw_clip": _SAMPLED_ON}, direction="reverse"),  # r sg(-log w) (eq. 23)
-    "k5": EstimatorSpec(k5, {"iw_clip": _SAMPLED_ON}, direction="forward"),  # sg(w) log w + log r (eq. 24)
+    "k1": EstimatorSpec(k1, _SAMPLED_OFF),  # -log w; unbiased value, zero gradient
+    "k2": EstimatorSpec(k2, _SAMPLED_OFF, direction="reverse"),  # (log w)^2/2
+    "k3": EstimatorSpec(k3, {**_SAMPLED_OFF, **_CLAMP}, direction="forward"),  # unbiased reverse value, forward grad
+    "k3pp": EstimatorSpec(k3pp, {**_SAMPLED_ON, **_CLAMP}, direction="reverse"),  # r K3 (eq. 22)
+    "k4": EstimatorSpec(k4, _SAMPLED_ON, direction="reverse"),  # r sg(-log w) (eq. 23)
+    "k5": EstimatorSpec(k5, _SAMPLED_ON, direction="forward"),  # sg(w) log w + log r (eq. 24)
+    "abs": EstimatorSpec(abs_kl, _SAMPLED_OFF),  # |log w|: the peers' "abs", biased
     "exact_reverse": EstimatorSpec(exact_reverse, needs_full_logits=True, direction="reverse"),
     "exact_forward": EstimatorSpec(exact_forward, needs_full_logits=True, direction="forward"),
     "topk_reverse": EstimatorSpec(
@@ -119,7 +122,12 @@ def get_estimator(name: str, **params) -> Estimator:
             raise ValueError(f"{name}: unknown divergence {p['divergence']!r}; choose one of: {', '.join(DIVERGENCES)}")
         if p["divergence"] == "alpha" and float(p["alpha"]) in (0.0, 1.0):
             raise ValueError(f"{name}: alpha-divergence needs alpha not in {{0, 1}} (those limits are the KLs); got {p['alpha']}")
+    for flag in ("clamp", "straight_through"):
+        if flag in p and not isinstance(p[flag], bool):
+            raise ValueError(f"{name}: {flag} must be true or false; got {p[flag]!r}")
     source, direction = spec.topk_source, spec.direction
+    if p.get("straight_through"):  # the "+" variants follow K2's gradient: the reverse KL
+        direction = "reverse"
     if name == "topk_fdiv":
         direction = {"reverse_kl": "reverse", "forward_kl": "forward"}.get(p["divergence"], p["divergence"])
         if p["divergence"] == "forward_kl":

@@ -16,7 +16,15 @@ k3      -log w + w - 1                           KL(pi||ref) ok  grad KL(ref||pi
 k3pp    r (-log w + w - 1)          (eq. 22)     KL(pi||ref) ok  grad KL(pi||ref) ok
 k4      r sg(-log w)                (eq. 23)     KL(pi||ref) ok  grad KL(pi||ref) ok
 k5      sg(w) log w + log r         (eq. 24)     KL(ref||pi) ok  grad KL(ref||pi) ok
+abs     |log w|                                  biased          biased (sign(log pi/ref) score)
 ======  =======================================  ==============  =========================
+
+Two options of the authors' code and the peers, off by default:
+
+- ``straight_through`` (the "+" variants, e.g. K3+): the value of K_n with the gradient of K2,
+  sg(K_n) + K2 - sg(K2); on-policy it keeps K_n's value and gets K2's unbiased reverse-KL gradient.
+- ``clamp`` (K3 and K3++): the authors' numerical guard, log w clamped to [-20, 20] and K3 to
+  [-10, 10]; exact wherever |log w| and K3 are inside those ranges, gradient 0 where clamped.
 """
 
 from __future__ import annotations
@@ -31,14 +39,25 @@ def _log_w(inp: KLInputs) -> Tensor:
     return inp.logp_ref - inp.logp  # (B, T) log w, differentiable through logp
 
 
-def k1(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
+CLAMP_LOG_W, CLAMP_VALUE = 20.0, 10.0  #: the authors' clamp of K3 / K3++ (``clamp=True``)
+
+
+def _finish(inp: KLInputs, core: Tensor, iw_clip: tuple[float, float], straight_through: bool) -> Tensor:
+    """s * core, or with ``straight_through`` s * (sg(core) + K2 - sg(K2)): K_n's value, K2's gradient."""
+    if straight_through:
+        k2_core = 0.5 * _log_w(inp) ** 2
+        core = core.detach() + k2_core - k2_core.detach()
+    return offpolicy_weight(inp, iw_clip) * core
+
+
+def k1(inp: KLInputs, *, iw_clip: tuple[float, float], straight_through: bool) -> Tensor:
     """K1 = -log w: unbiased value, zero expected gradient."""
-    return offpolicy_weight(inp, iw_clip) * (-_log_w(inp))
+    return _finish(inp, -_log_w(inp), iw_clip, straight_through)
 
 
-def k2(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
-    """K2 = (log w)^2 / 2: biased value, unbiased reverse-KL gradient."""
-    return offpolicy_weight(inp, iw_clip) * 0.5 * _log_w(inp) ** 2
+def k2(inp: KLInputs, *, iw_clip: tuple[float, float], straight_through: bool) -> Tensor:
+    """K2 = (log w)^2 / 2: biased value, unbiased reverse-KL gradient (straight_through changes nothing)."""
+    return _finish(inp, 0.5 * _log_w(inp) ** 2, iw_clip, straight_through)
 
 
 def k3_core(log_w: Tensor) -> Tensor:
@@ -46,14 +65,20 @@ def k3_core(log_w: Tensor) -> Tensor:
     return torch.expm1(log_w) - log_w
 
 
-def k3(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
+def _k3_clamped(inp: KLInputs, clamp: bool) -> Tensor:
+    if not clamp:
+        return k3_core(_log_w(inp))
+    return k3_core(_log_w(inp).clamp(-CLAMP_LOG_W, CLAMP_LOG_W)).clamp(-CLAMP_VALUE, CLAMP_VALUE)
+
+
+def k3(inp: KLInputs, *, iw_clip: tuple[float, float], clamp: bool, straight_through: bool) -> Tensor:
     """K3 = -log w + w - 1 (GRPO's default): unbiased value, forward-KL gradient."""
-    return offpolicy_weight(inp, iw_clip) * k3_core(_log_w(inp))
+    return _finish(inp, _k3_clamped(inp, clamp), iw_clip, straight_through)
 
 
-def k3pp(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
+def k3pp(inp: KLInputs, *, iw_clip: tuple[float, float], clamp: bool, straight_through: bool) -> Tensor:
     """K3++ = r K3 (eq. 22): unbiased reverse-KL value and gradient."""
-    return offpolicy_weight(inp, iw_clip) * ratio_r(inp.logp) * k3_core(_log_w(inp))
+    return _finish(inp, ratio_r(inp.logp) * _k3_clamped(inp, clamp), iw_clip, straight_through)
 
 
 def k4_core(inp: KLInputs) -> Tensor:
@@ -61,9 +86,9 @@ def k4_core(inp: KLInputs) -> Tensor:
     return ratio_r(inp.logp) * (-_log_w(inp)).detach()
 
 
-def k4(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
+def k4(inp: KLInputs, *, iw_clip: tuple[float, float], straight_through: bool) -> Tensor:
     """K4 = r sg(-log w) (eq. 23): unbiased reverse-KL value and gradient."""
-    return offpolicy_weight(inp, iw_clip) * k4_core(inp)
+    return _finish(inp, k4_core(inp), iw_clip, straight_through)
 
 
 def k5_core(inp: KLInputs) -> Tensor:
@@ -73,6 +98,11 @@ def k5_core(inp: KLInputs) -> Tensor:
     return torch.exp(log_w.detach()) * log_w + log_r
 
 
-def k5(inp: KLInputs, *, iw_clip: tuple[float, float]) -> Tensor:
+def k5(inp: KLInputs, *, iw_clip: tuple[float, float], straight_through: bool) -> Tensor:
     """K5 = sg(w) log w + log r (eq. 24): unbiased forward-KL value and gradient."""
-    return offpolicy_weight(inp, iw_clip) * k5_core(inp)
+    return _finish(inp, k5_core(inp), iw_clip, straight_through)
+
+
+def abs_kl(inp: KLInputs, *, iw_clip: tuple[float, float], straight_through: bool) -> Tensor:
+    """|log w| (the peers' ``abs``): a distance, biased for the KL in value and gradient."""
+    return _finish(inp, _log_w(inp).abs(), iw_clip, straight_through)

@@ -31,6 +31,7 @@ class Rollouts:
     responses: list[str] = field(default_factory=list)  # decoded responses (observations included)
     old: TokenScores | None = None  # pi_old's scores, when the sampler was asked for them and computed them
     engine_logp: Tensor | None = None  # (N, T) an inference engine's own log-probs of the sampled tokens (0 elsewhere)
+    truncated: Tensor | None = None  # (N,) bool: the row ran out of policy tokens (no EOS, no end by the environment)
 
     @property
     def position_ids(self) -> Tensor:
@@ -52,6 +53,42 @@ class Rollouts:
             [self.prompt_index[i] for i in r], [self.responses[i] for i in r] if self.responses else [],
             None if self.old is None else self.old.select(rows_t),
             None if self.engine_logp is None else self.engine_logp[rows_t.to(self.engine_logp.device)],
+            None if self.truncated is None else self.truncated[rows_t.to(self.truncated.device)],
+        )
+
+    @staticmethod
+    def cat(parts: list[Rollouts], pad_id: int = 0) -> Rollouts:
+        """Rows of several batches as one: prompts left-padded to the longest, responses right-padded.
+        ``prompt_index`` of part j is offset by the prompts of the parts before it (``offsets``
+        are given through each part's own ``prompt_index``: the caller numbers them globally)."""
+        P = max(p.prompt_len for p in parts)
+        T = max(p.input_ids.shape[1] - p.prompt_len for p in parts)
+
+        def grow(x: Tensor, p: Rollouts, fill) -> Tensor:  # (N, L) -> (N, P + T)
+            left, right = P - p.prompt_len, T - (x.shape[1] - p.prompt_len)
+            return torch.nn.functional.pad(x, (left, right), value=fill)
+
+        def grow_t(x: Tensor | None) -> Tensor | None:  # (N, T_p, ...) -> (N, T, ...)
+            if x is None:
+                return None
+            pad = [0, 0] * (x.dim() - 2) + [0, T - x.shape[1]]
+            return torch.nn.functional.pad(x, pad)
+
+        olds = [p.old for p in parts]
+        old = None
+        if all(o is not None for o in olds):
+            old = TokenScores(**{f: None if getattr(olds[0], f) is None else torch.cat([grow_t(getattr(o, f)) for o in olds])
+                                 for f in ("logp", "index", "index_logp", "logits", "entropy")})
+        cat_opt = lambda xs: None if any(x is None for x in xs) else torch.cat(xs)
+        return Rollouts(
+            input_ids=torch.cat([grow(p.input_ids, p, pad_id) for p in parts]),
+            attention_mask=torch.cat([grow(p.attention_mask, p, 0) for p in parts]),
+            loss_mask=torch.cat([grow(p.loss_mask, p, 0) for p in parts]),
+            prompt_len=P, prompt_index=[i for p in parts for i in p.prompt_index],
+            responses=[r for p in parts for r in p.responses], old=old,
+            engine_logp=cat_opt([grow_t(p.engine_logp) for p in parts]) if all(p.engine_logp is not None for p in parts)
+            else None,
+            truncated=cat_opt([p.truncated for p in parts]),
         )
 
 

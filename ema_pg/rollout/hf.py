@@ -123,6 +123,7 @@ class HFSampler:
         cols_ids, cols_am, cols_lm, cols_lp = [], [], [], []
         cols_ti, cols_tl, cols_en = [], [], []
         active = torch.ones(N, dtype=torch.bool, device=dev)
+        truncated = torch.zeros(N, dtype=torch.bool, device=dev)  # (N,) ran out of policy tokens
         n_policy = torch.zeros(N, dtype=torch.long, device=dev)
         resp_ids: list[list[int]] = [[] for _ in range(N)]
         last_pos = pos[:, -1].clone()
@@ -172,6 +173,7 @@ class HFSampler:
                         observations[r] = obs
                 if counts[r] >= max_new_tokens:
                     active[r] = False
+                    truncated[r] = True  # it wanted to go on: no EOS, not ended by the environment
             if not self._any(bool(active.any())):
                 break  # every row has ended: nothing left to feed
             feed(nxt[:, None], a[:, None])
@@ -220,4 +222,5 @@ class HFSampler:
             old=None if score is None or temperature <= 0 else TokenScores(
                 logp=pack(cols_lp), index=pack(cols_ti) if cols_ti else None,
                 index_logp=pack(cols_tl) if cols_tl else None, entropy=pack(cols_en) if cols_en else None),
+            truncated=truncated,
         )

@@ -171,6 +171,7 @@ class VLLMSampler:
         policy: list[list[int]] = [[] for _ in range(N)]  # 1 = policy token, 0 = observation token
         logp: list[list[float]] = [[] for _ in range(N)]  # the engine's log-prob of each response token (0: obs)
         n_policy = [0] * N
+        truncated = [False] * N  # ran out of policy tokens (no EOS, not ended by the environment)
         active, turn = list(range(N)), 0
         while active:
             reqs, params = [], []
@@ -190,6 +191,7 @@ class VLLMSampler:
                 logp[r] += [lp[t].logprob for lp, t in zip(c.logprobs, ids)] if c.logprobs else [0.0] * len(ids)
                 n_policy[r] += len(ids)
                 if not isinstance(c.stop_reason, str) or (ids and ids[-1] == eos):
+                    truncated[r] = c.finish_reason == "length"
                     continue  # EOS or the length budget: the row is done
                 obs = on_stop(r, tok.decode(resp[r], skip_special_tokens=False)) if on_stop else None
                 if obs is None:
@@ -200,6 +202,8 @@ class VLLMSampler:
                 logp[r] += [0.0] * len(obs_ids)
                 if n_policy[r] < max_new_tokens:
                     still.append(r)
+                else:
+                    truncated[r] = True
             active, turn = still, turn + 1
 
         P = max(len(p) for p in prompt_ids)
@@ -222,4 +226,5 @@ class VLLMSampler:
             input_ids=ids.to(dev), attention_mask=am.to(dev), loss_mask=lm.to(dev), prompt_len=P, prompt_index=rows,
             responses=[tok.decode([t for t in x if t != eos], skip_special_tokens=True) for x in resp],
             old=None, engine_logp=elp.to(dev) if temperature > 0 else None,
+            truncated=torch.tensor(truncated, dtype=torch.bool, device=dev),
         )

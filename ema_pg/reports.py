@@ -65,6 +65,14 @@ REPORTS: dict[str, Report | Callable] = {
             where=lambda r: r["iw_clip"] == r["direction"].map(_DEFAULT_CLIP))}),
     "tail_bias": Report("Top-k KL tail: printed (paper) vs corrected", x="kl.tail", hue="direction",
                         order=("paper", "corrected")),
+    "reference_updates": Report("Reference-update schemes: fixed, EMA, hard reset, soft sync", x="anchor_scheme",
+                                order=("fixed", "ema", "reset", "sync"),
+                                labels={"fixed": "fixed (GRPO)", "ema": "EMA (eta 0.9, every 10 it.)",
+                                        "reset": "hard reset (every 10 it.)",
+                                        "sync": "soft sync (alpha 0.6, every 20 opt. steps)"}),
+    "variants": Report("Base-algorithm variants and KL knobs: one short run each", x="name",
+                       order=("demo", "gspo", "cispo", "dual_clip", "entropy", "dynamic_sampling", "overlong",
+                              "k3_plus", "k3_clamp", "abs", "token_sum")),
     "table2": _table2,
 }
 

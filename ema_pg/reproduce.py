@@ -91,8 +91,10 @@ def main(argv=None) -> int:
                   f"kept and skipped, a killed one resumes from its checkpoint", file=sys.stderr)
             return rc
     sweep_s = time.time() - t0
-    extra = ["--scale", a.scale, "--command", shlex.join(["make", "reproduce-table2", f"SCALE={a.scale}"])] \
-        if a.name == "table2" else []
+    plain = not overrides and a.runs is None and a.out is None
+    invoked = (["make", "reproduce-table2", f"SCALE={a.scale}"] if plain else
+               ["python", "-m", "ema_pg.reproduce", *(sys.argv[1:] if argv is None else argv)])
+    extra = ["--scale", a.scale, "--command", shlex.join(invoked)] if a.name == "table2" else []
     rc = subprocess.run(analysis + extra, cwd=ROOT).returncode
     print(f"{a.name} at scale {a.scale}: sweep {sweep_s / 60:.1f} min; runs in {runs}; results in {out}")
     return rc

@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
@@ -59,13 +60,18 @@ def find_runs(root: str | Path) -> list[Path]:
 
 
 def derived_columns(cfg: dict) -> dict:
-    """Columns computed from a run's (nested) config values: method id, KL direction, IW clip, tail variant."""
+    """Columns computed from a run's (nested) config values: method id, KL direction, IW clip, tail variant,
+    anchor scheme (fixed / ema / reset / sync / teacher / none: ``anchor_scheme``)."""
     from .kl import get_estimator
 
     kl = dict(cfg.get("kl", {}))
     params = {k: v for k, v in kl.items() if k != "name" and v is not None}
     est = get_estimator(kl.get("name", "none"), **params)
     d = {"method": cfg.get("method") or "custom", "direction": est.direction or "none"}
+    an = dict(cfg.get("anchor", {}))
+    name = an.get("name", "ema")
+    eta = an.get("eta")
+    d["anchor_scheme"] = ("fixed" if eta == 1.0 else "reset" if eta == 0.0 else "ema") if name == "ema" else name
     clip = est.params.get("iw_clip")
     if clip is not None:
         d["iw_clip"] = f"[{clip[0]:g}, {clip[1]:g}]"
@@ -159,8 +165,26 @@ def summarize(runs: pd.DataFrame, by: list[str], metric: str) -> pd.DataFrame:
     return out
 
 
+def bootstrap_ci(deltas, level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of paired differences (resampling seeds)."""
+    d = np.asarray(list(deltas), dtype=float)
+    if len(d) < 2:
+        return (float("nan"), float("nan"))
+    means = np.random.default_rng(seed).choice(d, size=(n_boot, len(d)), replace=True).mean(1)
+    a = (1 - level) / 2
+    return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
+
+
+def verdict(lo: float, hi: float) -> str:
+    """holds (interval above 0) / fails (below 0) / undecided (it contains 0), for a claim of a positive difference."""
+    if np.isnan(lo):
+        return "undecided"
+    return "higher" if lo > 0 else "lower" if hi < 0 else "undecided"
+
+
 def paired_delta(runs: pd.DataFrame, by: list[str], metric: str, ref_x, x: str) -> pd.DataFrame | None:
-    """Per group: final metric minus the reference variant's (``x == ref_x``, same hue) on the same seed."""
+    """Per group: final metric minus the reference variant's (``x == ref_x``, same hue) on the same seed,
+    as mean ± std, its 95% paired bootstrap interval, and whether the interval is above, below or around 0."""
     col = f"final/{metric}"
     if "seed" not in runs or runs.groupby(by)["seed"].nunique().min() < 2:
         return None
@@ -170,8 +194,12 @@ def paired_delta(runs: pd.DataFrame, by: list[str], metric: str, ref_x, x: str) 
     if not len(merged):
         return None
     merged["delta"] = merged[col] - merged["ref"]
-    out = merged.groupby(by, sort=False)["delta"].apply(mean_std).reset_index()
-    return out.rename(columns={"delta": f"Δ vs {ref_x} (paired)"})
+    g = merged.groupby(by, sort=False)["delta"]
+    out = g.apply(mean_std).reset_index().rename(columns={"delta": f"Δ vs {ref_x} (paired)"})
+    cis = g.apply(lambda d: bootstrap_ci(d)).reset_index(drop=True)
+    out["Δ 95% CI"] = [f"[{lo:+.3f}, {hi:+.3f}]" if not np.isnan(lo) else "—" for lo, hi in cis]
+    out["Δ vs 0"] = [verdict(lo, hi) for lo, hi in cis]
+    return out
 
 
 def _order(values, order):
@@ -215,10 +243,11 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     keep = [c for c in ["run", "seed", *by, "finished", "iteration", f"base/{metric}", f"final/{metric}"] if c in runs]
     runs[keep].to_csv(out / f"{name}_runs.csv", index=False)
     table.to_csv(out / f"{name}.csv", index=False)
-    dcol = [c for c in table.columns if c.startswith("Δ vs")]
+    dcol = [c for c in table.columns if c.startswith("Δ ")]
     md = [f"# {title or name}", "", f"Final `{metric}` over seeds (mean ± sample std; n = seeds)"
-          + (f"; `{dcol[0]}`: the difference to that variant on the same seed (same cold start), mean ± std" if dcol
-             else "") + ".", "",
+          + (f"; `{dcol[0]}`: the difference to that variant on the same seed (same cold start), mean ± std, "
+             "with its 95% paired bootstrap interval over seeds and whether that interval lies above 0, below 0 or "
+             "around it (undecided)" if dcol else "") + ".", "",
           table[by + ["mean ± std", *dcol, "n"]].to_markdown(index=False, disable_numparse=True), ""]
     (out / f"{name}.md").write_text("\n".join(md))
 

@@ -6,7 +6,7 @@
 Writes ``results.md`` (both tables, the paper's orderings checked on ours, provenance),
 ``table2.csv`` (method x split: mean, std, n), ``table2_runs.csv`` (one row per run),
 ``table2.png/.pdf`` (per-split bars, ours beside the paper's) and ``table2_curves.png/.pdf``.
-Rows for methods we did not run (PPO) are shown as missing, never filled in.
+Rows for methods not run are shown as missing, never filled in.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def ours_markdown(t: pd.DataFrame) -> str:
     for m in ROWS:
         sub = t[t["method"] == m].set_index("split")
         if not len(sub):
-            why = "missing (not implemented)" if m == "PPO" else "missing (not run)"
+            why = "missing (not run)"
             lines.append(f"| {m} | " + " | ".join([why] + ["—"] * (len(COLS) - 1)) + " | 0 |")
             continue
         cells = [fmt(sub.loc[s, "mean"], sub.loc[s, "std"], int(sub.loc[s, "n"])) for s in COLS]
@@ -230,7 +230,7 @@ def main(argv=None) -> dict:
     plot_curves(runs, out)
     md = [f"# Table 2 reproduction ({a.scale} scale)", "", *provenance(runs, a.scale, a.command), "",
           "## Ours: exact match per split, mean ± std over seeds", "", ours_markdown(t), "",
-          "PPO is shown as missing: the project has no value model (critic), so it has no PPO; nothing is filled in. "
+          "A method without runs is shown as missing; nothing is filled in. PPO is `method=ppo` (a critic with GAE). "
           "WARP is the paper's characterisation of it: EMA anchor + sequence-level KL in the reward (eq. 10-12).", "",
           "## The paper's Table 2", "", paper_markdown(paper), "",
           "## The paper's orderings, checked on ours", "",

@@ -131,7 +131,7 @@ def test_table2_orderings_and_missing_rows(tmp_path):
     assert mh["ours_holds"] is True and mh["ours"] == "+100.0% vs +25.0%" and mh["paper_holds"] is True
     assert all(c["paper_holds"] for c in res["orderings"])  # the paper's own numbers satisfy its claims
     md = (tmp_path / "out" / "results.md").read_text()
-    assert "| PPO | missing (not implemented)" in md
+    assert "| PPO | missing (not run)" in md
     assert "| GRPO | 0.400 ± 0.000 |" in md and "| EMA-PG: w/ EMA anchor | 0.460 ± 0.014 |" in md
     assert "| before RL | 0.050 ± 0.000 |" in md
     assert "0.479" in md  # the paper's Top-k reverse NQ score, beside ours

@@ -2,13 +2,14 @@
 
     prompts  = task.sample(B)                                   # B prompts, seeded by (seed, iteration)
     rollouts = sampler.generate(policy, prompts, n=G)           # B*G responses; pi_old's scores if it can
-    rewards  = task.reward(...)                                 # (B*G,)
+    rewards  = task.reward(...)                                 # (B*G,); DAPO: refill flat groups, overlong
     scores   = score_old_and_anchor(...)                        # pi_old, anchor, the index set q_n
-    adv      = advantages(rewards, G, norm)                     # (B*G,)
+    adv      = advantages(rewards, G, norm)                     # (B*G,); PPO: GAE from the critic, (B*G, T)
     for epoch in range(ppo_epochs):                             # Lambda passes, minibatch updates
         cur  = head(policy, minibatch, index=q_n)               # with grad
         kl   = estimator(KLInputs(...))                         # (mb, T)
-        loss = grpo_loss(cur, old, adv, mask, kl)  ->  updater.step(loss)
+        loss = grpo_loss(cur, old, adv, mask, kl)  ->  updater.step(loss)   (J: algo.loss = ppo | gspo | cispo)
+        critic.update(minibatch, values, returns)               # PPO only
 
 The EMA update of the anchor is not part of the step: the caller applies it after the step
 (:class:`ema_pg.anchor.EMAAnchor`). Departures from the paper's Algorithm 3, all deliberate:

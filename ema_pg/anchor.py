@@ -13,6 +13,9 @@ reset, the peers' soft sync, or a teacher model. One ``anchor=`` value picks the
 Any scheme but ``teacher`` starts from the policy, or from ``anchor.path`` when it is set (the
 authors' ``ref.model.path``: a separate initial anchor with the policy's architecture).
 
+A LoRA policy (``model.lora_rank`` > 0) gets an anchor *adapter* beside its own in the same model
+(:mod:`ema_pg.lora`): the schemes then act on the adapter weights, the base is shared, not copied.
+
 The EMA is accumulated in an fp32 master copy, so it stays exact when the model runs in
 bf16/fp16 (an EMA step of (1 - eta) * 1e-6 vanishes in bf16); the anchor model used for
 scoring holds the master cast to the model's dtype. ``eta = 1`` is the fixed anchor of
@@ -76,15 +79,21 @@ class EMAAnchor(L.Callback):
         self.optimizer_steps = 0  # counted for scheme sync
         self._pending: dict | None = None
         self.sharded = False  # ZeRO-3: model and master hold this rank's shards
+        self.lora = False  # a LoRA policy: the anchor is an adapter of the policy model (ema_pg.lora)
         self._engine = None  # the anchor's inference-only DeepSpeed engine (keeps its partitioning hooks alive)
         self._shard_dir: Path | None = None
         self._iteration = 0
 
     # ------------------------------------------------------------------ construction
     def attach(self, policy: torch.nn.Module) -> None:
-        """theta_ema <- theta (Alg 3, line 1): a frozen copy of the policy (or the model at ``path``) plus,
-        for the EMA, an fp32 master."""
-        if self.path:
+        """theta_ema <- theta (Alg 3, line 1): a frozen copy of the policy (or the model at ``path``; for a
+        LoRA policy, a second adapter over the same base) plus, for the EMA, an fp32 master."""
+        from .lora import add_anchor_adapter, is_lora
+
+        self.lora = is_lora(policy) and self.scheme != "teacher"
+        if self.lora:
+            self.model = add_anchor_adapter(policy)
+        elif self.path:
             self.model = self._load(policy)
         else:
             self.model = copy.deepcopy(policy).eval()
@@ -92,6 +101,17 @@ class EMAAnchor(L.Callback):
             p.requires_grad_(False)
         if self.scheme == "ema":
             self.master = {n: p.detach().float().clone() for n, p in self.model.named_parameters()}
+        if self._pending is not None:
+            self._apply_state(self._pending)
+            self._pending = None
+
+    def _followed(self, policy):
+        """(name, parameter) of what the anchor follows: the policy's weights, or its LoRA adapter's."""
+        if self.lora:
+            from .lora import POLICY, adapter_params
+
+            return adapter_params(policy, POLICY).items()
+        return policy.named_parameters()
         if self._pending is not None:
             self._apply_state(self._pending)
             self._pending = None
@@ -146,7 +166,7 @@ class EMAAnchor(L.Callback):
         if self.scheme != "ema" or self.eta >= 1.0:
             return
         params = dict(self.model.named_parameters())
-        for n, p in policy.named_parameters():
+        for n, p in self._followed(policy):
             m = self.master[n]
             if self.sharded:  # this rank's shard of the policy's parameter into this rank's shard of the master
                 m.mul_(self.eta).add_(p.ds_tensor.detach().float(), alpha=1.0 - self.eta)
@@ -166,7 +186,7 @@ class EMAAnchor(L.Callback):
         if self.optimizer_steps % self.sync_steps:
             return
         params = dict(self.model.named_parameters())
-        for n, p in policy.named_parameters():
+        for n, p in self._followed(policy):
             a = params[n]
             a.mul_(1.0 - self.sync_alpha).add_(p.detach().to(a.dtype), alpha=self.sync_alpha)
         self.updates += 1
@@ -185,9 +205,9 @@ class EMAAnchor(L.Callback):
         if self.scheme == "sync":
             params = dict(self.model.named_parameters())
             return sum(float(((p.detach().float() - params[n].float()) ** 2).sum())
-                       for n, p in policy.named_parameters()) ** 0.5
+                       for n, p in self._followed(policy)) ** 0.5
         if not self.sharded:
-            sq = sum(float(((p.detach().float() - self.master[n]) ** 2).sum()) for n, p in policy.named_parameters())
+            sq = sum(float(((p.detach().float() - self.master[n]) ** 2).sum()) for n, p in self._followed(policy))
             return sq**0.5
         sq = sum(((p.ds_tensor.detach().float() - self.master[n]) ** 2).sum() for n, p in policy.named_parameters())
         sq = torch.as_tensor(sq, dtype=torch.float64)

@@ -39,6 +39,9 @@ class ModelConfig:
     num_heads: int = 4  #: attention heads
     num_kv_heads: int = 2  #: key/value heads (grouped-query attention)
     max_positions: int = 512  #: context length of the tiny model
+    lora_rank: int = 0  #: LoRA rank of the policy's adapters (0 = full fine-tuning; > 0 needs the lora extra)
+    lora_alpha: float = 16.0  #: LoRA scaling alpha (the update is alpha / rank * B A)
+    lora_targets: str = "all-linear"  #: modules given adapters: all-linear (not lm_head) or a comma list (q_proj,v_proj)
     teacher_path: str | None = None  #: anchor=teacher: a local teacher model (same tokenizer; any architecture)
     tokenizer_vocab: int = 512  #: BPE vocabulary size when a tokenizer is trained on the task text
     dtype: str = "float32"  #: float32 | bfloat16 | float16 (the anchor's master copy stays fp32)
@@ -322,8 +325,9 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         bad(f"algo.prompts_per_step must be >= 1; got {a.prompts_per_step}")
     if a.beta < 0:
         bad(f"algo.beta must be >= 0; got {a.beta} (paper: 0.001)")
-    if not (0 <= a.eps_low < 1) or a.eps_high < 0:
-        bad(f"algo.eps_low must be in [0, 1) and algo.eps_high >= 0; got {a.eps_low}, {a.eps_high} (paper: 0.2, 0.28)")
+    if not (0 <= a.eps_low <= 1) or a.eps_high < 0:
+        bad(f"algo.eps_low must be in [0, 1] (1 = no lower clip) and algo.eps_high >= 0; got {a.eps_low}, {a.eps_high} "
+            "(paper: 0.2, 0.28)")
     if a.adv_norm not in ADV_NORMS:
         bad(f"algo.adv_norm={a.adv_norm!r}; choose one of: {', '.join(ADV_NORMS)}")
     if a.loss_agg not in LOSS_AGGS:
@@ -385,6 +389,21 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         bad(f"algo.reward_kl=sequence puts the KL into the reward, but kl={cfg.kl.name} would add a token KL to the "
             "loss as well (and is ignored); set kl=none with reward_kl=sequence (method=warp does), or "
             "algo.reward_kl=none to keep the token KL")
+    m = cfg.model
+    if m.lora_rank < 0 or (m.lora_rank and m.lora_alpha <= 0):
+        bad(f"model.lora_rank must be >= 0 (0 = full fine-tuning) and model.lora_alpha > 0; got {m.lora_rank}, "
+            f"{m.lora_alpha}")
+    if m.lora_rank:
+        import importlib.util
+
+        if not importlib.util.find_spec("peft"):
+            bad("model.lora_rank > 0 needs PEFT: pip install -e '.[lora]' (or model.lora_rank=0)")
+        if cfg.rollout.name == "vllm" or "deepspeed" in str(cfg.trainer.strategy):
+            bad("model.lora_rank > 0 is built for rollout=hf on one process (trainer=cpu or gpu); pushing adapters to "
+                "vLLM and sharding them under DeepSpeed are not built")
+        if an.eval_every or an.path:
+            bad("with model.lora_rank > 0 the anchor is an adapter of the policy: anchor.eval_every and anchor.path are "
+                "not built for it; set them to 0 / null")
     if cfg.optim.lr <= 0:
         bad(f"optim.lr must be > 0; got {cfg.optim.lr}")
     o = cfg.optim

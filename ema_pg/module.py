@@ -188,6 +188,8 @@ class GRPOModule(L.LightningModule):
         if a.prompts_per_step % w:
             raise ConfigError(f"algo.prompts_per_step={a.prompts_per_step} must be divisible by the number of "
                               f"processes ({w}): each takes a block of whole prompt groups")
+        if self.cfg.model.lora_rank and w > 1:
+            raise ConfigError("model.lora_rank > 0 with several processes is not built; use one process")
         if a.advantage == "gae" and w > 1:
             raise ConfigError("algo.advantage=gae (PPO's critic) with several processes is not built: the value model "
                               "is trained per process; use one process")
@@ -224,7 +226,8 @@ class GRPOModule(L.LightningModule):
 
     def configure_optimizers(self):
         o = self.cfg.optim
-        opt = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas))
+        params = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: the adapters only
+        opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas))
         w = self.cfg.algo.warmup_steps
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / w) if w > 0 else 1.0)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

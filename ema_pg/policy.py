@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from .attention import use_fast_attention
 from .models import load_model_dir, save_model_dir
@@ -34,7 +35,11 @@ def build_policy(cfg, task):
 
 def save_run_model(run_dir: Path, model, tokenizer, model_path: str | None) -> Path:
     """Write ``<run>/model/``: tokenizer, config.json, and the initial weights (or where they are)."""
+    from .lora import is_lora, plain_base
+
     out = Path(run_dir) / "model"
+    if is_lora(model):  # the initial policy is the base: its adapters start at B = 0
+        model = plain_base(model) if not model_path else model.get_base_model()
     if model_path:
         out.mkdir(parents=True, exist_ok=True)
         model.config.save_pretrained(str(out))
@@ -76,6 +81,8 @@ def _anchor_weights(ckpt: Path, state: dict, model) -> dict:
     if not anchors:
         raise ValueError(f"{ckpt} holds no anchor (the run used anchor=none)")
     a = anchors[0]
+    if "teacher" in a:
+        raise ValueError(f"{ckpt}: the anchor is the teacher model at {a['teacher']}; load it from there")
     if "shards" not in a:
         return a["master"]
     # ZeRO-3: each rank saved the fp32 master of its partition; a parameter is its ranks' pieces end to end
@@ -113,6 +120,16 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(mdir), local_files_only=True))
     state = checkpoint_state(ckpt)
+    cfg_file = run_dir / "config.yaml"
+    lora = OmegaConf.load(cfg_file).model if cfg_file.is_file() else None
+    if lora is not None and lora.get("lora_rank", 0):  # base + the checkpoint's adapters, merged into a plain model
+        from .lora import merged_model
+
+        base, tok = load_run_model(run_dir, "initial", dtype=torch.float32)
+        full = _policy_weights(ckpt, state)
+        master = None if which == "policy" else _anchor_weights(ckpt, state, None)
+        model = merged_model(base, full, lora.lora_rank, lora.lora_alpha, lora.lora_targets, master)
+        return use_fast_attention(model).to(dtype).eval(), tok
     weights = _policy_weights(ckpt, state) if which == "policy" else _anchor_weights(ckpt, state, model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])

@@ -106,8 +106,23 @@ def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
             "base/avg": final.get("base_avg", float("nan"))}
 
 
+def _upgraded(saved: DictConfig) -> DictConfig:
+    """A saved config as the current code reads it: knobs added to the schema after the run was saved take
+    their defaults (which keep the old behaviour), as do the estimator's parameters (its registry)."""
+    from .config import Config, fill_defaults
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
+        return fill_defaults(merged)
+    except Exception:  # noqa: BLE001 - a config the schema cannot read is compared as it was saved
+        return saved
+
+
 def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
-    """Keys whose values differ between a run folder's saved config and ``cfg`` (ignoring RESUMABLE_CHANGES)."""
+    """Keys whose values differ between a run folder's saved config and ``cfg`` (ignoring RESUMABLE_CHANGES).
+    A knob the saved config lacks because it was added later is compared at its default."""
+    saved = _upgraded(saved)
+
     def flat(c):
         c = OmegaConf.create(OmegaConf.to_container(c, resolve=False))
         for key in RESUMABLE_CHANGES:

@@ -141,6 +141,10 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     mc = policy.config
     validate(cfg, vocab_size=mc.vocab_size,
              head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
+    if cfg.model.lora_rank:  # the base is frozen; only the adapters train (and the anchor is an adapter too)
+        from .lora import wrap_lora
+
+        policy = wrap_lora(policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
     anchor = None
     if cfg.anchor.name != "none":
         an = cfg.anchor

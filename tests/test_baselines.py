@@ -207,3 +207,18 @@ def test_masking_truncated_responses_removes_their_loss(tmp_path):
     df = metrics_of(objs).dropna(subset=["train/loss"])
     full = df[df["train/frac_truncated"] == 1.0]
     assert len(full) and (full["train/loss"] == 0).all() and (full["train/grad_norm"] == 0).all()
+
+
+def test_a_run_saved_before_a_knob_existed_still_resumes_at_its_default():
+    from ema_pg.config import fill_defaults
+    from ema_pg.runs import config_differences
+
+    cfg = fill_defaults(compose_cfg([]))
+    cfg.run_dir = "runs/x"  # as a run saves it, resolved
+    old = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    for node, key in (("model", "lora_rank"), ("algo", "entropy_coef"), ("kl", "straight_through")):
+        old[node].pop(key)  # a run saved by a version without these knobs
+    assert config_differences(old, cfg) == []  # at their defaults they change nothing
+    changed = fill_defaults(compose_cfg(["algo.entropy_coef=0.1"]))
+    changed.run_dir = "runs/x"
+    assert config_differences(old, changed) == ["algo.entropy_coef"]

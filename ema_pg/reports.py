@@ -72,7 +72,7 @@ REPORTS: dict[str, Report | Callable] = {
                                         "sync": "soft sync (alpha 0.6, every 20 opt. steps)"}),
     "variants": Report("Base-algorithm variants and KL knobs: one short run each", x="name",
                        order=("demo", "gspo", "cispo", "dual_clip", "entropy", "dynamic_sampling", "overlong",
-                              "k3_plus", "k3_clamp", "abs", "token_sum", "lora")),
+                              "k3_plus", "k3_clamp", "abs", "token_sum", "lora", "ppo")),
     "table2": _table2,
 }
 

@@ -191,7 +191,7 @@ def _sample_round(round_seed: int, *, policy, task, sampler, algo, rollout, scor
 
 
 def _collect(it_seed: int, *, policy, task, sampler, algo, rollout, score, world, device):
-    """(rollouts, prompts, rewards, metrics) of one iteration.
+    """(rollouts, rewards, metrics) of one iteration.
 
     With ``algo.dynamic_sampling`` (DAPO): groups whose rewards are all equal (zero advantage, no
     gradient) are dropped and new prompts are sampled, up to ``algo.max_sampling_rounds`` rounds
@@ -204,7 +204,7 @@ def _collect(it_seed: int, *, policy, task, sampler, algo, rollout, score, world
     zero_std = rewards.view(-1, G).std(-1) == 0  # (groups,)
     metrics = {"train/frac_groups_zero_std": float(world.all_gather_cat(zero_std.float()).mean())}
     if not algo.dynamic_sampling:
-        return ro, prompts, rewards, metrics
+        return ro, rewards, metrics
     parts, kept = [(ro, rewards, zero_std)], int((~zero_std).sum())
     n_groups = len(prompts)
     rounds = 1
@@ -223,7 +223,7 @@ def _collect(it_seed: int, *, policy, task, sampler, algo, rollout, score, world
     rewards = torch.cat([parts[j][1][g * G:(g + 1) * G] for j, g in chosen])
     metrics.update({"train/sampling_rounds": float(rounds),
                     "train/frac_groups_kept_zero_std": float(len(chosen) - len(good)) / n_groups})
-    return batch, prompts, rewards, metrics
+    return batch, rewards, metrics
 
 
 # ---------------------------------------------------------------------- the step
@@ -250,8 +250,8 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     t0 = time.perf_counter()
 
     # 1. prompts, rollouts from pi_old (= the current policy), rewards; DAPO's dynamic sampling refills
-    rollouts, prompts, rewards, sampling = _collect(it_seed, policy=policy, task=task, sampler=sampler, algo=algo,
-                                                    rollout=rollout, score=scorer.request(), world=world, device=device)
+    rollouts, rewards, sampling = _collect(it_seed, policy=policy, task=task, sampler=sampler, algo=algo,
+                                          rollout=rollout, score=scorer.request(), world=world, device=device)
     mask = rollouts.response_mask  # (N, T): policy tokens only (no prompt, observation or padding)
     if algo.overlong_buffer > 0:  # DAPO's soft overlong punishment (eq. 13 of DAPO), added to the reward
         rewards = rewards + overlong_penalty(mask.sum(-1), rollout.max_new_tokens, algo.overlong_buffer,

@@ -58,9 +58,9 @@ class Rollouts:
 
     @staticmethod
     def cat(parts: list[Rollouts], pad_id: int = 0) -> Rollouts:
-        """Rows of several batches as one: prompts left-padded to the longest, responses right-padded.
-        ``prompt_index`` of part j is offset by the prompts of the parts before it (``offsets``
-        are given through each part's own ``prompt_index``: the caller numbers them globally)."""
+        """Rows of several batches as one: prompts left-padded to the longest, responses right-padded
+        (positions follow the attention mask, so scores are unchanged). ``prompt_index`` is kept as
+        each part has it: the caller numbers prompts across parts."""
         P = max(p.prompt_len for p in parts)
         T = max(p.input_ids.shape[1] - p.prompt_len for p in parts)
 

@@ -401,9 +401,9 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         if cfg.rollout.name == "vllm" or "deepspeed" in str(cfg.trainer.strategy):
             bad("model.lora_rank > 0 is built for rollout=hf on one process (trainer=cpu or gpu); pushing adapters to "
                 "vLLM and sharding them under DeepSpeed are not built")
-        if an.eval_every or an.path:
+        if an.name != "teacher" and (an.eval_every or an.path):
             bad("with model.lora_rank > 0 the anchor is an adapter of the policy: anchor.eval_every and anchor.path are "
-                "not built for it; set them to 0 / null")
+                "not built for it; set them to 0 / null (anchor=teacher, a separate model, works)")
     if cfg.optim.lr <= 0:
         bad(f"optim.lr must be > 0; got {cfg.optim.lr}")
     o = cfg.optim

@@ -107,7 +107,6 @@ def add_anchor_adapter(policy) -> AdapterView:
     with torch.no_grad():
         for n, p in theirs.items():
             p.copy_(mine[n])
-            p.requires_grad_(False)
     policy.base_model.set_adapter(POLICY)  # add_adapter may leave flags as they were; make the policy's trainable
     for n, p in mine.items():
         p.requires_grad_(True)

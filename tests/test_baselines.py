@@ -171,6 +171,10 @@ def test_teacher_anchor_of_another_architecture_and_a_bad_anchor_path(tmp_path):
                                  tmp_path / "distill"))
     df = metrics_of(objs2)
     assert (df["train/kl"].dropna() > 0.1).all()  # a random teacher is far from the policy
+    pytest.importorskip("peft")
+    _, objs_l = train(compose_cfg(["anchor=teacher", f"model.teacher_path={tdir}", "algo.iterations=2", "algo.beta=0.1",
+                                   "model.lora_rank=4"], tmp_path / "distill_lora"))  # a LoRA student of the same teacher
+    assert (metrics_of(objs_l)["train/kl"].dropna() > 0.1).all()
     with pytest.raises(ConfigError, match="another architecture"):  # an anchor that follows the policy must match it
         train(compose_cfg([f"anchor.path={tdir}", "algo.iterations=2"], tmp_path / "bad"))
     with pytest.raises(ConfigError, match="model.teacher_path"):
@@ -189,6 +193,7 @@ def test_dynamic_sampling_keeps_groups_with_a_reward_spread(tmp_path):
     assert (rounds <= 3).all() and (rounds > 1).any()
     kept_flat = df["train/frac_groups_kept_zero_std"].dropna()
     assert (kept_flat <= zero + 1e-9).all()  # refilling never leaves more flat groups than the first round had
+    assert (kept_flat < zero).any()  # and it did replace some
     assert json.loads((objs["run_dir"] / "eval.json").read_text())["splits"]
 
 

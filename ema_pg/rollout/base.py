@@ -86,8 +86,7 @@ class Rollouts:
             loss_mask=torch.cat([grow(p.loss_mask, p, 0) for p in parts]),
             prompt_len=P, prompt_index=[i for p in parts for i in p.prompt_index],
             responses=[r for p in parts for r in p.responses], old=old,
-            engine_logp=cat_opt([grow_t(p.engine_logp) for p in parts]) if all(p.engine_logp is not None for p in parts)
-            else None,
+            engine_logp=cat_opt([grow_t(p.engine_logp) for p in parts]),
             truncated=cat_opt([p.truncated for p in parts]),
         )
 

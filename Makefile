@@ -60,6 +60,9 @@ reproduce: setup ## Sweep + analysis of one figure: make reproduce NAME=fig6_k S
 reproduce-table2: setup ## Table 2: five methods x seeds on search QA, then results.md beside the paper's (SCALE=smoke|mini|full)
 	$(PY) -m ema_pg.reproduce table2 --scale $(SCALE) $(ARGS)
 
+reproduce-table3: setup ## Table 3 + Fig 3: GRPO vs EMA anchor on the math track, Pass@1/Pass@16 beside the paper's (SCALE=smoke|mini|full)
+	$(PY) -m ema_pg.reproduce table3 --scale $(SCALE) $(ARGS)
+
 optuna: setup ## Optuna study (SQLite): make optuna STUDY=ema_topk [TRIALS=20] [WORKERS=2]
 	$(PY) -m ema_pg.search conf/hparams_search/$(or $(STUDY),ema_topk).yaml $(if $(TRIALS),--n-trials $(TRIALS)) $(if $(WORKERS),--workers $(WORKERS)) $(ARGS)
 
@@ -101,4 +104,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup scale-setup test-scale bench-rollout bench-zero3 demo train sweep figures reproduce reproduce-table2 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-step-curve bench-head test test-full lint clean
+.PHONY: help setup scale-setup test-scale bench-rollout bench-zero3 demo train sweep figures reproduce reproduce-table2 reproduce-table3 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-step-curve bench-head test test-full lint clean

@@ -69,6 +69,9 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  #: stop strings that end a turn
     max_obs_tokens: int = 256  #: cap on the tokens of one environment observation
     eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
+    eval_samples: int = 1  #: responses per eval problem; > 1 samples them and adds mean@N, pass@k, maj@N
+    eval_top_p: float = 1.0  #: nucleus mass of sampled evaluation (eval_samples > 1)
+    eval_pass_k: list[int] = field(default_factory=list)  #: k of the reported pass@k ([] = 1, 2, 4, ... up to eval_samples)
     gpu_memory_utilization: float = 0.5  #: vllm on a GPU: share of GPU memory the engine may take
     kv_cache_gb: int = 1  #: vllm on CPU: KV-cache space in whole GiB (VLLM_CPU_KVCACHE_SPACE)
     max_model_len: int = 0  #: vllm: longest prompt + response the engine holds (0 = the model's context length)
@@ -185,6 +188,7 @@ class Config:
     seed: int = 0  #: seeds the model, the prompts and the sampler
     run_dir: str = "${hydra:runtime.output_dir}"  #: where this run writes everything
     resume: str | None = None  #: a run folder to continue from its last checkpoint
+    init_from: str | None = None  #: a stage: a new run that starts where this run folder's last checkpoint ends (weights, anchor, optimizer, iteration); its settings may differ (a longer rollout.max_new_tokens)
     if_exists: str = "error"  #: run_dir already holds a run: error | resume (finished runs are skipped; sweeps use this)
     name: str = "${kl.name}-${anchor.name}"  #: a short label for the run (experiments set it)
 
@@ -428,6 +432,15 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         bad(f"rollout.temperature must be >= 0 and rollout.top_p in (0, 1]; got {cfg.rollout.temperature}, {cfg.rollout.top_p}")
     if cfg.rollout.temperature == 0:
         bad("rollout.temperature=0 (greedy) gives identical samples in a group and zero advantages; use > 0 for training")
+    ro = cfg.rollout
+    if ro.eval_samples < 1 or not (0 < ro.eval_top_p <= 1):
+        bad(f"rollout.eval_samples must be >= 1 and rollout.eval_top_p in (0, 1]; got {ro.eval_samples}, {ro.eval_top_p}")
+    if ro.eval_samples > 1 and ro.eval_temperature == 0:
+        bad(f"rollout.eval_samples={ro.eval_samples} with rollout.eval_temperature=0 draws the same greedy response "
+            "N times; set rollout.eval_temperature > 0 (the math track uses 0.8) or eval_samples=1")
+    bad_k = [k for k in ro.eval_pass_k if not 1 <= k <= ro.eval_samples]
+    if bad_k:
+        bad(f"rollout.eval_pass_k={list(ro.eval_pass_k)}: each k must be in [1, rollout.eval_samples={ro.eval_samples}]")
     if cfg.rollout.max_new_tokens < 1:
         bad(f"rollout.max_new_tokens must be >= 1; got {cfg.rollout.max_new_tokens}")
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import zlib
 from pathlib import Path
 
 import torch
@@ -25,56 +26,155 @@ from tqdm.auto import tqdm
 from .dist import World
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased Pass@k from ``n`` samples of which ``c`` are correct: 1 - C(n - c, k) / C(n, k), the chance
+    that k of the n samples drawn without replacement hold at least one correct one (Chen et al., 2021)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_reward(keys: list, rewards: list[float]) -> float:
+    """maj@N of one problem: the reward of the answer stated most often (a tie goes to the answer stated
+    first); 0 when no sample states an answer (every key None)."""
+    counts: dict = {}
+    for key in keys:
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return 0.0
+    best = max(counts.values())
+    winner = next(key for key in keys if key is not None and counts[key] == best)
+    return rewards[keys.index(winner)]
+
+
+def pass_ks(n: int, ks: list[int] | tuple = ()) -> list[int]:
+    """The k of Pass@k reported for ``n`` samples: ``ks`` as given (each at most n), or 1, 2, 4, ... up to n and n."""
+    if ks:
+        bad = [k for k in ks if not 1 <= k <= n]
+        if bad:
+            raise ValueError(f"rollout.eval_pass_k={list(ks)}: each k must be in [1, rollout.eval_samples={n}]")
+        return sorted(set(int(k) for k in ks))
+    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
+def sample_scores(rewards: list[list[float]], keys: list[list], ks: list[int] | tuple = ()) -> dict:
+    """A split's sampled-evaluation scores from its problems' rewards and stated answers (N per problem):
+    ``mean@N`` (the mean reward over all samples), ``pass@k`` (unbiased; a sample is correct at full
+    reward, >= 1) and ``maj@N`` (majority vote), each the mean over problems."""
+    n = len(rewards[0]) if rewards else 1
+    if any(len(r) != n for r in rewards):
+        raise ValueError("every problem needs the same number of samples")
+    P = max(len(rewards), 1)
+    out = {f"mean@{n}": sum(sum(r) for r in rewards) / (P * n)}
+    for k in pass_ks(n, ks):
+        out[f"pass@{k}"] = sum(pass_at_k(n, sum(x >= 1.0 for x in r), k) for r in rewards) / P
+    out[f"maj@{n}"] = sum(majority_reward(kk, r) for kk, r in zip(keys, rewards)) / P
+    return out
+
+
+def _prompt_seed(split: str, index: int) -> int:
+    """The sampling seed of one eval problem: the same whatever the batch size or number of processes."""
+    return (zlib.crc32(split.encode()) * 1_000_003 + index) % 2**62
+
+
 @torch.no_grad()
 def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, progress: bool = True,
                     splits: dict | None = None, desc: str = "eval", show: int = 0, world: World = World()) -> dict:
-    """{"splits": {name: {metric: mean reward, "n": n}}, "avg": mean over splits} with greedy decoding.
+    """Score the policy on the task's eval splits.
 
+    Returns ``{"splits": {name: {metric: mean reward, "n": problems, ...}}, "avg": mean of metric over
+    splits, "metric": metric, "avg_scores": {...}}``. With ``rollout.eval_samples`` = 1 (the default)
+    one response per problem is decoded at ``rollout.eval_temperature`` (0 = greedy). With N > 1, N
+    responses per problem are sampled at ``eval_temperature`` / ``eval_top_p`` (each problem from its
+    own seeded stream) and every split also gets ``mean@N``, ``pass@k`` (k from ``eval_pass_k``,
+    default 1, 2, 4, ... N) and ``maj@N``; ``avg_scores`` holds their means over splits. ``metric`` is
+    the mean reward over all samples (mean@N, the paper's Pass@1).
     ``show`` > 0 also keeps that many (prompt, response, reward) samples per split under "samples".
     ``world``: on several processes each rank evaluates every ``world.size``-th prompt and the
     scores are gathered, so every rank returns the result of the whole set.
     """
     metric = task.metric
+    n_samples = int(getattr(rollout_cfg, "eval_samples", 1) or 1)
+    ks = list(getattr(rollout_cfg, "eval_pass_k", None) or [])
+    pass_ks(n_samples, ks)  # a bad k fails before any sampling
+    top_p = float(getattr(rollout_cfg, "eval_top_p", 1.0)) if n_samples > 1 else 1.0
+    per_call = max(1, batch_size // n_samples)  # prompts per generate call
     splits = splits if splits is not None else task.eval_splits()
     out, samples = {}, {}
-    total = sum(math.ceil(len(v) / batch_size) for v in splits.values())
+    total = sum(math.ceil(math.ceil(len(v) / world.size) / per_call) for v in splits.values())
     bar = tqdm(total=total, desc=desc, disable=not progress, leave=False)
     for name, prompts in splits.items():
-        scores = []
-        all_prompts, prompts = prompts, prompts[world.rank::world.size]
-        n_mine = len(prompts)
+        rewards, keys = [], []  # per problem: its samples' rewards and stated answers
+        all_prompts = prompts
+        index = list(range(world.rank, len(all_prompts), world.size))
+        n_mine = len(index)
         if world.size > 1:  # same number of prompts on every rank (forwards may be collective): repeat one
-            prompts = prompts + all_prompts[:1] * (-(-len(all_prompts) // world.size) - n_mine)
-        for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i : i + batch_size]
-            ro = sampler.generate(model, [p.text for p in chunk], 1, temperature=rollout_cfg.eval_temperature,
-                                  top_p=1.0, max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop),
-                                  on_stop=task.on_stop_fn(chunk, 1), seed=0)
-            scores += [task.reward(chunk[j], text) for j, text in zip(ro.prompt_index, ro.responses)]
+            index += [0] * (-(-len(all_prompts) // world.size) - n_mine)
+        for i in range(0, len(index), per_call):
+            idx = index[i : i + per_call]
+            chunk = [all_prompts[j] for j in idx]
+            ro = sampler.generate(model, [p.text for p in chunk], n_samples, temperature=rollout_cfg.eval_temperature,
+                                  top_p=top_p, max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop),
+                                  on_stop=task.on_stop_fn(chunk, n_samples), seed=[_prompt_seed(name, j) for j in idx])
+            rs = [[] for _ in chunk]
+            ks_ = [[] for _ in chunk]
+            for j, text in zip(ro.prompt_index, ro.responses):
+                rs[j].append(task.reward(chunk[j], text))
+                ks_[j].append(task.answer_key(chunk[j], text) if n_samples > 1 else None)
+            rewards += rs
+            keys += ks_
             if show and name not in samples:
                 samples[name] = [{"prompt": chunk[j].text, "gold": chunk[j].answer, "response": text,
                                   "reward": task.reward(chunk[j], text)}
                                  for j, text in list(zip(ro.prompt_index, ro.responses))[:show]]
             bar.update(1)
         if world.size > 1:  # back in the prompts' own order: rank r scored prompts r, r + size, ...
-            parts = world.gather_objects(scores[:n_mine])
-            scores = [parts[i % world.size][i // world.size] for i in range(len(all_prompts))]
-        out[name] = {metric: sum(scores) / max(len(scores), 1), "n": len(scores)}
+            parts = world.gather_objects((rewards[:n_mine], keys[:n_mine]))
+            rewards = [parts[i % world.size][0][i // world.size] for i in range(len(all_prompts))]
+            keys = [parts[i % world.size][1][i // world.size] for i in range(len(all_prompts))]
+        mean = sum(sum(r) for r in rewards) / max(sum(len(r) for r in rewards), 1)
+        out[name] = {metric: mean, "n": len(rewards)}
+        if n_samples > 1:
+            out[name].update(samples=n_samples, **sample_scores(rewards, keys, ks))
     bar.close()
     avg = sum(v[metric] for v in out.values()) / max(len(out), 1)
     res = {"splits": out, "avg": avg, "metric": metric}
+    if n_samples > 1:
+        names = [k for k in next(iter(out.values())) if "@" in k] if out else []
+        res["avg_scores"] = {k: sum(v[k] for v in out.values()) / len(out) for k in names}
+        res["eval_settings"] = {"samples": n_samples, "temperature": float(rollout_cfg.eval_temperature), "top_p": top_p}
     if show:
         res["samples"] = samples
     return res
 
 
+def score_names(result: dict) -> list[str]:
+    """The per-split scores of an evaluation result: its metric, then mean@N / pass@k / maj@N when sampled."""
+    return [result.get("metric", "em")] + list(result.get("avg_scores", {}))
+
+
+def eval_metrics(prefix: str, result: dict) -> dict:
+    """An evaluation result as logged metrics: ``<prefix>/<split>/<score>`` and ``<prefix>/avg/<score>``."""
+    metric = result["metric"]
+    m = {}
+    for key in score_names(result):
+        m.update({f"{prefix}/{name}/{key}": v[key] for name, v in result["splits"].items()})
+        m[f"{prefix}/avg/{key}"] = result["avg"] if key == metric else result["avg_scores"][key]
+    return m
+
+
 def format_table(result: dict) -> str:
-    metric = result.get("metric", "em")
     names = list(result["splits"])
     head = "| " + " | ".join(["split"] + names + ["avg"]) + " |"
     sep = "|" + "---|" * (len(names) + 2)
-    row = "| " + " | ".join([metric] + [f"{result['splits'][n][metric]:.3f}" for n in names] + [f"{result['avg']:.3f}"]) + " |"
-    return "\n".join([head, sep, row])
+    rows = []
+    for key in score_names(result):
+        avg = result["avg"] if key == result.get("metric", "em") else result["avg_scores"][key]
+        rows.append("| " + " | ".join([key] + [f"{result['splits'][n][key]:.3f}" for n in names] + [f"{avg:.3f}"]) + " |")
+    return "\n".join([head, sep, *rows])
 
 
 def main(argv: list[str] | None = None) -> None:

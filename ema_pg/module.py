@@ -19,7 +19,7 @@ from .anchor import EMAAnchor
 from .chunked import auto_chunk
 from .config import ConfigError, kl_params
 from .dist import World
-from .evaluate import evaluate_policy
+from .evaluate import eval_metrics, evaluate_policy
 from .kl import get_estimator
 from .monitor import StabilityMonitor
 from .rollout import build_sampler
@@ -166,14 +166,11 @@ class GRPOModule(L.LightningModule):
         world = World.current()
         res = evaluate_policy(self.policy, self.sampler, self.task, self.cfg.rollout, world=world,
                               progress=self.cfg.trainer.progress_bar and world.rank == 0, desc=f"eval @ {self.iteration}")
-        metric = res["metric"]
-        m = {f"eval/{name}/{metric}": v[metric] for name, v in res["splits"].items()}
-        m[f"eval/avg/{metric}"] = res["avg"]
+        m = eval_metrics("eval", res)
         an = self.anchor
         if an is not None and an.eval_every and self.iteration % an.eval_every == 0:
             ra = evaluate_policy(an.model, self.sampler, self.task, self.cfg.rollout, progress=False, world=world)
-            m.update({f"eval_anchor/{name}/{metric}": v[metric] for name, v in ra["splits"].items()})
-            m[f"eval_anchor/avg/{metric}"] = ra["avg"]
+            m.update(eval_metrics("eval_anchor", ra))
         self._log_metrics(m)
         self.eval_history.append({"iteration": self.iteration, **res})
         if self._trainer is not None:

@@ -50,6 +50,12 @@ def _table2(runs_dir: str, out: str, extra: list[str]) -> dict:
     return main(["--runs", runs_dir, "--out", out, *extra])
 
 
+def _table3(runs_dir: str, out: str, extra: list[str]) -> dict:
+    from .table3 import main
+
+    return main(["--runs", runs_dir, "--out", out, *extra])
+
+
 REPORTS: dict[str, Report | Callable] = {
     "fig5_methods": Report("Fig 5: EMA anchor and Top-k KL vs GRPO", x="method", labels=METHOD_LABELS,
                            order=("grpo", "ema", "ema_topk_forward", "ema_topk_reverse")),
@@ -74,6 +80,7 @@ REPORTS: dict[str, Report | Callable] = {
                        order=("demo", "gspo", "cispo", "dual_clip", "entropy", "dynamic_sampling", "overlong",
                               "k3_plus", "k3_clamp", "abs", "token_sum", "lora", "ppo")),
     "table2": _table2,
+    "table3": _table3,
 }
 
 

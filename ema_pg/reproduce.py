@@ -1,6 +1,7 @@
 """One command per reproduction: run a sweep at a scale, then its report (``ema_pg.reports``).
 
     python -m ema_pg.reproduce table2 --scale smoke          # = make reproduce-table2 SCALE=smoke
+    python -m ema_pg.reproduce table3 --scale mini           # = make reproduce-table3 SCALE=mini
     python -m ema_pg.reproduce fig6_k --scale mini           # = make reproduce NAME=fig6_k SCALE=mini
     python -m ema_pg.reproduce table2 --scale mini --dry-run # print the commands only
 
@@ -27,6 +28,10 @@ from .reports import REPORTS
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = ROOT / "sweeps"
 SCALES = ("smoke", "mini", "full")
+#: what a full-scale reproduction needs in the environment (beside a GPU)
+FULL_SCALE_ENV = {"table2": ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER"),
+                  "table3": ("EMA_PG_MODEL", "EMA_PG_MATH_DATA")}
+TABLES = ("table2", "table3")  #: reproductions with their own make target and a provenance line
 
 
 def scale_file(name: str, scale: str) -> str:
@@ -74,15 +79,15 @@ def main(argv=None) -> int:
     print("sweep:    " + shlex.join(sweep), "analysis: " + shlex.join(analysis), sep="\n", flush=True)
     if a.dry_run:
         return 0
-    if a.scale == "full" and a.name == "table2":
+    if a.scale == "full" and a.name in FULL_SCALE_ENV:
         import os
 
         import torch
 
-        need = [v for v in ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER") if not os.environ.get(v)]
+        need = [v for v in FULL_SCALE_ENV[a.name] if not os.environ.get(v)]
         if need or not torch.cuda.is_available():
-            raise SystemExit("table2 at full scale needs a GPU machine and, set in the environment: "
-                             + ", ".join(need or ["(all set)"]) + " -- see sweeps/scale/table2_full.yaml")
+            raise SystemExit(f"{a.name} at full scale needs a GPU machine and, set in the environment: "
+                             + ", ".join(need or ["(all set)"]) + f" -- see sweeps/scale/{a.name}_full.yaml")
     t0 = time.time()
     if not a.analysis_only:
         rc = subprocess.run(sweep, cwd=ROOT).returncode
@@ -92,9 +97,9 @@ def main(argv=None) -> int:
             return rc
     sweep_s = time.time() - t0
     plain = not overrides and a.runs is None and a.out is None
-    invoked = (["make", "reproduce-table2", f"SCALE={a.scale}"] if plain else
+    invoked = (["make", f"reproduce-{a.name}", f"SCALE={a.scale}"] if plain and a.name in TABLES else
                ["python", "-m", "ema_pg.reproduce", *(sys.argv[1:] if argv is None else argv)])
-    extra = ["--scale", a.scale, "--command", shlex.join(invoked)] if a.name == "table2" else []
+    extra = ["--scale", a.scale, "--command", shlex.join(invoked)] if a.name in TABLES else []
     rc = subprocess.run(analysis + extra, cwd=ROOT).returncode
     print(f"{a.name} at scale {a.scale}: sweep {sweep_s / 60:.1f} min; runs in {runs}; results in {out}")
     return rc

@@ -141,7 +141,8 @@ def load_curves(runs: pd.DataFrame | str | Path, metrics: str = "eval") -> pd.Da
 
 def main_metric(runs: pd.DataFrame) -> str:
     """The average evaluation metric the runs logged (``eval/avg/em`` for both tasks)."""
-    cands = sorted(c.removeprefix("final/") for c in runs.columns if c.startswith("final/eval/avg/"))
+    cands = sorted(c.removeprefix("final/") for c in runs.columns
+                   if c.startswith("final/eval/avg/") and "@" not in c)  # not a sampled eval's pass@k / maj@N
     if not cands:
         raise ValueError("no run has an evaluation yet (no eval/avg/* column); are the runs still starting?")
     return cands[0]

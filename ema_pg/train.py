@@ -4,6 +4,8 @@
     python -m ema_pg.train experiment=demo seed=1
     python -m ema_pg.train kl=k3 anchor=fixed                # GRPO baseline
     python -m ema_pg.train resume=runs/<name>/<time> algo.iterations=400   # continue a run
+    python -m ema_pg.train experiment=math init_from=runs/<stage1> rollout.max_new_tokens=96 algo.iterations=400
+                                                              # a stage: a new run from another's last checkpoint
 
 ``train(cfg)`` returns (metrics, objects); ``main`` returns the metric an Optuna search
 optimizes (the final ``eval/avg/<metric>``). Every run writes one folder: ``config.yaml``
@@ -82,6 +84,35 @@ def readable_checkpoint(run_dir: Path) -> tuple[Path, dict]:
                         errors[0], ckpt.name, state["ema_pg"]["iteration"])
         return ckpt, state
     raise ConfigError(f"resume: no readable checkpoint in {folder} ({'; '.join(errors)}); start the run again")
+
+
+#: what a stage (init_from) must share with the run it continues: the same network, tokenizer and task
+STAGE_FIXED = ("model.name", "model.path", "model.hidden_size", "model.num_layers", "model.num_heads",
+               "model.num_kv_heads", "model.max_positions", "model.tokenizer_vocab", "model.lora_rank", "task.name",
+               "anchor.name", "algo.advantage", "seed")
+
+
+def stage_start(cfg: DictConfig, run_dir: Path) -> tuple[Path, int]:
+    """The checkpoint a stage (``init_from=RUN``) starts from, and its iteration, after checking that the
+    stage can continue that run: same network and task, more iterations, another folder."""
+    src = Path(cfg.init_from)
+    if not (src / "config.yaml").is_file():
+        raise ConfigError(f"init_from={cfg.init_from!r} is not a run folder (no config.yaml there)")
+    if src.resolve() == run_dir.resolve():
+        raise ConfigError(f"init_from={src} is this run's own folder; a stage writes a new run folder (or use resume=)")
+    prev = OmegaConf.load(src / "config.yaml")
+    differ = [k for k in STAGE_FIXED if OmegaConf.select(prev, k) != OmegaConf.select(cfg, k)]
+    if differ:
+        raise ConfigError(f"init_from={src}: a stage continues the same network and task, but {', '.join(differ)} "
+                          "differ from that run's; set them as that run had them")
+    if checkpoint_file(src) is None:
+        raise ConfigError(f"init_from={src} holds no checkpoint yet; let that stage write one first")
+    ckpt, state = readable_checkpoint(src)
+    it = int(state["ema_pg"]["iteration"])
+    if cfg.algo.iterations <= it:
+        raise ConfigError(f"init_from={src} ends at iteration {it}; this stage's algo.iterations={cfg.algo.iterations} "
+                          f"must be larger (it counts from the first stage's start)")
+    return ckpt, it
 
 
 def is_rank_zero() -> bool:
@@ -167,6 +198,10 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     else:
         if last.exists():
             raise ConfigError(f"{run_dir} already holds a run; pass resume={run_dir} to continue it, or another run_dir")
+        if cfg.get("init_from"):
+            ckpt, it = stage_start(cfg, run_dir)
+            ckpt_path = str(ckpt)
+            log.info("stage: starting from %s at iteration %d", ckpt, it)
         if is_rank_zero():  # the other processes of a multi-process run run this function too
             OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
             save_run_model(run_dir, policy, tok, cfg.model.path)

@@ -16,6 +16,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from ema_pg.reports import REPORTS
+from ema_pg.reproduce import TABLES
 from ema_pg.results import load_runs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +54,8 @@ def tiny_sweeps(tmp_path_factory):
     env = {**os.environ, "EMA_PG_CACHE": str(base / "cache")}
     out = {}
     for name in SWEEPS:
-        scale = "table2_smoke" if name == "table2" else "smoke"
-        extra = ["sft.steps=10", "task.per_split=3"] if name == "table2" else []
+        scale = f"{name}_smoke" if name in TABLES else "smoke"
+        extra = ["sft.steps=10", "task.per_split=3"] if name in TABLES else []
         cmd = [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", "sweeps", "--config-name", name,
                f"+scale={scale}", "seed=0", "algo.iterations=2", "algo.eval_every=1", *extra,
                f"hydra.sweep.dir={base / name}"]
@@ -85,7 +86,7 @@ def test_report_of_the_sweep(name, tiny_sweeps, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ema_pg.reports", name, "--runs", str(tiny_sweeps[name]), "--out",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    md = tmp_path / ("results.md" if name == "table2" else f"{name}.md")
+    md = tmp_path / ("results.md" if name in TABLES else f"{name}.md")
     assert md.is_file() and md.read_text().count("|") > 10
     for ext in ("png", "pdf", "csv"):
         assert list(tmp_path.glob(f"*.{ext}")), ext

@@ -12,10 +12,11 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from .base import Prompt, Task
+from .math import MathTask
 from .search import SearchQATask
 from .toy import AdditionTask
 
-TASKS = {"toy_add": AdditionTask, "search_qa": SearchQATask}
+TASKS = {"toy_add": AdditionTask, "search_qa": SearchQATask, "math": MathTask}
 TASK_CONF = Path(__file__).resolve().parent.parent.parent / "conf" / "task"
 
 

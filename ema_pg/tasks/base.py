@@ -50,6 +50,10 @@ class Task:
         """Multi-turn tasks: the sampler's ``on_stop`` for rows answering ``prompts`` (``n`` each); None = single-turn."""
         return None
 
+    def answer_key(self, prompt: Prompt, response: str) -> str | None:
+        """The answer a response states, in a form equal answers share (majority voting, maj@N); None = none."""
+        return response.strip() or None
+
     def masked_spans(self, response: str) -> list[tuple[int, int]]:
         """Character spans of environment text inside a demonstration (no SFT loss there)."""
         return []

@@ -104,6 +104,10 @@ class SearchQATask(Task):
         ans = extract_answer(prompt.meta.get("prefix", "") + response)  # only text after the instruction counts
         return 0.0 if ans is None else exact_match(ans, prompt.meta["answers"])
 
+    def answer_key(self, prompt: Prompt, response: str) -> str | None:
+        ans = extract_answer(prompt.meta.get("prefix", "") + response)
+        return None if ans is None else normalize_answer(ans)
+
     def on_stop_fn(self, prompts: list[Prompt], n: int):
         """The environment for one batch: called with (row, response so far) at every stop string."""
         turns: dict[int, int] = {}

@@ -432,15 +432,11 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         bad(f"rollout.temperature must be >= 0 and rollout.top_p in (0, 1]; got {cfg.rollout.temperature}, {cfg.rollout.top_p}")
     if cfg.rollout.temperature == 0:
         bad("rollout.temperature=0 (greedy) gives identical samples in a group and zero advantages; use > 0 for training")
-    ro = cfg.rollout
-    if ro.eval_samples < 1 or not (0 < ro.eval_top_p <= 1):
-        bad(f"rollout.eval_samples must be >= 1 and rollout.eval_top_p in (0, 1]; got {ro.eval_samples}, {ro.eval_top_p}")
-    if ro.eval_samples > 1 and ro.eval_temperature == 0:
-        bad(f"rollout.eval_samples={ro.eval_samples} with rollout.eval_temperature=0 draws the same greedy response "
-            "N times; set rollout.eval_temperature > 0 (the math track uses 0.8) or eval_samples=1")
-    bad_k = [k for k in ro.eval_pass_k if not 1 <= k <= ro.eval_samples]
-    if bad_k:
-        bad(f"rollout.eval_pass_k={list(ro.eval_pass_k)}: each k must be in [1, rollout.eval_samples={ro.eval_samples}]")
+    from .evaluate import eval_settings_problem
+
+    problem = eval_settings_problem(cfg.rollout)
+    if problem:
+        bad(problem)
     if cfg.rollout.max_new_tokens < 1:
         bad(f"rollout.max_new_tokens must be >= 1; got {cfg.rollout.max_new_tokens}")
     try:

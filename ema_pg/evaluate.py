@@ -6,7 +6,10 @@
     python -m ema_pg.evaluate base experiment=search  # the cold-start base policy of a config
     python -m ema_pg.evaluate base experiment=search --baseline rag   # Table 2's RAG baseline
 
-Writes ``{"splits": {name: {metric: float, "n": int}}, "avg": float, ...}`` and prints a table:
+    python -m ema_pg.evaluate runs/<run> rollout.eval_samples=32 rollout.eval_temperature=0.8 rollout.eval_top_p=0.9
+                                                    # sampled: mean@32, pass@k, maj@32 per split
+
+Writes ``{"splits": {name: {metric: float, "n": int, ...}}, "avg": float, ...}`` and prints a table:
 for a run folder into ``<run>/evaluations/<which>[_<overrides>].json`` (the run's own
 ``eval.json`` is its record of the final result and is never overwritten), else beside the
 model. A run folder needs nothing but itself: no cold-start cache, any working directory.
@@ -75,6 +78,19 @@ def sample_scores(rewards: list[list[float]], keys: list[list], ks: list[int] | 
     return out
 
 
+def eval_settings_problem(ro) -> str | None:
+    """What is wrong with the evaluation settings of a rollout config (None: nothing), in words that say what to change."""
+    n, t, top_p = int(ro.eval_samples), float(ro.eval_temperature), float(ro.eval_top_p)
+    if n < 1 or not (0 < top_p <= 1):
+        return f"rollout.eval_samples must be >= 1 and rollout.eval_top_p in (0, 1]; got {n}, {top_p}"
+    if n > 1 and t == 0:
+        return (f"rollout.eval_samples={n} with rollout.eval_temperature=0 draws the same greedy response {n} times; "
+                "set rollout.eval_temperature > 0 (the math track uses 0.8) or rollout.eval_samples=1")
+    if any(not 1 <= k <= n for k in ro.eval_pass_k):
+        return f"rollout.eval_pass_k={list(ro.eval_pass_k)}: each k must be in [1, rollout.eval_samples={n}]"
+    return None
+
+
 def _prompt_seed(split: str, index: int) -> int:
     """The sampling seed of one eval problem: the same whatever the batch size or number of processes."""
     return (zlib.crc32(split.encode()) * 1_000_003 + index) % 2**62
@@ -97,10 +113,11 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     scores are gathered, so every rank returns the result of the whole set.
     """
     metric = task.metric
-    n_samples = int(getattr(rollout_cfg, "eval_samples", 1) or 1)
-    ks = list(getattr(rollout_cfg, "eval_pass_k", None) or [])
-    pass_ks(n_samples, ks)  # a bad k fails before any sampling
-    top_p = float(getattr(rollout_cfg, "eval_top_p", 1.0)) if n_samples > 1 else 1.0
+    problem = eval_settings_problem(rollout_cfg)
+    if problem:  # before any sampling
+        raise ValueError(problem)
+    n_samples, ks = int(rollout_cfg.eval_samples), list(rollout_cfg.eval_pass_k)
+    top_p = float(rollout_cfg.eval_top_p) if n_samples > 1 else 1.0
     per_call = max(1, batch_size // n_samples)  # prompts per generate call
     splits = splits if splits is not None else task.eval_splits()
     out, samples = {}, {}
@@ -184,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     from .models import load_model_dir
     from .policy import WHICH, build_policy, load_run_model
     from .rollout import build_sampler
+    from .runs import upgraded
     from .tasks import build_task
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -201,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     target = Path(a.target)
     is_run = (target / "config.yaml").is_file()
     if is_run:
-        cfg = OmegaConf.merge(OmegaConf.load(target / "config.yaml"), OmegaConf.from_dotlist(a.overrides))
+        cfg = OmegaConf.merge(upgraded(OmegaConf.load(target / "config.yaml")), OmegaConf.from_dotlist(a.overrides))
         model, tok = load_run_model(target, a.which)
     else:
         cfg = compose(a.overrides)
@@ -216,6 +234,9 @@ def main(argv: list[str] | None = None) -> None:
     splits = None
     if a.baseline != "none":
         splits = {k: task.baseline_prompts(v, a.baseline) for k, v in task.eval_splits().items()}
+    problem = eval_settings_problem(cfg.rollout)
+    if problem:
+        raise SystemExit(f"config error: {problem}")
     result = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, splits=splits, show=a.show)
     result.update(baseline=a.baseline, which=a.which, overrides=list(a.overrides))
     if is_run:  # never over the run's own eval.json (its record of the final result)

@@ -177,10 +177,15 @@ def bootstrap_ci(deltas, level: float = 0.95, n_boot: int = 10_000, seed: int = 
 
 
 def verdict(lo: float, hi: float) -> str:
-    """holds (interval above 0) / fails (below 0) / undecided (it contains 0), for a claim of a positive difference."""
+    """Where a difference's interval lies: higher (above 0) / lower (below 0) / undecided (it contains 0)."""
     if np.isnan(lo):
         return "undecided"
     return "higher" if lo > 0 else "lower" if hi < 0 else "undecided"
+
+
+def claim_verdict(lo: float, hi: float) -> str:
+    """The verdict on a claim that a difference is positive: holds (interval above 0) / fails (below 0) / undecided."""
+    return {"higher": "holds", "lower": "fails"}.get(verdict(lo, hi), "undecided")
 
 
 def paired_delta(runs: pd.DataFrame, by: list[str], metric: str, ref_x, x: str) -> pd.DataFrame | None:

@@ -85,6 +85,7 @@ def resolve_resume(cfg) -> DictConfig:
                 raise ConfigError(f"resume: '{o}' changes the config group {key}; a resumed run keeps the settings it "
                                   f"started with (only {', '.join(RESUMABLE_SETTINGS)} may change)")
         cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
+    cfg = upgraded(cfg)  # knobs added after the run was saved take their defaults
     cfg.run_dir, cfg.resume = str(run_dir), str(run_dir)
     diff = config_differences(saved, fill_defaults(cfg.copy()))
     if diff:
@@ -106,7 +107,7 @@ def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
             "base/avg": final.get("base_avg", float("nan"))}
 
 
-def _upgraded(saved: DictConfig) -> DictConfig:
+def upgraded(saved: DictConfig) -> DictConfig:
     """A saved config as the current code reads it: knobs added to the schema after the run was saved take
     their defaults (which keep the old behaviour), as do the estimator's parameters (its registry)."""
     from .config import Config, fill_defaults
@@ -121,7 +122,7 @@ def _upgraded(saved: DictConfig) -> DictConfig:
 def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
     """Keys whose values differ between a run folder's saved config and ``cfg`` (ignoring RESUMABLE_CHANGES).
     A knob the saved config lacks because it was added later is compared at its default."""
-    saved = _upgraded(saved)
+    saved = upgraded(saved)
 
     def flat(c):
         c = OmegaConf.create(OmegaConf.to_container(c, resolve=False))

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .results import bootstrap_ci, load_curves, load_runs, set_style, verdict
+from .results import bootstrap_ci, claim_verdict, load_curves, load_runs, set_style
 from .tasks.math.task import PAPER_NAMES
 
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table3" / "paper_table3.csv"
@@ -103,7 +103,7 @@ def claims(p1: pd.DataFrame, pn: pd.DataFrame) -> pd.DataFrame:
         lo, hi = bootstrap_ci(d)
         sd = float(np.std(d, ddof=1)) if len(d) > 1 else float("nan")
         rows.append({"id": cid, "claim": text, "seeds": len(d), "delta_mean": float(d.mean()) if len(d) else float("nan"),
-                     "ci_low": lo, "ci_high": hi, "verdict": verdict(lo, hi) if len(d) > 1 else "undecided",
+                     "ci_low": lo, "ci_high": hi, "verdict": claim_verdict(lo, hi) if len(d) > 1 else "undecided",
                      "mde": 2.8 * sd / np.sqrt(len(d)) if len(d) > 1 else float("nan"),
                      "per_seed": ", ".join(f"{x:+.3f}" for x in d)})
     out = pd.DataFrame(rows)

@@ -277,3 +277,75 @@ def test_a_stage_continues_a_run_exactly_and_may_change_its_length(tmp_path):
         c.sft.cache_dir = str(tmp_path / "cache")
         with pytest.raises(ConfigError, match=match):
             train(c)
+
+
+# ---------------------------------------------------------------- Table 3's report on hand-made runs
+def fake_math_run(root, method, seed, base: float, final: float, base16: float, final16: float):
+    """A finished run folder as ema_pg.train writes it, with known Pass@1 / Pass@16 on every split."""
+    from ema_pg.config import fill_defaults
+    from ema_pg.tasks.math.task import SPLITS as S
+
+    d = root / f"{method}_s{seed}"
+    d.mkdir(parents=True)
+    cfg = compose_cfg(["experiment=math", f"method={method}", f"seed={seed}", "algo.iterations=4",
+                       "rollout.eval_samples=16"], tiny=False)
+    cfg.run_dir = str(d)
+    OmegaConf.save(fill_defaults(cfg), d / "config.yaml", resolve=True)
+    rows = []
+    for step, p1, p16 in [(0, base, base16), (2, (base + final) / 2, (base16 + final16) / 2), (4, final, final16)]:
+        row = {"step": step}
+        for s in [*S, "avg"]:
+            row |= {f"eval/{s}/acc": p1, f"eval/{s}/pass@16": p16, f"eval/{s}/mean@16": p1}
+        rows.append(row)
+    pd.DataFrame(rows).to_csv(d / "metrics.csv", index=False)
+    (d / "eval.json").write_text(json.dumps({"iteration": 4, "avg": final, "metric": "acc"}))
+    (d / "git.txt").write_text("abc123\n")
+
+
+def test_table3_report_gives_the_papers_column_and_decides_the_claims(tmp_path):
+    from ema_pg import table3
+
+    for seed in range(5):  # EMA beats GRPO on every seed in Pass@1 and loses in Pass@16
+        fake_math_run(tmp_path / "runs", "grpo", seed, 0.2, 0.4 + 0.01 * seed, 0.6, 0.5)
+        fake_math_run(tmp_path / "runs", "ema", seed, 0.2, 0.45 + 0.01 * seed + 0.002 * (seed % 2), 0.6, 0.45)
+    res = table3.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--scale", "test"])
+    c = res["claims"].set_index("id")
+    assert c.loc["C1", "verdict"] == "holds" and c.loc["C1", "delta_mean"] == pytest.approx(0.22)
+    assert c.loc["C3", "verdict"] == "holds" and c.loc["C3", "delta_mean"] == pytest.approx(0.0508)
+    assert c.loc["C4", "verdict"] == "fails" and c.loc["C4", "delta_mean"] == pytest.approx(-0.05)
+    assert c.loc["C3", "seeds"] == 5 and 0.05 - 1e-9 <= c.loc["C3", "ci_low"] < c.loc["C3", "ci_high"] <= 0.052 + 1e-9
+    assert c.loc["D1", "verdict"] == "(descriptive)" and c.loc["D1", "delta_mean"] == pytest.approx(-0.1)
+    md = (tmp_path / "out" / "results.md").read_text()
+    # the paper's relative-improvement column, on the paper's numbers and ours: (0.4508 - 0.42) / (0.42 - 0.2)
+    assert "| Average (avg) | 0.200 ± 0.000 | 0.420 ± 0.016 | 0.471 ± 0.016 | +23% | 0.430 | 0.503 | 0.528 | +34% |" in md
+    assert "| 0.446 | 0.508 | 0.539 | +50% |" in md  # OlympiadBench, the paper's row
+    for f in ["table3.png", "fig3.png", "table3.csv", "table3_runs.csv", "claims.csv", "table3_pass16.csv"]:
+        assert (tmp_path / "out" / f).is_file(), f
+
+
+def test_table3_report_refuses_runs_of_other_methods(tmp_path):
+    from ema_pg import table3
+
+    fake_math_run(tmp_path / "runs", "ema_topk_reverse", 0, 0.2, 0.4, 0.6, 0.5)
+    with pytest.raises(SystemExit, match="Table 3 compares grpo, ema"):
+        table3.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])
+
+
+def test_a_run_saved_before_sampled_evaluation_existed_evaluates_and_resumes(tmp_path):
+    from ema_pg.evaluate import main as evaluate_main
+
+    cfg = compose_cfg(["algo.iterations=2"], tmp_path)
+    train(cfg)
+    run = tmp_path / "run"
+    old = OmegaConf.load(run / "config.yaml")
+    for key in ("eval_samples", "eval_top_p", "eval_pass_k"):
+        old.rollout.pop(key)
+    old.pop("init_from")
+    OmegaConf.save(old, run / "config.yaml")  # as a version without these knobs saved it
+    evaluate_main([str(run)])
+    ev = json.loads((run / "evaluations" / "policy.json").read_text())
+    assert set(ev["splits"]["heldout"]) == {"em", "n"}  # greedy, as that run evaluated
+    resumed = OmegaConf.load(run / "config.yaml")
+    resumed.algo.iterations, resumed.resume = 3, str(run)
+    metrics, _ = train(resumed)
+    assert metrics["iteration"] == 3

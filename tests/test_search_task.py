@@ -157,3 +157,26 @@ def test_search_task_trains_end_to_end(tmp_path):
     metrics, objs = train(cfg)
     ev = json.loads((objs["run_dir"] / "eval.json").read_text())
     assert list(ev["splits"]) == list(SPLITS) and all(v["n"] >= 1 for v in ev["splits"].values())
+
+
+def test_sampled_evaluation_runs_the_environment_for_every_sample(task):
+    """rollout.eval_samples > 1 on a multi-turn task: N responses per question, each with its own searches."""
+    from omegaconf import OmegaConf
+
+    from ema_pg.evaluate import evaluate_policy
+    from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+    from ema_pg.rollout import HFSampler
+
+    tok = train_bpe_tokenizer(task.corpus()[:400], vocab_size=400)
+    model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=0,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    ro = OmegaConf.create({"eval_samples": 3, "eval_temperature": 1.0, "eval_top_p": 1.0, "eval_pass_k": [],
+                           "max_new_tokens": 10, "stop": ["</search>", "</answer>"]})
+    splits = {s: task.eval_splits()[s][:2] for s in ("nq", "hotpotqa")}
+    res = evaluate_policy(model.eval(), HFSampler(tok), task, ro, splits=splits, progress=False)
+    for s in res["splits"].values():
+        assert s["n"] == 2 and s["samples"] == 3 and set(s) >= {"em", "mean@3", "pass@1", "pass@2", "pass@3", "maj@3"}
+        assert 0 <= s["pass@1"] <= s["pass@3"] <= 1
+    p = splits["nq"][0]
+    assert task.answer_key(p, "<answer> The  Paris! </answer>") == normalize_answer("Paris") == "paris"
+    assert task.answer_key(p, "no answer tag") is None

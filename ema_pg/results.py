@@ -285,3 +285,49 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     for ext in ("png", "pdf"):
         fig.savefig(out / f"{name}.{ext}")
     return {"table": table, "runs": runs, "metric": metric, "files": sorted(str(p) for p in out.glob(f"{name}*"))}
+
+
+def provenance_lines(runs: pd.DataFrame, scale: str, command: str, knobs: list[str], listing: str) -> list[str]:
+    """A reproduction's provenance as Markdown bullets: scale and command, commits, runs per method, run time
+    (the sum of the runs' wall times, and the wall clock from the first start to the last end), the values
+    ``knobs`` took across runs, and where each run's config is (``listing`` names the CSV of run folders)."""
+    def show(v):
+        return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+    start = min(Path(r, "config.yaml").stat().st_mtime for r in runs["run_dir"])
+    end = max(Path(r, "metrics.csv").stat().st_mtime for r in runs["run_dir"])
+    cfg = {k: sorted({show(v) for v in runs[k].dropna()}) for k in knobs if k in runs}
+    return [f"- scale: `{scale}`" + (f"; command: `{command}`" if command else ""),
+            f"- commit(s) the runs ran from: {', '.join(f'`{c}`' for c in sorted(set(runs['commit'])))}",
+            f"- runs: {len(runs)} finished ({', '.join(f'{m}: {n}' for m, n in runs['method'].value_counts().items())})",
+            f"- run time: {runs['wall_s'].sum() / 60:.1f} min of runs (sum), {(end - start) / 60:.1f} min wall clock "
+            "from the first run's start to the last run's end (2 CPU cores)",
+            "- config (values across runs): " + "; ".join(f"`{k}`={'/'.join(v)}" for k, v in cfg.items()),
+            f"- each run's resolved config: `config.yaml` in its run folder (`{listing}` lists the folders)"]
+
+
+def table_args(name: str, doc: str, argv=None):
+    """The command line of a table's writer (``ema_pg.table2``, ``ema_pg.table3``): runs, out, scale, command, all."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default=f"runs/reproduce/{name}-mini", help=f"the {name} sweep's folder")
+    ap.add_argument("--out", default=f"reproductions/{name}")
+    ap.add_argument("--scale", default="mini")
+    ap.add_argument("--command", default="", help="the command that ran the sweep (for provenance)")
+    ap.add_argument("--all", action="store_true", help="include unfinished runs")
+    a = ap.parse_args(argv)
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    runs = load_runs(a.runs, finished_only=not a.all)
+    if not len(runs):
+        raise SystemExit(f"no finished runs under {a.runs}; run `make reproduce-{name}` (or pass --all)")
+    return a, Path(a.out), runs
+
+
+def write_results(out: Path, md: list[str]) -> Path:
+    """A table's ``results.md``: the generated lines, then the hand-written ``discussion.md`` of the folder if any."""
+    notes = out / "discussion.md"
+    text = "\n".join(md + ([notes.read_text()] if notes.is_file() else []))
+    (out / "results.md").write_text(text)
+    print(f"wrote {out / 'results.md'}")
+    return out / "results.md"

@@ -11,7 +11,6 @@ Rows for methods not run are shown as missing, never filled in.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .results import METHOD_LABELS, load_curves, load_runs, method_label, set_style
+from .results import METHOD_LABELS, load_curves, method_label, provenance_lines, set_style, table_args, write_results
 from .tasks.search.task import SPLITS as TASK_SPLITS
 
 SPLITS = list(TASK_SPLITS)  # general QA first, then multi-hop (the paper's column order)
@@ -186,37 +185,13 @@ def plot_curves(runs: pd.DataFrame, out: Path) -> None:
 
 
 def provenance(runs: pd.DataFrame, scale: str, command: str) -> list[str]:
-    commits = sorted(set(runs["commit"]))
-    start = min(Path(r, "config.yaml").stat().st_mtime for r in runs["run_dir"])
-    end = max(Path(r, "metrics.csv").stat().st_mtime for r in runs["run_dir"])
     knobs = ["model.hidden_size", "model.num_layers", "sft.steps", "algo.iterations", "algo.prompts_per_step",
              "algo.group_size", "algo.beta", "optim.lr", "anchor.eta", "anchor.update_every", "kl.k", "task.per_split"]
-    def show(v):
-        return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
-
-    cfg = {k: sorted({show(v) for v in runs[k].dropna()}) for k in knobs if k in runs}
-    return [f"- scale: `{scale}`; command: `{command}`" if command else f"- scale: `{scale}`",
-            f"- commit(s) the runs ran from: {', '.join(f'`{c}`' for c in commits)}",
-            f"- runs: {len(runs)} finished ({', '.join(f'{m}: {n}' for m, n in runs['method'].value_counts().items())})",
-            f"- run time: {sum(runs['wall_s']) / 60:.1f} min of runs (sum), {(end - start) / 60:.1f} min wall clock "
-            "from the first run's start to the last run's end (2 CPU cores, one run at a time)",
-            "- config (values across runs): " + "; ".join(f"`{k}`={'/'.join(v)}" for k, v in cfg.items()),
-            "- each run's resolved config: `config.yaml` in its run folder (`table2_runs.csv` lists the folders)"]
+    return provenance_lines(runs, scale, command, knobs, "table2_runs.csv")
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default="runs/reproduce/table2-mini", help="the table2 sweep's folder")
-    ap.add_argument("--out", default="reproductions/table2")
-    ap.add_argument("--scale", default="mini")
-    ap.add_argument("--command", default="", help="the command that ran the sweep (for provenance)")
-    ap.add_argument("--all", action="store_true", help="include unfinished runs")
-    a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = load_runs(a.runs, finished_only=not a.all)
-    if not len(runs):
-        raise SystemExit(f"no finished runs under {a.runs}; run `make reproduce-table2` (or pass --all)")
+    a, out, runs = table_args("table2", __doc__, argv)
     runs["method"] = runs["method"].map(method_label)  # ids -> Table 2's row labels, for printing
     paper = pd.read_csv(PAPER)
     scores = per_run_scores(runs)
@@ -238,11 +213,7 @@ def main(argv=None) -> dict:
     md += [f"| {c['claim']} | {c['paper']} | {verdict(c['paper_holds'])} | {c['ours']} | {verdict(c['ours_holds'])} | "
            f"{c['seeds']} |" for c in checks]
     md += ["", "![per split](table2.png)", "", "![curves](table2_curves.png)", ""]
-    notes = out / "discussion.md"
-    if notes.is_file():
-        md += [notes.read_text()]
-    (out / "results.md").write_text("\n".join(md))
-    print(f"wrote {out / 'results.md'}")
+    write_results(out, md)
     return {"table": t, "orderings": checks, "out": out}
 
 

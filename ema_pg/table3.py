@@ -14,7 +14,6 @@ training, mean and 95% band over seeds).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -22,7 +21,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .results import bootstrap_ci, claim_verdict, load_curves, load_runs, set_style
+from .results import bootstrap_ci, claim_verdict, load_curves, provenance_lines, set_style, table_args, write_results
 from .tasks.math.task import PAPER_NAMES
 
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table3" / "paper_table3.csv"
@@ -167,37 +166,15 @@ def plot_fig3(runs: pd.DataFrame, out: Path, n_samples: int) -> None:
 
 
 def provenance(runs: pd.DataFrame, scale: str, command: str) -> list[str]:
-    commits = sorted(set(runs["commit"]))
     knobs = ["model.hidden_size", "model.num_layers", "sft.stop_at_reward", "algo.iterations", "algo.prompts_per_step",
              "algo.group_size", "algo.beta", "optim.lr", "kl.name", "anchor.eta", "anchor.update_every",
              "rollout.max_new_tokens", "rollout.eval_samples", "rollout.eval_temperature", "rollout.eval_top_p",
-             "task.per_split"]
-
-    def show(v):
-        return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
-
-    cfg = {k: sorted({show(v) for v in runs[k].dropna()}) for k in knobs if k in runs}
-    return [f"- scale: `{scale}`" + (f"; command: `{command}`" if command else ""),
-            f"- commit(s) the runs ran from: {', '.join(f'`{c}`' for c in commits)}",
-            f"- runs: {len(runs)} finished ({', '.join(f'{m}: {n}' for m, n in runs['method'].value_counts().items())})",
-            f"- run time: {runs['wall_s'].sum() / 60:.1f} min of runs (the sum of their wall times on 2 CPU cores)",
-            "- config (values across runs): " + "; ".join(f"`{k}`={'/'.join(v)}" for k, v in cfg.items()),
-            "- each run's resolved config: `config.yaml` in its run folder (`table3_runs.csv` lists the folders)"]
+             "task.per_split", "trainer.num_threads"]
+    return provenance_lines(runs, scale, command, knobs, "table3_runs.csv")
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default="runs/reproduce/table3-mini", help="the table3 sweep's folder")
-    ap.add_argument("--out", default="reproductions/table3")
-    ap.add_argument("--scale", default="mini")
-    ap.add_argument("--command", default="", help="the command that ran the sweep (for provenance)")
-    ap.add_argument("--all", action="store_true", help="include unfinished runs")
-    a = ap.parse_args(argv)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = load_runs(a.runs, finished_only=not a.all)
-    if not len(runs):
-        raise SystemExit(f"no finished runs under {a.runs}; run `make reproduce-table3` (or pass --all)")
+    a, out, runs = table_args("table3", __doc__, argv)
     unknown = sorted(set(runs["method"]) - set(ARMS))
     if unknown:
         raise SystemExit(f"runs of methods {unknown} under {a.runs}; Table 3 compares {', '.join(ARMS)}")
@@ -230,11 +207,7 @@ def main(argv=None) -> dict:
           "![Table 3](table3.png)", "", "![Fig 3](fig3.png)", "",
           "## Per seed: Pass@1", "", seeds_markdown(p1, "method"), "",
           f"## Per seed: Pass@{PASS_N}", "", seeds_markdown(pn, "method"), ""]
-    notes = out / "discussion.md"
-    if notes.is_file():
-        md += [notes.read_text()]
-    (out / "results.md").write_text("\n".join(md))
-    print(f"wrote {out / 'results.md'}")
+    write_results(out, md)
     return {"table": t, "claims": c, "out": out}
 
 

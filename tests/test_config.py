@@ -29,7 +29,8 @@ def test_every_option_composes_and_validates(group, option):
     import importlib.util
 
     engines = {("rollout", "vllm"): ["vllm"], ("trainer", "deepspeed"): ["deepspeed"],
-               ("experiment", "search_paper"): ["vllm", "deepspeed"]}.get((group, option), [])
+               ("experiment", "search_paper"): ["vllm", "deepspeed"],
+               ("experiment", "math_deepscaler"): ["vllm", "deepspeed"]}.get((group, option), [])
     if any(not importlib.util.find_spec(e) for e in engines):  # the scale extra is not installed
         with pytest.raises(ConfigError, match="make scale-setup"):
             validate(cfg)
@@ -148,6 +149,28 @@ def test_the_paper_scale_recipe_has_the_papers_settings(monkeypatch):
         "topk_reverse", "vllm", "deepspeed_stage_2", "/nowhere")
     if importlib.util.find_spec("vllm") and importlib.util.find_spec("deepspeed"):
         validate(cfg, vocab_size=151_936, head_dim=128)  # Qwen2.5-3B's
+    else:
+        with pytest.raises(ConfigError, match="make scale-setup"):
+            validate(cfg)
+
+
+def test_the_math_recipe_has_the_papers_and_the_authors_eval_settings(monkeypatch):
+    """conf/experiment/math_deepscaler.yaml: stage 1 of the DeepScaleR run, evaluated as the authors evaluate."""
+    import importlib.util
+
+    from ema_pg.config import fill_defaults
+
+    for var in ("EMA_PG_MODEL", "EMA_PG_MATH_DATA"):
+        monkeypatch.setenv(var, "/nowhere")
+    cfg = compose_cfg(["experiment=math_deepscaler"], tiny=False)
+    fill_defaults(cfg)
+    assert (cfg.optim.lr, cfg.algo.beta, cfg.anchor.eta, cfg.anchor.update_every, cfg.kl.k) == (1e-6, 0.001, 0.9, 10, 32)
+    ro = cfg.rollout
+    assert (ro.eval_samples, ro.eval_temperature, ro.eval_top_p, ro.max_new_tokens) == (32, 0.8, 0.9, 8192)
+    assert (cfg.task.name, cfg.task.data_dir, cfg.model.path, cfg.sft.steps) == ("math", "/nowhere", "/nowhere", 0)
+    assert "\\boxed{}" in cfg.task.prompt_template.format(problem="")
+    if importlib.util.find_spec("vllm") and importlib.util.find_spec("deepspeed"):
+        validate(cfg, vocab_size=151_936, head_dim=128)  # R1-Distill-Qwen-1.5B's
     else:
         with pytest.raises(ConfigError, match="make scale-setup"):
             validate(cfg)

@@ -169,6 +169,7 @@ class LoggerConfig:
 class MonitorConfig:
     every: int = 0  #: iterations between tr(F) stability estimates (eq. 28); 0 = off
     num_sequences: int = 8  #: responses per estimate
+    grad_ratio_every: int = 0  #: iterations between measurements of ||grad J|| and ||grad beta KL|| (train/kl_pg_grad_ratio); 0 = off
 
 
 @dataclass
@@ -416,11 +417,15 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
     for key, v, lo in (("optim.weight_decay", o.weight_decay, 0), ("algo.grad_clip", a.grad_clip, 0),
                        ("algo.warmup_steps", a.warmup_steps, 0), ("rollout.eval_temperature", cfg.rollout.eval_temperature, 0),
                        ("monitor.every", cfg.monitor.every, 0), ("anchor.eval_every", an.eval_every, 0),
+                       ("monitor.grad_ratio_every", cfg.monitor.grad_ratio_every, 0),
                        ("seed", cfg.seed, 0), ("sft.steps", cfg.sft.steps, 0), ("sft.batch_size", cfg.sft.batch_size, 1),
                        ("sft.check_every", cfg.sft.check_every, 1), ("sft.num_demos", cfg.sft.num_demos, 1),
                        ("algo.max_bad_steps", a.max_bad_steps, 1), ("monitor.num_sequences", cfg.monitor.num_sequences, 1)):
         if v < lo:
             bad(f"{key} must be >= {lo}; got {v}")
+    if cfg.monitor.grad_ratio_every and "deepspeed" in str(cfg.trainer.strategy):
+        bad("monitor.grad_ratio_every is not built under DeepSpeed (its gradients live in the engine's partitions); "
+            "measure the ratio on a cpu or ddp run with the same settings, or set it to 0")
     if cfg.sft.lr <= 0:
         bad(f"sft.lr must be > 0; got {cfg.sft.lr}")
     from omegaconf import OmegaConf

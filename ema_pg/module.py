@@ -141,7 +141,11 @@ class GRPOModule(L.LightningModule):
         return rl_step(iteration, policy=self.policy, anchor_model=None if self.anchor is None else self.anchor.model,
                        task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
                        algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk,
-                       world=World.current(), critic=self.critic)
+                       world=World.current(), critic=self.critic, grad_ratio=self._grad_ratio_due(iteration))
+
+    def _grad_ratio_due(self, iteration: int) -> bool:
+        every = self.cfg.monitor.grad_ratio_every
+        return bool(every) and iteration % every == 0
 
     def after_optimizer_step(self) -> None:
         """Called after every applied optimizer step (the anchor's soft sync counts them)."""

@@ -233,9 +233,27 @@ class StepResult:
     rollouts: Rollouts
 
 
+def grad_norms_pg_kl(policy, loss: torch.Tensor, loss_without_kl: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How much the KL term steers the update: the gradient norms of the loss without its KL term (the
+    policy gradient, with the entropy bonus if any) and of the KL term alone (``loss`` minus that: the
+    aggregation is linear), and their ratio ``kl_pg_grad_ratio`` = ||grad beta KL|| / ||grad J||. The
+    graph is kept for the update's own backward. On several processes, this rank's local gradients."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        if not x.requires_grad:
+            return torch.zeros(())
+        grads = torch.autograd.grad(x, params, retain_graph=True, allow_unused=True)
+        gs = [g for g in grads if g is not None]
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in gs])) if gs else torch.zeros(())
+
+    g_pg, g_kl = norm(loss_without_kl), norm(loss - loss_without_kl)
+    return {"grad_norm_pg": g_pg, "grad_norm_kl": g_kl, "kl_pg_grad_ratio": g_kl / g_pg.clamp(min=1e-30)}
+
+
 def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, estimator: Estimator,
             updater: Updater, algo, rollout, seed: int, chunk: Callable[[int], int],
-            world: World = World(), critic=None) -> StepResult:
+            world: World = World(), critic=None, grad_ratio: bool = False) -> StepResult:
     """Run RL iteration ``iteration`` (0-based) and return its metrics (namespaced) and rollouts.
 
     ``algo`` and ``rollout`` are the config nodes of the same names; ``chunk(n_tokens)`` gives the
@@ -243,6 +261,8 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     ``world``: on several processes, this rank's share of the batch (see :mod:`ema_pg.dist`);
     the metrics returned are reduced over ranks. ``critic`` (:class:`ema_pg.critic.Critic`, with
     ``algo.advantage=gae``): token-level GAE advantages, and a value update after each policy update.
+    ``grad_ratio``: also measure, on the first minibatch, the gradient norms of the loss's policy-gradient
+    part and of its KL part (:func:`grad_norms_pg_kl`; two extra backward passes).
     """
     device = next(policy.parameters()).device
     it_seed = step_seed(seed, iteration)
@@ -293,6 +313,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     token_kl = algo.beta != 0.0 and algo.reward_kl == "none" and estimator.name != "none"
     order_gen = torch.Generator().manual_seed(it_seed)
     sums: dict[str, float] = {}
+    diagnostics: dict[str, torch.Tensor] = {}
     n_updates = 0
     for _epoch in range(algo.ppo_epochs):
         order = torch.randperm(n_rows, generator=order_gen) if minibatch < n_rows else torch.arange(n_rows)
@@ -315,6 +336,12 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
                                            surrogate=algo.loss, clip_ratio_c=algo.clip_ratio_c,
                                            entropy_coef=algo.entropy_coef, entropy=cur.entropy, norm_len=rollout.max_new_tokens,
                                            pg_weight=None if tis is None else tis[rows])
+            if grad_ratio and n_updates == 0:  # measured once, not averaged over the updates
+                diagnostics.update(grad_norms_pg_kl(policy, loss, grpo_loss(
+                    cur.logp, old.logp[rows], adv[rows], mask[rows], None, beta=0.0, eps_low=algo.eps_low,
+                    eps_high=algo.eps_high, loss_agg=algo.loss_agg, surrogate=algo.loss, clip_ratio_c=algo.clip_ratio_c,
+                    entropy_coef=algo.entropy_coef, entropy=cur.entropy, norm_len=rollout.max_new_tokens,
+                    pg_weight=None if tis is None else tis[rows])[0]))
             if world.size > 1 and algo.loss_agg == "token-mean":  # the strategy averages over ranks: weigh
                 n_tok = mask[rows].sum().float()              # each rank's token mean by its share of tokens
                 loss = loss * (world.size * n_tok / world.sum(n_tok).clamp(min=1))
@@ -328,6 +355,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
 
     # 4. metrics (namespaced; the README has the table)
     metrics = {f"train/{key}": total / max(n_updates, 1) for key, total in sums.items()}
+    metrics.update({f"train/{key}": float(v) for key, v in diagnostics.items()})
     metrics["train/skipped_steps"] = sums.get("skipped_steps", 0.0)  # a count, not a mean
     all_rewards = world.all_gather_cat(rewards)
     metrics.update({

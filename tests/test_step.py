@@ -123,3 +123,29 @@ def test_step_returns_metrics_and_scores_from_the_sampler_equal_a_second_pass(se
     assert torch.equal(reused.index[mask], recomputed.index[mask])
     assert torch.allclose(reused.anchor_index_logp[mask], recomputed.anchor_index_logp[mask], atol=1e-5)
     assert torch.allclose(reused.old.entropy[mask], recomputed.old.entropy[mask], atol=1e-4)
+
+
+def test_the_kl_to_policy_gradient_ratio_scales_with_beta_and_leaves_the_run_unchanged(tmp_path):
+    """monitor.grad_ratio_every: ||grad beta KL|| / ||grad J|| on the first minibatch. K1's per-sample gradient is
+    not zero where policy = anchor, so iteration 1 already has a KL gradient (the tiny cold start earns no reward:
+    the entropy bonus gives the non-KL part its gradient); doubling beta doubles the KL part exactly and
+    leaves the policy gradient as it was; the diagnostic does not change what the run does."""
+    import pandas as pd
+    from helpers import compose_cfg
+
+    from ema_pg.train import train
+
+    def first(beta, every, name):
+        cfg = compose_cfg(["kl=k1", "algo.entropy_coef=0.01", f"algo.beta={beta}", f"monitor.grad_ratio_every={every}", "algo.iterations=1",
+                           "algo.eval_every=1", "algo.minibatch_size=8"], tmp_path / name)
+        cfg.sft.cache_dir = str(tmp_path / "cache")
+        _, objs = train(cfg)
+        return pd.read_csv(objs["run_dir"] / "metrics.csv").groupby("step").first().loc[1]  # first non-empty value
+
+    a, b, off = first(0.1, 1, "a"), first(0.2, 1, "b"), first(0.1, 0, "off")
+    assert a["train/grad_norm_pg"] == pytest.approx(b["train/grad_norm_pg"], rel=1e-6) and a["train/grad_norm_pg"] > 0
+    assert b["train/grad_norm_kl"] == pytest.approx(2 * a["train/grad_norm_kl"], rel=1e-5) and a["train/grad_norm_kl"] > 0
+    assert a["train/kl_pg_grad_ratio"] == pytest.approx(a["train/grad_norm_kl"] / a["train/grad_norm_pg"], rel=1e-6)
+    assert "train/kl_pg_grad_ratio" not in off.dropna().index
+    for key in ("train/loss", "train/grad_norm", "train/kl", "eval/avg/em"):  # the measurement changes nothing
+        assert off[key] == a[key], key

@@ -8,6 +8,8 @@ model config, initial weights: see :mod:`ema_pg.policy`), ``checkpoints/``, ``me
 
 from __future__ import annotations
 
+import functools
+
 import json
 import os
 import subprocess
@@ -23,7 +25,11 @@ RESUMABLE_SETTINGS = ("algo.iterations", "trainer.progress_bar", "trainer.num_th
 RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", *RESUMABLE_SETTINGS)
 
 
+@functools.lru_cache(maxsize=1)
 def git_commit() -> str:
+    """The commit of the code this process runs: read once, at the first call (a run's start, right after the
+    modules are loaded), so every run of a multirun records the code it ran even when the repository moves on
+    during the sweep (its later runs once recorded the newer HEAD). ``-dirty`` marks uncommitted changes."""
     try:
         root = Path(__file__).resolve().parent.parent
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()

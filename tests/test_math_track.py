@@ -349,3 +349,21 @@ def test_a_run_saved_before_sampled_evaluation_existed_evaluates_and_resumes(tmp
     resumed.algo.iterations, resumed.resume = 3, str(run)
     metrics, _ = train(resumed)
     assert metrics["iteration"] == 3
+
+
+def test_a_process_records_the_commit_its_code_was_loaded_from(monkeypatch):
+    """A sweep's runs share one process: each records the commit read at the first run, not a HEAD that moved
+    while the sweep ran (git is not asked again)."""
+    import subprocess
+
+    from ema_pg.runs import git_commit
+
+    git_commit.cache_clear()
+    first = git_commit()
+    assert first != "unknown" and len(first.removesuffix("-dirty")) == 40
+
+    def moved(*a, **k):
+        raise AssertionError("git asked again")
+
+    monkeypatch.setattr(subprocess, "run", moved)
+    assert git_commit() == first

@@ -86,8 +86,10 @@ def eval_settings_problem(ro) -> str | None:
     if n > 1 and t == 0:
         return (f"rollout.eval_samples={n} with rollout.eval_temperature=0 draws the same greedy response {n} times; "
                 "set rollout.eval_temperature > 0 (the math track uses 0.8) or rollout.eval_samples=1")
-    if any(not 1 <= k <= n for k in ro.eval_pass_k):
-        return f"rollout.eval_pass_k={list(ro.eval_pass_k)}: each k must be in [1, rollout.eval_samples={n}]"
+    try:
+        pass_ks(n, list(ro.eval_pass_k))
+    except ValueError as e:
+        return str(e)
     return None
 
 

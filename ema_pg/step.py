@@ -331,17 +331,13 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
                     topk_logp_ref=None if scores.anchor_index_logp is None else scores.anchor_index_logp[rows],
                     logits=cur.logits, ref_logits=None if anchor.logits is None else anchor.logits[rows],
                 ))  # (mb, T)
-            loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=algo.beta,
-                                           eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg,
-                                           surrogate=algo.loss, clip_ratio_c=algo.clip_ratio_c,
-                                           entropy_coef=algo.entropy_coef, entropy=cur.entropy, norm_len=rollout.max_new_tokens,
-                                           pg_weight=None if tis is None else tis[rows])
+            loss_args = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg, surrogate=algo.loss,
+                             clip_ratio_c=algo.clip_ratio_c, entropy_coef=algo.entropy_coef, entropy=cur.entropy,
+                             norm_len=rollout.max_new_tokens, pg_weight=None if tis is None else tis[rows])
+            loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=algo.beta, **loss_args)
             if grad_ratio and n_updates == 0:  # measured once, not averaged over the updates
-                diagnostics.update(grad_norms_pg_kl(policy, loss, grpo_loss(
-                    cur.logp, old.logp[rows], adv[rows], mask[rows], None, beta=0.0, eps_low=algo.eps_low,
-                    eps_high=algo.eps_high, loss_agg=algo.loss_agg, surrogate=algo.loss, clip_ratio_c=algo.clip_ratio_c,
-                    entropy_coef=algo.entropy_coef, entropy=cur.entropy, norm_len=rollout.max_new_tokens,
-                    pg_weight=None if tis is None else tis[rows])[0]))
+                without_kl, _ = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], None, beta=0.0, **loss_args)
+                diagnostics.update(grad_norms_pg_kl(policy, loss, without_kl))
             if world.size > 1 and algo.loss_agg == "token-mean":  # the strategy averages over ranks: weigh
                 n_tok = mask[rows].sum().float()              # each rank's token mean by its share of tokens
                 loss = loss * (world.size * n_tok / world.sum(n_tok).clamp(min=1))

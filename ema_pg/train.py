@@ -33,7 +33,8 @@ from .step import NonFiniteUpdates
 from .plotting import plot_run
 from .policy import build_policy, checkpoint_file, checkpoint_state, save_run_model
 from .strategies import build_strategy
-from .runs import claim_run_dir, config_differences, finished_metrics, git_commit, make_loggers, resolve_resume
+from .runs import (claim_run_dir, config_differences, finished_metrics, git_commit, make_loggers, resolve_resume,
+                   upgraded)
 from .tasks import build_task
 
 log = logging.getLogger("ema_pg")
@@ -100,7 +101,7 @@ def stage_start(cfg: DictConfig, run_dir: Path) -> tuple[Path, int]:
         raise ConfigError(f"init_from={cfg.init_from!r} is not a run folder (no config.yaml there)")
     if src.resolve() == run_dir.resolve():
         raise ConfigError(f"init_from={src} is this run's own folder; a stage writes a new run folder (or use resume=)")
-    prev = OmegaConf.load(src / "config.yaml")
+    prev = upgraded(OmegaConf.load(src / "config.yaml"))  # a run saved before a knob existed: at its default
     differ = [k for k in STAGE_FIXED if OmegaConf.select(prev, k) != OmegaConf.select(cfg, k)]
     if differ:
         raise ConfigError(f"init_from={src}: a stage continues the same network and task, but {', '.join(differ)} "

@@ -21,10 +21,9 @@ def _mv():
     return math_verify
 
 
-def _timeouts() -> dict:
-    """math-verify's timeouts use SIGALRM, which only the main thread may set; elsewhere they are off."""
-    on = threading.current_thread() is threading.main_thread()
-    return {"parsing_timeout": 5 if on else None}
+def _timeout() -> int | None:
+    """math-verify's timeouts (seconds) use SIGALRM, which only the main thread may set; elsewhere they are off."""
+    return 5 if threading.current_thread() is threading.main_thread() else None
 
 
 @lru_cache(maxsize=4096)
@@ -32,13 +31,13 @@ def parse_gold(answer: str):
     """The gold answer as math-verify's parse of it (LaTeX with or without ``$``/``\\boxed``)."""
     mv = _mv()
     text = answer if ("$" in answer or "\\boxed" in answer) else f"${answer}$"
-    return mv.parse(text, **_timeouts())
+    return mv.parse(text, parsing_timeout=_timeout())
 
 
 @lru_cache(maxsize=65536)
 def parse_response(response: str):
     mv = _mv()
-    return mv.parse(response, extraction_config=[mv.LatexExtractionConfig()], **_timeouts())
+    return mv.parse(response, extraction_config=[mv.LatexExtractionConfig()], parsing_timeout=_timeout())
 
 
 @lru_cache(maxsize=65536)
@@ -48,11 +47,16 @@ def is_correct(answer: str, response: str) -> bool:
     gold, pred = parse_gold(answer), parse_response(response)
     if not gold or not pred:
         return False
-    on = threading.current_thread() is threading.main_thread()
-    return bool(mv.verify(gold, pred, timeout_seconds=5 if on else None))
+    return bool(mv.verify(gold, pred, timeout_seconds=_timeout()))
 
 
 def answer_key(response: str) -> str | None:
-    """The stated answer in a canonical form, for majority voting (None: no answer stated)."""
+    """The stated answer in a canonical form, for majority voting (None: no answer stated): numbers as exact
+    rationals, so ``32``, ``32.0`` and ``\\frac{64}{2}`` are one answer, as are ``0.5`` and ``\\frac{1}{2}``."""
     pred = parse_response(response)
-    return str(pred[0]) if pred else None
+    if not pred:
+        return None
+    import sympy
+
+    x = pred[0]
+    return str(sympy.nsimplify(x, rational=True) if isinstance(x, sympy.Number) else x)

@@ -127,6 +127,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     bar = tqdm(total=total, desc=desc, disable=not progress, leave=False)
     for name, prompts in splits.items():
         rewards, keys = [], []  # per problem: its samples' rewards and stated answers
+        diags = []  # per problem: its samples' diagnostics (Task.diagnostics)
         all_prompts = prompts
         index = list(range(world.rank, len(all_prompts), world.size))
         n_mine = len(index)
@@ -140,22 +141,29 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
                                   on_stop=task.on_stop_fn(chunk, n_samples), seed=[_prompt_seed(name, j) for j in idx])
             rs = [[] for _ in chunk]
             ks_ = [[] for _ in chunk]
+            ds_ = [[] for _ in chunk]
             for j, text in zip(ro.prompt_index, ro.responses):
                 rs[j].append(task.reward(chunk[j], text))
                 ks_[j].append(task.answer_key(chunk[j], text) if n_samples > 1 else None)
+                ds_[j].append(task.diagnostics(chunk[j], text))
             rewards += rs
             keys += ks_
+            diags += ds_
             if show and name not in samples:
                 samples[name] = [{"prompt": chunk[j].text, "gold": chunk[j].answer, "response": text,
                                   "reward": task.reward(chunk[j], text)}
                                  for j, text in list(zip(ro.prompt_index, ro.responses))[:show]]
             bar.update(1)
         if world.size > 1:  # back in the prompts' own order: rank r scored prompts r, r + size, ...
-            parts = world.gather_objects((rewards[:n_mine], keys[:n_mine]))
+            parts = world.gather_objects((rewards[:n_mine], keys[:n_mine], diags[:n_mine]))
             rewards = [parts[i % world.size][0][i // world.size] for i in range(len(all_prompts))]
             keys = [parts[i % world.size][1][i // world.size] for i in range(len(all_prompts))]
+            diags = [parts[i % world.size][2][i // world.size] for i in range(len(all_prompts))]
         mean = sum(sum(r) for r in rewards) / max(sum(len(r) for r in rewards), 1)
         out[name] = {metric: mean, "n": len(rewards)}
+        d = diagnostic_means([x for ds in diags for x in ds])
+        if d:
+            out[name]["diagnostics"] = d
         if n_samples > 1:
             out[name].update(samples=n_samples, **sample_scores(rewards, keys, ks))
     bar.close()
@@ -165,9 +173,23 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
         names = [k for k in next(iter(out.values())) if "@" in k] if out else []
         res["avg_scores"] = {k: sum(v[k] for v in out.values()) / len(out) for k in names}
         res["eval_settings"] = {"samples": n_samples, "temperature": float(rollout_cfg.eval_temperature), "top_p": top_p}
+    names = sorted({k for v in out.values() for k in v.get("diagnostics", {})})
+    if names:  # the mean over splits of each diagnostic (over the splits that have it)
+        res["avg_diagnostics"] = {k: sum(v["diagnostics"][k] for v in out.values() if k in v.get("diagnostics", {}))
+                                  / sum(k in v.get("diagnostics", {}) for v in out.values()) for k in names}
     if show:
         res["samples"] = samples
     return res
+
+
+def diagnostic_means(rows: list[dict]) -> dict[str, float]:
+    """The mean of each diagnostic over the responses that report it (a conditional one, like ``read_em``,
+    is reported only by the responses it applies to), plus ``<name>_n``: how many did."""
+    out = {}
+    for k in sorted({k for r in rows for k in r}):
+        xs = [r[k] for r in rows if k in r]
+        out[k], out[f"{k}_n"] = sum(xs) / len(xs), float(len(xs))
+    return out
 
 
 def score_names(result: dict) -> list[str]:
@@ -176,12 +198,16 @@ def score_names(result: dict) -> list[str]:
 
 
 def eval_metrics(prefix: str, result: dict) -> dict:
-    """An evaluation result as logged metrics: ``<prefix>/<split>/<score>`` and ``<prefix>/avg/<score>``."""
+    """An evaluation result as logged metrics: ``<prefix>/<split>/<score>`` and ``<prefix>/avg/<score>``; the
+    task's diagnostics as ``<prefix>_diag/<split>/<name>`` (kept out of ``<prefix>/``, where the scores are)."""
     metric = result["metric"]
     m = {}
     for key in score_names(result):
         m.update({f"{prefix}/{name}/{key}": v[key] for name, v in result["splits"].items()})
         m[f"{prefix}/avg/{key}"] = result["avg"] if key == metric else result["avg_scores"][key]
+    for name, v in result["splits"].items():
+        m.update({f"{prefix}_diag/{name}/{k}": x for k, x in v.get("diagnostics", {}).items() if not k.endswith("_n")})
+    m.update({f"{prefix}_diag/avg/{k}": x for k, x in result.get("avg_diagnostics", {}).items() if not k.endswith("_n")})
     return m
 
 
@@ -193,6 +219,10 @@ def format_table(result: dict) -> str:
     for key in score_names(result):
         avg = result["avg"] if key == result.get("metric", "em") else result["avg_scores"][key]
         rows.append("| " + " | ".join([key] + [f"{result['splits'][n][key]:.3f}" for n in names] + [f"{avg:.3f}"]) + " |")
+    fmt = lambda x: "—" if x is None else f"{x:.3f}"
+    for key in (k for k in result.get("avg_diagnostics", {}) if not k.endswith("_n")):
+        cells = [result["splits"][n].get("diagnostics", {}).get(key) for n in names]
+        rows.append("| " + " | ".join([f"({key})"] + [fmt(x) for x in cells] + [fmt(result["avg_diagnostics"][key])]) + " |")
     return "\n".join([head, sep, *rows])
 
 

@@ -180,3 +180,82 @@ def test_sampled_evaluation_runs_the_environment_for_every_sample(task):
     p = splits["nq"][0]
     assert task.answer_key(p, "<answer> The  Paris! </answer>") == normalize_answer("Paris") == "paris"
     assert task.answer_key(p, "no answer tag") is None
+
+
+def test_multihop_demonstrations_search_twice_and_reach_the_answer_through_the_passages():
+    t = build_task({"name": "search_qa", "seed": 0, "n_people": 200, "n_orgs": 60, "per_split": 10, "multihop_demos": 0.3})
+    demos = t.demonstrations(400, seed=1)
+    two = [(p, r) for p, r in demos if r.count("<search>") == 2]
+    assert 0.2 < len(two) / len(demos) < 0.4  # the share asked for
+    assert all(r.count("<search>") == 1 for p, r in demos if (p, r) not in two)
+    for prompt, response in two[:20]:
+        person = prompt.removeprefix("Question: In which country was ").removesuffix(" born?\n")
+        city = t.world.people[person].city
+        first, second = response.split("</information>")[:2]
+        assert first.startswith(f"<search> {person} </search>") and city in first  # the first passages name the city
+        assert second.lstrip("\n").startswith(f"<search> {city} </search>")
+        country = response.rsplit("<answer> ", 1)[1].removesuffix(" </answer>")
+        assert country == t.world.city_country[city] and country in second  # read from the second passages
+    single = build_task({"name": "search_qa", "seed": 0, "n_people": 200, "n_orgs": 60, "per_split": 10})
+    one = single.demonstrations(200, seed=1)
+    assert all(r.count("<search>") == 1 for _, r in one)
+    for _, r in one:  # every answer is read from the passages shown (the world has distractors that share names)
+        answer = r.rsplit("<answer> ", 1)[1].removesuffix(" </answer>")
+        assert answer in r.split("</information>")[0]
+    with pytest.raises(ValueError, match="multihop_demos"):
+        build_task({"name": "search_qa", "seed": 0, "n_people": 50, "n_orgs": 10, "multihop_demos": 1.5})
+    with pytest.raises(ValueError, match="max_turns"):
+        build_task({"name": "search_qa", "seed": 0, "n_people": 50, "n_orgs": 10, "multihop_demos": 0.1, "max_turns": 1})
+
+
+def test_diagnostics_tell_reading_from_recall(task):
+    p = task.eval_splits()["nq"][0]
+    name, gold = p.meta["question"][len("Where was "):-len(" born?")], p.answer
+    env = task.on_stop_fn([p], 1)
+    obs = env(0, f"<search> {name} </search>")
+    assert gold in obs
+    other = next(c for c in task.world.city_country if c not in obs)  # a real city the passages do not name
+    wrong_read = next(c for c in task.world.city_country if c in obs and c != gold)  # named there, but not the answer
+    read = task.diagnostics(p, f"<search> {name} </search>{obs}<answer> {gold} </answer>")
+    assert read == {"searches": 1.0, "gold_seen": 1.0, "grounded": 1.0, "recalled": 0.0, "read_em": 1.0}
+    misread = task.diagnostics(p, f"<search> {name} </search>{obs}<answer> {wrong_read} </answer>")
+    assert misread == {"searches": 1.0, "gold_seen": 1.0, "grounded": 1.0, "recalled": 0.0, "read_em": 0.0}
+    recalled = task.diagnostics(p, f"<search> {name} </search>{obs}<answer> {other} </answer>")
+    assert recalled["recalled"] == 1.0 and recalled["grounded"] == 0.0 and recalled["read_em"] == 0.0
+    blind = task.diagnostics(p, f"<answer> {gold} </answer>")  # right, but nothing was read: not reading
+    assert blind == {"searches": 0.0, "gold_seen": 0.0, "grounded": 0.0, "recalled": 1.0}
+    assert task.diagnostics(p, "no answer at all")["recalled"] == 0.0
+
+
+def test_evaluation_averages_the_tasks_diagnostics_per_split_and_logs_them_apart(task):
+    from omegaconf import OmegaConf
+
+    from ema_pg.evaluate import diagnostic_means, eval_metrics, evaluate_policy, format_table
+    from ema_pg.tasks.base import Prompt
+
+    assert diagnostic_means([{"a": 1.0, "c": 1.0}, {"a": 0.0}, {"a": 0.5}]) == {"a": 0.5, "a_n": 3.0, "c": 1.0, "c_n": 1.0}
+
+    class Scripted:  # answers every question from its first passage set: the policy is not what is tested
+        def generate(self, model, prompts, n, *, on_stop=None, **kw):
+            from types import SimpleNamespace
+            texts = []
+            for r, text in enumerate(prompts):
+                q = text.removeprefix("Question: ").strip()
+                name = q[len("Where was "):-len(" born?")] if q.startswith("Where was ") else q
+                obs = on_stop(r, f"<search> {name} </search>")
+                gold = next(p.answer for p in splits["nq"] if p.text == text) if q.startswith("Where was ") else "x"
+                texts.append(f"<search> {name} </search>{obs}<answer> {gold} </answer>")
+            return SimpleNamespace(prompt_index=list(range(len(prompts))), responses=texts)
+
+    splits = {"nq": task.eval_splits()["nq"][:6], "hotpotqa": task.eval_splits()["hotpotqa"][:4]}
+    ro = OmegaConf.create({"eval_samples": 1, "eval_temperature": 0.0, "eval_top_p": 1.0, "eval_pass_k": [],
+                           "max_new_tokens": 8, "stop": []})
+    res = evaluate_policy(None, Scripted(), task, ro, splits=splits, progress=False, batch_size=4)
+    nq, hp = res["splits"]["nq"]["diagnostics"], res["splits"]["hotpotqa"]["diagnostics"]
+    assert res["splits"]["nq"]["em"] == 1.0 and nq["read_em"] == 1.0 and nq["read_em_n"] == 6.0 and nq["grounded"] == 1.0
+    assert res["splits"]["hotpotqa"]["em"] == 0.0 and hp["recalled"] == 1.0 and hp["searches"] == 1.0
+    assert res["avg_diagnostics"]["searches"] == 1.0 and res["avg_diagnostics"]["recalled"] == 0.5
+    m = eval_metrics("eval", res)
+    assert m["eval_diag/nq/grounded"] == 1.0 and m["eval_diag/avg/recalled"] == 0.5 and "eval_diag/nq/read_em_n" not in m
+    assert not any(k.startswith("eval/") and "grounded" in k for k in m)  # scores and diagnostics kept apart
+    assert "(grounded)" in format_table(res) and [p for p in Prompt.__dataclass_fields__] == ["text", "answer", "meta"]

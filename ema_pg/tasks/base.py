@@ -54,6 +54,11 @@ class Task:
         """The answer a response states, in a form equal answers share (majority voting, maj@N); None = none."""
         return response.strip() or None
 
+    def diagnostics(self, prompt: Prompt, response: str) -> dict[str, float]:
+        """Per-response numbers the evaluation averages per split beside the metric (what a response did, not
+        its reward); a key may be left out where it does not apply. None by default."""
+        return {}
+
     def masked_spans(self, response: str) -> list[tuple[int, int]]:
         """Character spans of environment text inside a demonstration (no SFT loss there)."""
         return []

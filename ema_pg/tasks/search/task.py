@@ -49,6 +49,16 @@ def extract_answer(response: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+QUESTION_ENTITY = re.compile(r"^(?:Where was|What is the birthplace of|Who founded|In which country was|Which city is) (.*?)"
+                             r"(?: born| from)?\?$")
+
+
+def question_entity(question: str) -> str:
+    """The entity a synthetic question asks about ("Where was P born?" -> P), for demonstrations."""
+    m = QUESTION_ENTITY.match(question)
+    return m.group(1).strip() if m else question.rstrip("?")
+
+
 def format_passages(docs: list[dict]) -> str:
     lines = []
     for i, d in enumerate(docs, 1):
@@ -63,10 +73,18 @@ class SearchQATask(Task):
     name = "search_qa"
 
     def __init__(self, *, seed: int, topk: int, max_turns: int, per_split: int, retriever: str,
-                 retriever_url: str | None, data_dir: str | None, n_people: int, n_orgs: int, prompt_template: str):
+                 retriever_url: str | None, data_dir: str | None, n_people: int, n_orgs: int, prompt_template: str,
+                 multihop_demos: float = 0.0):
         if topk < 1 or max_turns < 1:
             raise ValueError(f"task.topk and task.max_turns must be >= 1; got {topk}, {max_turns}")
+        if not 0.0 <= multihop_demos <= 1.0:
+            raise ValueError(f"task.multihop_demos={multihop_demos} is a share of the cold-start demonstrations: "
+                             "give a number in [0, 1]")
+        if multihop_demos > 0 and max_turns < 2:
+            raise ValueError(f"task.multihop_demos={multihop_demos} demonstrates two searches, but task.max_turns="
+                             f"{max_turns} allows one; raise task.max_turns or set task.multihop_demos=0")
         self.seed, self.topk, self.max_turns, self.template = seed, topk, max_turns, prompt_template
+        self.multihop_demos = multihop_demos
         self.data_dir = data_dir
         if retriever not in ("bm25", "http"):
             raise ValueError(f"task.retriever={retriever!r}; choose bm25 or http")
@@ -139,20 +157,65 @@ class SearchQATask(Task):
         return docs + qs + [fmt] * 50
 
     def demonstrations(self, n: int, seed: int) -> list[tuple[str, str]]:
-        """Cold-start trajectories: one search with the question's entity, then the answer.
+        """Cold-start trajectories. Most search once, with the question's entity, then answer from the passages.
 
-        Only single-hop questions are demonstrated (as for a base model, multi-hop behaviour is
-        left for RL to discover); ``<information>`` spans are masked out of the SFT loss.
+        A share ``task.multihop_demos`` of them are two-hop bridges on training questions ("In which
+        country was P born?"): search P, read the birthplace in the passages, search that city, read
+        its country, answer. A base model starts above zero on multi-hop (the paper's: HotpotQA
+        0.047 before RL); RL is left to make the second search reliable, not to invent it.
+        Every demonstration reads its answer (and a bridge its city) from passages it was shown: a
+        question whose search returns only other documents (distractors share the name) is not
+        demonstrated, so the cold start never teaches answering from memory.
+        ``<information>`` spans are masked out of the SFT loss.
         """
         rng = random.Random(f"search-demo-{self.seed}-{seed}")
         singles = [p for p in self.train_set if p.meta["hops"] == 1]
-        out = []
-        for _ in range(n):
-            p = rng.choice(singles)
-            q = p.meta["question"]
-            entity = re.sub(r"^(Where was|What is the birthplace of|Who founded) | born\?$|\?$", "", q).strip()
-            obs = format_passages(self.retriever.retrieve([entity], self.topk)[0])
-            out.append((p.text, f"<search> {entity} </search>{obs}<answer> {p.answer} </answer>"))
+        bridges = [p for p in self.train_set if p.meta["hops"] == 2]
+        if self.multihop_demos > 0 and (self.world is None or not bridges):
+            raise ValueError(f"task.multihop_demos={self.multihop_demos} needs the synthetic world's bridge questions "
+                             "(their intermediate city is known); with task.data_dir set task.multihop_demos=0")
+        retrieve = lambda q: format_passages(self.retriever.retrieve([q], self.topk)[0])
+        out, tries = [], 0
+        while len(out) < n:  # only trajectories whose passages hold what is answered: reading, never recall
+            tries += 1
+            if tries > 20 * n + 100:
+                raise ValueError(f"only {len(out)} of {n} demonstrations found their answer in the top-{self.topk} "
+                                 "passages; raise task.topk")
+            if rng.random() < self.multihop_demos:
+                p = rng.choice(bridges)
+                person = question_entity(p.meta["question"])
+                city = self.world.people[person].city
+                first, second = retrieve(person), retrieve(city)
+                if city in first and p.answer in second:
+                    out.append((p.text, f"<search> {person} </search>{first}<search> {city} </search>{second}"
+                                        f"<answer> {p.answer} </answer>"))
+            else:
+                p = rng.choice(singles)
+                entity = question_entity(p.meta["question"])
+                obs = retrieve(entity)
+                if p.answer in obs:
+                    out.append((p.text, f"<search> {entity} </search>{obs}<answer> {p.answer} </answer>"))
+        return out
+
+    def diagnostics(self, prompt: Prompt, response: str) -> dict[str, float]:
+        """What a response read and where its answer came from (evaluation only; the reward is EM alone).
+
+        ``searches``: well-formed searches made. ``gold_seen``: a gold answer appears in the returned
+        passages (the search found what answers the question). ``grounded``: the stated answer appears
+        in the returned passages (it was read, right or wrong). ``read_em``: exact match among responses
+        whose passages held the gold answer (reading, given a good search). ``recalled``: an answer that
+        no passage held (from memory or made up)."""
+        answers = prompt.meta["answers"]
+        found = SEARCH_RE.findall(response.replace(INVALID, ""))
+        seen = normalize_answer(" ".join(re.findall(r"<information>(.*?)</information>", response, re.DOTALL)))
+        ans = extract_answer(prompt.meta.get("prefix", "") + response)
+        inside = lambda x: bool(x) and f" {x} " in f" {seen} "
+        gold_seen = any(inside(normalize_answer(g)) for g in answers)
+        stated = normalize_answer(ans) if ans is not None else ""
+        out = {"searches": float(sum(1 for q in found if q.strip())), "gold_seen": float(gold_seen),
+               "grounded": float(inside(stated)), "recalled": float(bool(stated) and not inside(stated))}
+        if gold_seen:
+            out["read_em"] = self.reward(prompt, response)
         return out
 
     def baseline_prompts(self, prompts: list[Prompt], mode: str) -> list[Prompt]:

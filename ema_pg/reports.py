@@ -79,6 +79,8 @@ REPORTS: dict[str, Report | Callable] = {
     "variants": Report("Base-algorithm variants and KL knobs: one short run each", x="name",
                        order=("demo", "gspo", "cispo", "dual_clip", "entropy", "dynamic_sampling", "overlong",
                               "k3_plus", "k3_clamp", "abs", "token_sum", "lora", "ppo")),
+    "beta0_collapse": Report("§6: beta = 0 collapses where a small beta with the EMA anchor does not (lr 7e-4)",
+                             x="algo.beta", order=("0.0", "0.01", "0.05")),
     "table2": _table2,
     "table3": _table3,
 }

@@ -176,6 +176,13 @@ def bootstrap_ci(deltas, level: float = 0.95, n_boot: int = 10_000, seed: int = 
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
+def min_detectable(deltas) -> float:
+    """The smallest mean paired difference these seeds would detect: 2.8 x the paired std / sqrt(seeds)
+    (80% power, two-sided 5%); nan below two seeds."""
+    d = np.asarray(list(deltas), dtype=float)
+    return float(2.8 * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+
+
 def verdict(lo: float, hi: float) -> str:
     """Where a difference's interval lies: higher (above 0) / lower (below 0) / undecided (it contains 0)."""
     if np.isnan(lo):
@@ -205,6 +212,7 @@ def paired_delta(runs: pd.DataFrame, by: list[str], metric: str, ref_x, x: str) 
     cis = g.apply(lambda d: bootstrap_ci(d)).reset_index(drop=True)
     out["Δ 95% CI"] = [f"[{lo:+.3f}, {hi:+.3f}]" if not np.isnan(lo) else "—" for lo, hi in cis]
     out["Δ vs 0"] = [verdict(lo, hi) for lo, hi in cis]
+    out["min. detectable Δ"] = g.apply(lambda d: f"{min_detectable(d):.3f}").values
     return out
 
 
@@ -249,11 +257,12 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     keep = [c for c in ["run", "seed", *by, "finished", "iteration", f"base/{metric}", f"final/{metric}"] if c in runs]
     runs[keep].to_csv(out / f"{name}_runs.csv", index=False)
     table.to_csv(out / f"{name}.csv", index=False)
-    dcol = [c for c in table.columns if c.startswith("Δ ")]
+    dcol = [c for c in table.columns if c.startswith("Δ ") or c == "min. detectable Δ"]
     md = [f"# {title or name}", "", f"Final `{metric}` over seeds (mean ± sample std; n = seeds)"
           + (f"; `{dcol[0]}`: the difference to that variant on the same seed (same cold start), mean ± std, "
              "with its 95% paired bootstrap interval over seeds and whether that interval lies above 0, below 0 or "
-             "around it (undecided)" if dcol else "") + ".", "",
+             "around it (undecided), and the smallest difference these seeds would detect (2.8 × paired std / √seeds: "
+             "80% power, two-sided 5%)" if dcol else "") + ".", "",
           table[by + ["mean ± std", *dcol, "n"]].to_markdown(index=False, disable_numparse=True), ""]
     (out / f"{name}.md").write_text("\n".join(md))
 

@@ -21,7 +21,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .results import bootstrap_ci, claim_verdict, load_curves, provenance_lines, set_style, table_args, write_results
+from .results import (bootstrap_ci, claim_verdict, load_curves, min_detectable, provenance_lines, set_style, table_args,
+                      write_results)
 from .tasks.math.task import PAPER_NAMES
 
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table3" / "paper_table3.csv"
@@ -100,10 +101,9 @@ def claims(p1: pd.DataFrame, pn: pd.DataFrame) -> pd.DataFrame:
     for cid, text, sc, better, worse, col in spec:
         d = paired(sc, better, worse, col)
         lo, hi = bootstrap_ci(d)
-        sd = float(np.std(d, ddof=1)) if len(d) > 1 else float("nan")
         rows.append({"id": cid, "claim": text, "seeds": len(d), "delta_mean": float(d.mean()) if len(d) else float("nan"),
                      "ci_low": lo, "ci_high": hi, "verdict": claim_verdict(lo, hi) if len(d) > 1 else "undecided",
-                     "mde": 2.8 * sd / np.sqrt(len(d)) if len(d) > 1 else float("nan"),
+                     "mde": min_detectable(d),
                      "per_seed": ", ".join(f"{x:+.3f}" for x in d)})
     out = pd.DataFrame(rows)
     out.loc[out["id"].str.startswith("D"), "verdict"] = "(descriptive)"

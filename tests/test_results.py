@@ -130,8 +130,19 @@ def test_table2_orderings_and_missing_rows(tmp_path):
     mh = [c for c in res["orderings"] if c["claim"].startswith("relative gain")][0]
     assert mh["ours_holds"] is True and mh["ours"] == "+100.0% vs +25.0%" and mh["paper_holds"] is True
     assert all(c["paper_holds"] for c in res["orderings"])  # the paper's own numbers satisfy its claims
+    # paired verdicts: EMA - GRPO is +0.05 / +0.07 on the two seeds (interval above 0), forward - EMA below 0
+    ema = checks["EMA anchor > GRPO (avg)"]
+    assert ema["verdict"] == "holds" and ema["ci"] == "[+0.033, +0.041]"
+    # deltas 0.23/7 and 0.29/7: paired sd (0.06/7)/sqrt(2), over sqrt(2 seeds), times 2.8
+    assert ema["mde"] == pytest.approx(2.8 * (0.06 / 7) / 2 ** 0.5 / 2 ** 0.5, rel=1e-9)
+    assert checks["Top-k forward > K3, both with the EMA anchor (avg)"]["verdict"] == "fails"
+    # multi-hop: Top-k reverse 0.2 vs before RL 0.05 and vs GRPO 0.1 (holds); general QA vs GRPO +0.1 (holds)
+    up = checks["RL raises multi-hop EM: Top-k reverse > before RL (mean of the 4 multi-hop splits)"]
+    assert up["verdict"] == "holds" and up["ours"].startswith("0.200 vs 0.050") and up["paper"] == "0.334 vs 0.039"
+    assert checks["Top-k reverse > GRPO on multi-hop (multi-hop mean)"]["ours"].startswith("0.200 vs 0.100")
+    assert checks["Top-k reverse > GRPO on general QA (general mean)"]["verdict"] == "holds"
     md = (tmp_path / "out" / "results.md").read_text()
-    assert "| PPO | missing (not run)" in md
+    assert "| PPO | missing (not run)" in md and "| **holds** |" in md and "| **fails** |" in md
     assert "| GRPO | 0.400 ± 0.000 |" in md and "| EMA-PG: w/ EMA anchor | 0.460 ± 0.014 |" in md
     assert "| before RL | 0.050 ± 0.000 |" in md
     assert "0.479" in md  # the paper's Top-k reverse NQ score, beside ours

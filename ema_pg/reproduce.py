@@ -4,12 +4,14 @@
     python -m ema_pg.reproduce table3 --scale mini           # = make reproduce-table3 SCALE=mini
     python -m ema_pg.reproduce fig6_k --scale mini           # = make reproduce NAME=fig6_k SCALE=mini
     python -m ema_pg.reproduce table2 --scale mini --dry-run # print the commands only
+    python -m ema_pg.reproduce fig5_methods --scale decide   # the demo task where the KL decides (5 paired seeds)
 
 The sweep is ``sweeps/<name>.yaml`` with the scale overlay ``sweeps/scale/<name>_<scale>.yaml``
 (or ``sweeps/scale/<scale>.yaml``); its runs go to ``runs/reproduce/<name>-<scale>/``, a fixed
 folder, so running the same command again after an interruption resumes the killed run from its
 last checkpoint and skips the finished ones. Results: ``reproductions/<name>/`` for ``mini``
-(the committed CPU-scale reproduction), ``reproductions/<name>/<scale>/`` for ``full``, and
+(the committed CPU-scale reproduction), ``reproductions/<name>/<scale>/`` for ``decide`` (the demo
+task at the collapse edge, ``sweeps/scale/decide.yaml``) and ``full``, and
 ``runs/reproduce/<name>-smoke/report/`` for ``smoke`` (a pipeline check, not a result).
 Extra arguments are Hydra overrides passed to every run of the sweep.
 """
@@ -27,7 +29,7 @@ from .reports import REPORTS
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = ROOT / "sweeps"
-SCALES = ("smoke", "mini", "full")
+SCALES = ("smoke", "mini", "decide", "full")
 #: what a full-scale reproduction needs in the environment (beside a GPU)
 FULL_SCALE_ENV = {"table2": ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER"),
                   "table3": ("EMA_PG_MODEL", "EMA_PG_MATH_DATA")}
@@ -35,6 +37,9 @@ TABLES = ("table2", "table3")  #: reproductions with their own make target and a
 
 
 def scale_file(name: str, scale: str) -> str:
+    if name in TABLES and scale == "decide" and not (SWEEPS / "scale" / f"{name}_{scale}.yaml").is_file():
+        raise SystemExit(f"scale 'decide' (sweeps/scale/decide.yaml) is the demo task's decisive regime; {name} runs "
+                         f"another task: add sweeps/scale/{name}_decide.yaml for it")
     for cand in (f"{name}_{scale}", scale):
         if (SWEEPS / "scale" / f"{cand}.yaml").is_file():
             return cand

@@ -138,3 +138,21 @@ def test_reproduce_composes_the_sweep_and_its_report(name, tmp_path):
         assert analysis[1:4] == ["-m", "ema_pg.reports", name] and analysis[-2:] == ["--out", str(out)]
     with pytest.raises(SystemExit, match="unknown reproduction"):
         commands("fig99", "smoke", [])
+
+
+def test_decide_scale_is_the_demo_collapse_edge_and_refused_for_the_tables(tmp_path):
+    """SCALE=decide: the demo sweeps at the beta = 0 study's learning rate with a beta that keeps them learning,
+    five paired seeds that leave out the pilot's seed 0; Table 2 / 3 run other tasks and need their own overlay."""
+    from ema_pg.reproduce import TABLES, commands
+
+    over = OmegaConf.load(ROOT / "sweeps" / "scale" / "decide.yaml")
+    edge = OmegaConf.load(ROOT / "sweeps" / "beta0_collapse.yaml")
+    assert over.optim.lr == edge.optim.lr and over.algo.beta in [float(b) for b in str(edge.hydra.sweeper.params["algo.beta"]).split(",")]
+    assert str(over.hydra.sweeper.params.seed) == "1,2,3,4,5"
+    for name in ("fig5_methods", "tail_bias"):
+        sweep, _, _, out = commands(name, "decide", [], runs=tmp_path)
+        assert "+scale=decide" in sweep and out == ROOT / "reproductions" / name / "decide"
+        assert (out / "README.md").is_file(), f"{name}: pre-registration first"
+    for name in TABLES:
+        with pytest.raises(SystemExit, match=f"sweeps/scale/{name}_decide.yaml"):
+            commands(name, "decide", [])

@@ -104,6 +104,10 @@ def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
                     row[f"final/{c}"] = s[c].iloc[-1]
                     if s["step"].iloc[0] == 0:
                         row[f"base/{c}"] = s[c].iloc[0]
+        if "train/grad_norm_kl" in df:  # monitor.grad_ratio_every: the KL term's pull next to the policy gradient's,
+            # as a ratio of the run's mean norms (an iteration whose groups all tie has no policy gradient at all)
+            kl, pg = df["train/grad_norm_kl"].dropna(), df["train/grad_norm_pg"].dropna()
+            row["mean/train/kl_pg_grad_ratio"] = float(kl.mean() / pg.mean()) if pg.mean() > 0 else float("nan")
         row["iteration"] = int(df["step"].max()) if len(df) else 0
         row["finished"] = (run / "eval.json").is_file() and json.loads((run / "eval.json").read_text()).get(
             "iteration", -1) >= int(cfg.get("algo", {}).get("iterations", 0))
@@ -254,16 +258,28 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     ref = paired_delta(runs, by, metric, xs[0], x)
     if ref is not None:
         table = table.merge(ref, on=by, how="left")
-    keep = [c for c in ["run", "seed", *by, "finished", "iteration", f"base/{metric}", f"final/{metric}"] if c in runs]
+    g = runs.groupby(by, sort=False)
+    if f"base/{metric}" in runs:  # runs that ended below their own cold start
+        below = g.apply(lambda r: f"{int((r[f'final/{metric}'] < r[f'base/{metric}']).sum())}/{len(r)}")
+        table = table.merge(below.rename("ended below base").reset_index(), on=by, how="left")
+    if "mean/train/kl_pg_grad_ratio" in runs:
+        ratio = g["mean/train/kl_pg_grad_ratio"].mean().map(lambda v: f"{v:.3g}").rename("‖∇βKL‖/‖∇J‖").reset_index()
+        table = table.merge(ratio, on=by, how="left")
+    keep = [c for c in ["run", "seed", *by, "finished", "iteration", f"base/{metric}", f"final/{metric}",
+                        "mean/train/kl_pg_grad_ratio", "wall_s", "commit"] if c in runs]
     runs[keep].to_csv(out / f"{name}_runs.csv", index=False)
     table.to_csv(out / f"{name}.csv", index=False)
     dcol = [c for c in table.columns if c.startswith("Δ ") or c == "min. detectable Δ"]
+    extra = [c for c in ("ended below base", "‖∇βKL‖/‖∇J‖") if c in table]
     md = [f"# {title or name}", "", f"Final `{metric}` over seeds (mean ± sample std; n = seeds)"
           + (f"; `{dcol[0]}`: the difference to that variant on the same seed (same cold start), mean ± std, "
              "with its 95% paired bootstrap interval over seeds and whether that interval lies above 0, below 0 or "
              "around it (undecided), and the smallest difference these seeds would detect (2.8 × paired std / √seeds: "
              "80% power, two-sided 5%)" if dcol else "") + ".", "",
-          table[by + ["mean ± std", *dcol, "n"]].to_markdown(index=False, disable_numparse=True), ""]
+          table[by + ["mean ± std", *dcol, *extra, "n"]].to_markdown(index=False, disable_numparse=True), "",
+          *(["`ended below base`: runs whose final value is below their own value before RL (iteration 0). "
+             "`‖∇βKL‖/‖∇J‖`: the KL term's gradient norm over the policy gradient's (monitor.grad_ratio_every), "
+             "as the ratio of the run's mean norms, averaged over seeds."] if extra else [])]
     (out / f"{name}.md").write_text("\n".join(md))
 
     set_style()

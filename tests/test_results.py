@@ -178,3 +178,25 @@ def test_load_runs_command_writes_the_table_and_curves(tmp_path):
     c = pd.read_csv(tmp_path / "c.csv")
     assert set(c["metric"]) == {"eval/avg/em", "train/reward_mean"}
     assert c[c["metric"] == "train/reward_mean"]["value"].tolist() == pytest.approx([0.1, 0.2])
+
+
+def test_ablation_report_counts_runs_below_base_and_gives_the_kl_gradient_share(tmp_path):
+    # beta 0: both seeds end below their start; beta 0.05 ends above on both. Gradient norms logged on two
+    # iterations, one with no policy gradient at all (every group tied): the ratio of mean norms stays finite
+    for seed in (0, 1):
+        fake_run(tmp_path / "runs", f"b0_s{seed}", ["algo.beta=0.0", f"seed={seed}"], {0: {"avg": 0.3}, 2: {"avg": 0.1 + seed / 10}})
+        d = fake_run(tmp_path / "runs", f"b5_s{seed}", ["algo.beta=0.05", f"seed={seed}"], {0: {"avg": 0.3}, 2: {"avg": 0.5 + seed / 10}})
+        m = pd.read_csv(d / "metrics.csv")
+        train = m["train/reward_mean"].notna()
+        m.loc[train & (m["step"] == 1), ["train/grad_norm_pg", "train/grad_norm_kl", "train/kl_pg_grad_ratio"]] = [2.0, 0.5, 0.25]
+        m.loc[train & (m["step"] == 2), ["train/grad_norm_pg", "train/grad_norm_kl", "train/kl_pg_grad_ratio"]] = [0.0, 0.5, float("inf")]
+        m.to_csv(d / "metrics.csv", index=False)
+    runs = load_runs(tmp_path / "runs")
+    assert runs.set_index("run").loc["b5_s0", "mean/train/kl_pg_grad_ratio"] == pytest.approx(0.5 / 1.0)
+    rep = ablation_report(runs, tmp_path / "out", name="b", x="algo.beta")
+    t = rep["table"].set_index("algo.beta")
+    assert t.loc["0.0", "ended below base"] == "2/2" and t.loc["0.05", "ended below base"] == "0/2"
+    assert t.loc["0.05", "‖∇βKL‖/‖∇J‖"] == "0.5" and t.loc["0.05", "Δ vs 0.0 (paired)"] == "0.400 ± 0.000"
+    assert t.loc["0.05", "min. detectable Δ"] == "0.000" and t.loc["0.05", "Δ vs 0"] == "higher"
+    md = (tmp_path / "out" / "b.md").read_text()
+    assert "ended below base" in md and "min. detectable Δ" in md

@@ -259,3 +259,21 @@ def test_evaluation_averages_the_tasks_diagnostics_per_split_and_logs_them_apart
     assert m["eval_diag/nq/grounded"] == 1.0 and m["eval_diag/avg/recalled"] == 0.5 and "eval_diag/nq/read_em_n" not in m
     assert not any(k.startswith("eval/") and "grounded" in k for k in m)  # scores and diagnostics kept apart
     assert "(grounded)" in format_table(res) and [p for p in Prompt.__dataclass_fields__] == ["text", "answer", "meta"]
+
+
+def test_demo_people_are_disjoint_from_rl_prompts_and_the_eval_splits_stay_put():
+    kw = {"name": "search_qa", "seed": 0, "n_people": 300, "n_orgs": 60, "per_split": 20}
+    plain, split = build_task(kw), build_task({**kw, "demo_people": 0.5, "multihop_demos": 0.2})
+    person = lambda p: p.meta["question"].removeprefix("Where was ").removeprefix("In which country was ").removesuffix(" born?")
+    rl, demo = {person(p) for p in split.train_set}, {person(p) for p in split.demo_set}
+    assert rl and demo and not rl & demo  # an RL reward cannot come from a fact the cold start taught
+    assert rl | demo == {person(p) for p in plain.train_set} and 0.4 < len(demo) / len(rl | demo) < 0.6
+    assert {k: [p.text for p in v] for k, v in split.eval_splits().items()} == \
+           {k: [p.text for p in v] for k, v in plain.eval_splits().items()}  # the same eval questions
+    prompts = {p for p, _ in split.demonstrations(300, seed=0)}
+    assert prompts <= {p.text for p in split.demo_set} and not prompts & {p.text for p in split.train_set}
+    assert any("In which country" in p for p in prompts)  # bridges come from the demo people too
+    assert {p.text for p in split.sample(200, seed=3)} <= {p.text for p in split.train_set}
+    assert plain.demo_set == plain.train_set
+    with pytest.raises(ValueError, match="demo_people"):
+        build_task({**kw, "demo_people": 1.0})

@@ -74,7 +74,7 @@ class SearchQATask(Task):
 
     def __init__(self, *, seed: int, topk: int, max_turns: int, per_split: int, retriever: str,
                  retriever_url: str | None, data_dir: str | None, n_people: int, n_orgs: int, prompt_template: str,
-                 multihop_demos: float = 0.0):
+                 multihop_demos: float = 0.0, demo_people: float = 0.0):
         if topk < 1 or max_turns < 1:
             raise ValueError(f"task.topk and task.max_turns must be >= 1; got {topk}, {max_turns}")
         if not 0.0 <= multihop_demos <= 1.0:
@@ -83,8 +83,13 @@ class SearchQATask(Task):
         if multihop_demos > 0 and max_turns < 2:
             raise ValueError(f"task.multihop_demos={multihop_demos} demonstrates two searches, but task.max_turns="
                              f"{max_turns} allows one; raise task.max_turns or set task.multihop_demos=0")
+        if not 0.0 <= demo_people < 1.0:
+            raise ValueError(f"task.demo_people={demo_people} is the share of training people kept for the cold "
+                             "start's demonstrations (the rest are RL's): give a number in [0, 1)")
+        if demo_people > 0 and data_dir:
+            raise ValueError("task.demo_people splits the synthetic world's people; with task.data_dir set task.demo_people=0")
         self.seed, self.topk, self.max_turns, self.template = seed, topk, max_turns, prompt_template
-        self.multihop_demos = multihop_demos
+        self.multihop_demos, self.demo_people = multihop_demos, demo_people
         self.data_dir = data_dir
         if retriever not in ("bm25", "http"):
             raise ValueError(f"task.retriever={retriever!r}; choose bm25 or http")
@@ -96,12 +101,14 @@ class SearchQATask(Task):
             from .data import load_search_r1
 
             self.train_set, self.eval_sets = load_search_r1(data_dir)
+            self.demo_set = self.train_set
             self.world = None
             docs = []
         else:
             self.world = build_world(seed, n_people=n_people, n_orgs=n_orgs)
-            qs = questions(self.world, seed, per_split)
+            qs = questions(self.world, seed, per_split, demo_people)
             self.train_set = [self._prompt(q.question, q.answers, q.split, q.hops) for q in qs["train"]]
+            self.demo_set = [self._prompt(q.question, q.answers, q.split, q.hops) for q in qs["demo"]]
             self.eval_sets = {s: [self._prompt(q.question, q.answers, s, q.hops) for q in qs[s]] for s in SPLITS}
             docs = self.world.docs
         self.retriever = HTTPRetriever(retriever_url) if retriever == "http" else BM25Retriever(docs)
@@ -153,7 +160,9 @@ class SearchQATask(Task):
         """Text for the tokenizer: passages, questions and the action format."""
         fmt = "<search> </search> <information>Doc 1(Title: ) </information> <answer> </answer>" + INVALID
         docs = [] if self.world is None else [f"{t} {x}" for t, x in self.world.docs]
-        qs = [p.text for p in self.train_set] + [p.text for v in self.eval_sets.values() for p in v]
+        demo = [p.text for p in self.demo_set] if self.demo_set is not self.train_set and self.world is not None and \
+            self.demo_people > 0 else []
+        qs = [p.text for p in self.train_set] + demo + [p.text for v in self.eval_sets.values() for p in v]
         return docs + qs + [fmt] * 50
 
     def demonstrations(self, n: int, seed: int) -> list[tuple[str, str]]:
@@ -169,8 +178,8 @@ class SearchQATask(Task):
         ``<information>`` spans are masked out of the SFT loss.
         """
         rng = random.Random(f"search-demo-{self.seed}-{seed}")
-        singles = [p for p in self.train_set if p.meta["hops"] == 1]
-        bridges = [p for p in self.train_set if p.meta["hops"] == 2]
+        singles = [p for p in self.demo_set if p.meta["hops"] == 1]
+        bridges = [p for p in self.demo_set if p.meta["hops"] == 2]
         if self.multihop_demos > 0 and (self.world is None or not bridges):
             raise ValueError(f"task.multihop_demos={self.multihop_demos} needs the synthetic world's bridge questions "
                              "(their intermediate city is known); with task.data_dir set task.multihop_demos=0")

@@ -19,7 +19,10 @@ bamboogle     two hops: organization -> headquarters -> country, on       Bamboo
               organizations that no training question mentions
 ============  ==========================================================  ============
 
-Training questions come from the nq and hotpotqa analogues, on people disjoint from theirs.
+Training questions come from the nq and hotpotqa analogues, on people disjoint from theirs. With
+``demo_frac`` > 0 the training people are split once more: the cold start's demonstrations ask about
+one part ("demo"), RL's prompts about the other ("train"), so an RL reward can only be earned by
+reading the passages, never by recalling a fact the demonstrations taught.
 """
 
 from __future__ import annotations
@@ -123,11 +126,17 @@ def _people_split(w: World, popular: bool, rng: random.Random) -> tuple[list[str
     return xs[:cut], xs[cut:]  # (train people, eval people)
 
 
-def questions(w: World, seed: int = 0, per_split: int = 100) -> dict[str, list[Question]]:
-    """The training questions ("train") and the seven eval splits, each a deterministic function of seed."""
+def questions(w: World, seed: int = 0, per_split: int = 100, demo_frac: float = 0.0) -> dict[str, list[Question]]:
+    """The RL training questions ("train"), the demonstrations' questions ("demo": the same as "train" when
+    ``demo_frac`` = 0, else on that share of the training people, disjoint from RL's) and the seven eval
+    splits, each a deterministic function of seed."""
     rng = random.Random(f"questions-{seed}")
     pop_train, pop_eval = _people_split(w, True, rng)
     tail_train, tail_eval = _people_split(w, False, rng)
+    demo_people: set[str] = set()
+    if demo_frac > 0:  # the last share of each group goes to the demonstrations
+        demo_people = set(pop_train[round(len(pop_train) * (1 - demo_frac)):]
+                          + tail_train[round(len(tail_train) * (1 - demo_frac)):])
     country = lambda city: w.city_country[city]
     P = w.people
 
@@ -140,8 +149,10 @@ def questions(w: World, seed: int = 0, per_split: int = 100) -> dict[str, list[Q
     para = ["{p} was born in which city?", "What is the birthplace of {p}?", "Which city is {p} from?"]
     out: dict[str, list[Question]] = {}
     train = [birthplace(n) for n in pop_train + tail_train] + [bridge(n) for n in pop_train + tail_train]
-    rng.shuffle(train)
-    out["train"] = train
+    rng.shuffle(train)  # (before the split: the eval draws below are the same with or without it)
+    out["train"] = [q for q in train if q.entities[0] not in demo_people]
+    if demo_people:
+        out["demo"] = [q for q in train if q.entities[0] in demo_people]
     pick = lambda xs, k: rng.sample(xs, min(k, len(xs)))
     out["nq"] = [birthplace(n) for n in pick(pop_eval, per_split)]
     out["triviaqa"] = [birthplace(n, rng.choice(para)) for n in pick(pop_eval, per_split)]
@@ -163,7 +174,8 @@ def questions(w: World, seed: int = 0, per_split: int = 100) -> dict[str, list[Q
     held = sorted(o for o, v in w.orgs.items() if v.heldout)
     out["bamboogle"] = [Question(f"In which country is {o} headquartered?", [country(w.orgs[o].city)], "", 2, [o])
                         for o in pick(held, per_split)]
+    out.setdefault("demo", out["train"])
     for name, qs in out.items():
         for q in qs:
-            q.split = name
+            q.split = q.split or name
     return out

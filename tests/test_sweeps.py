@@ -149,7 +149,7 @@ def test_decide_scale_is_the_demo_collapse_edge_and_refused_for_the_tables(tmp_p
     edge = OmegaConf.load(ROOT / "sweeps" / "beta0_collapse.yaml")
     assert over.optim.lr == edge.optim.lr and over.algo.beta in [float(b) for b in str(edge.hydra.sweeper.params["algo.beta"]).split(",")]
     assert str(over.hydra.sweeper.params.seed) == "1,2,3,4,5"
-    for name in ("fig5_methods", "tail_bias"):
+    for name in ("fig5_methods", "tail_bias", "fig6_k"):
         sweep, _, _, out = commands(name, "decide", [], runs=tmp_path)
         assert "+scale=decide" in sweep and out == ROOT / "reproductions" / name / "decide"
         assert (out / "README.md").is_file(), f"{name}: pre-registration first"

@@ -70,12 +70,13 @@ def make_loggers(cfg, run_dir: Path, resume_step: int | None):
     return loggers
 
 
-def resolve_resume(cfg) -> DictConfig:
+def resolve_resume(cfg, composed: bool = False) -> DictConfig:
     """The config of a resumed run.
 
     From the command line: the run's saved ``config.yaml`` with this command's explicit
-    overrides on top (``resume=RUN algo.iterations=400``). From Python: ``cfg`` as given
-    (load the saved config, change what you want, set ``resume``).
+    overrides on top (``resume=RUN algo.iterations=400``). From Python, or with ``composed``
+    (``if_exists=resume``: the command composed the whole config, group overlays such as a
+    sweep's ``+scale=...`` included): ``cfg`` as given.
     """
     run_dir = Path(cfg.resume)
     if not (run_dir / "config.yaml").is_file():
@@ -83,11 +84,12 @@ def resolve_resume(cfg) -> DictConfig:
     from hydra.core.hydra_config import HydraConfig
 
     saved = OmegaConf.load(run_dir / "config.yaml")
-    if HydraConfig.initialized():
+    if HydraConfig.initialized() and not composed:
         overrides = [o.lstrip("+") for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
+        groups = set(HydraConfig.get().runtime.choices)
         for o in overrides:
             key = o.split("=", 1)[0]
-            if isinstance(OmegaConf.select(saved, key), DictConfig):
+            if key in groups or isinstance(OmegaConf.select(saved, key), DictConfig):
                 raise ConfigError(f"resume: '{o}' changes the config group {key}; a resumed run keeps the settings it "
                                   f"started with (only {', '.join(RESUMABLE_SETTINGS)} may change)")
         cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))

@@ -131,6 +131,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     metrics are returned) and one that holds a checkpoint is resumed, so a killed sweep is
     continued by running the same command again.
     """
+    composed = False  # True: this command composed the run's own config (a sweep continuing a killed run)
     if not cfg.get("resume") and cfg.get("if_exists", "error") == "resume":
         run_dir = Path(cfg.run_dir)
         if (run_dir / "config.yaml").is_file():
@@ -143,9 +144,9 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
             log.info("%s already finished %d iterations: skipped", run_dir, done["iteration"])
             return done, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True}
         if checkpoint_file(run_dir) is not None:
-            cfg.resume = str(run_dir)
+            cfg.resume, composed = str(run_dir), True
     if cfg.get("resume"):
-        cfg = resolve_resume(cfg)
+        cfg = resolve_resume(cfg, composed=composed)
     validate(cfg)
     fill_defaults(cfg)
     run_dir = Path(cfg.run_dir)

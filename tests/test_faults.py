@@ -229,6 +229,35 @@ def test_resume_refuses_changed_settings_and_writes_its_log_into_the_run_folder(
 
 
 @pytest.mark.slow
+def test_a_sweep_with_a_group_overlay_continues_its_killed_run(tmp_path):
+    """A reproduction's sweep appends its scale overlay as a config group (``+scale=decide``, a
+    ``@package _global_`` file); the same command again must continue the run it left (it was refused:
+    "settings differ (scale)"), while a hand ``resume=`` that names a group is refused as a change."""
+    import json
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "conf" / "scale").mkdir(parents=True)
+    (tmp_path / "conf" / "scale" / "lean.yaml").write_text("# @package _global_\nalgo:\n  beta: 0.07\n")
+    run = tmp_path / "run"
+    py = [sys.executable, "-m", "ema_pg.train", "--config-dir", str(tmp_path / "conf")]
+    common = cli_tiny(tmp_path) + ["+scale=lean", "if_exists=resume", f"run_dir={run}", f"hydra.run.dir={run}"]
+    first = subprocess.run(py + common + ["algo.iterations=1"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = subprocess.run(py + common + ["algo.iterations=2"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming" in (run / "train.log").read_text()
+    assert json.loads((run / "eval.json").read_text())["iteration"] == 2
+    assert OmegaConf.load(run / "config.yaml").algo.beta == 0.07
+    refused = subprocess.run(py + [f"resume={run}", "+scale=lean", f"hydra.run.dir={tmp_path / 'stray'}"], cwd=root,
+                             capture_output=True, text=True, timeout=600)
+    assert refused.returncode != 0 and "changes the config group scale" in refused.stdout + refused.stderr
+
+
+@pytest.mark.slow
 def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrupted_run_does(tmp_path):
     """Three runs each SIGKILLed once at a random moment (cold start, an iteration, an evaluation or a
     checkpoint write), then continued by the same command (``if_exists=resume``): the final policy and

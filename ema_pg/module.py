@@ -57,7 +57,7 @@ class _StrategyUpdater:
             sched.step()
             self.module.after_optimizer_step()
             return {"grad_norm": float(engine.get_global_grad_norm() or 0.0), "skipped_steps": 0.0}
-        if self.guard.bad(float(loss)):
+        if self.guard.bad(float(loss.detach())):
             return {"skipped_steps": 1.0}
         self.module.manual_backward(loss)  # DDP: gradients are all-reduced here, so every rank sees one norm
         grads = [p.grad for p in self.module.policy.parameters() if p.grad is not None]

@@ -147,7 +147,7 @@ class TorchUpdater:
 
     def step(self, loss: Tensor) -> dict[str, float]:
         self.opt.zero_grad(set_to_none=True)
-        if self.guard.bad(float(loss)):
+        if self.guard.bad(float(loss.detach())):
             return {"skipped_steps": 1.0}
         loss.backward()
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -11,7 +11,8 @@ The sweep is ``sweeps/<name>.yaml`` with the scale overlay ``sweeps/scale/<name>
 folder, so running the same command again after an interruption resumes the killed run from its
 last checkpoint and skips the finished ones. Results: ``reproductions/<name>/`` for ``mini``
 (the committed CPU-scale reproduction), ``reproductions/<name>/<scale>/`` for ``decide`` (the demo
-task at the collapse edge, ``sweeps/scale/decide.yaml``) and ``full``, and
+task at the collapse edge, ``sweeps/scale/decide.yaml``), ``decide_strong`` (the same from a stronger
+cold start) and ``full``, and
 ``runs/reproduce/<name>-smoke/report/`` for ``smoke`` (a pipeline check, not a result).
 Extra arguments are Hydra overrides passed to every run of the sweep.
 """
@@ -29,7 +30,7 @@ from .reports import REPORTS
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = ROOT / "sweeps"
-SCALES = ("smoke", "mini", "decide", "full")
+SCALES = ("smoke", "mini", "decide", "decide_strong", "full")
 #: what a full-scale reproduction needs in the environment (beside a GPU)
 FULL_SCALE_ENV = {"table2": ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER"),
                   "table3": ("EMA_PG_MODEL", "EMA_PG_MATH_DATA")}
@@ -37,9 +38,9 @@ TABLES = ("table2", "table3")  #: reproductions with their own make target and a
 
 
 def scale_file(name: str, scale: str) -> str:
-    if name in TABLES and scale == "decide" and not (SWEEPS / "scale" / f"{name}_{scale}.yaml").is_file():
-        raise SystemExit(f"scale 'decide' (sweeps/scale/decide.yaml) is the demo task's decisive regime; {name} runs "
-                         f"another task: add sweeps/scale/{name}_decide.yaml for it")
+    if name in TABLES and scale.startswith("decide") and not (SWEEPS / "scale" / f"{name}_{scale}.yaml").is_file():
+        raise SystemExit(f"scale {scale!r} (sweeps/scale/{scale}.yaml) is the demo task's decisive regime; {name} runs "
+                         f"another task: add sweeps/scale/{name}_{scale}.yaml for it")
     for cand in (f"{name}_{scale}", scale):
         if (SWEEPS / "scale" / f"{cand}.yaml").is_file():
             return cand

@@ -156,3 +156,24 @@ def test_decide_scale_is_the_demo_collapse_edge_and_refused_for_the_tables(tmp_p
     for name in TABLES:
         with pytest.raises(SystemExit, match=f"sweeps/scale/{name}_decide.yaml"):
             commands(name, "decide", [])
+
+
+def test_decide_strong_is_decide_from_a_stronger_cold_start():
+    """SCALE=decide_strong: everything decide sets, and SFT runs on to a training reward of 0.3."""
+    from ema_pg.config import compose
+    from ema_pg.reproduce import TABLES, commands
+
+    def run_cfg(scale):
+        return compose([f"hydra.searchpath=[file://{ROOT / 'sweeps'}]", "experiment=demo", "+scale=" + scale, "seed=1",
+                        "method=grpo"])
+
+    plain, strong = run_cfg("decide"), run_cfg("decide_strong")
+    assert strong.sft.stop_at_reward == 0.3 and plain.sft.stop_at_reward == 0.15
+    strong.sft.stop_at_reward = plain.sft.stop_at_reward
+    assert OmegaConf.to_yaml(strong) == OmegaConf.to_yaml(plain)  # nothing else differs
+    sweep, _, _, out = commands("fig5_methods", "decide_strong", [])
+    assert "+scale=decide_strong" in sweep and out == ROOT / "reproductions" / "fig5_methods" / "decide_strong"
+    assert (out / "README.md").is_file(), "pre-registration first"
+    for name in TABLES:
+        with pytest.raises(SystemExit, match=f"sweeps/scale/{name}_decide_strong.yaml"):
+            commands(name, "decide_strong", [])

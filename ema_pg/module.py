@@ -50,7 +50,7 @@ class _StrategyUpdater:
         if hasattr(engine, "get_global_grad_norm"):  # DeepSpeed: gradients live in its partitions; it clips
             # (gradient_clipping = algo.grad_clip); every rank must skip together, so the loss check is global
             loss_bad = World.current().max(int(not torch.isfinite(loss.detach()).item()))
-            if self.guard.bad(float("nan") if loss_bad else float(loss)):
+            if self.guard.bad(float("nan") if loss_bad else float(loss.detach())):
                 return {"skipped_steps": 1.0}
             self.module.manual_backward(loss)
             opt.step()
@@ -62,7 +62,7 @@ class _StrategyUpdater:
         self.module.manual_backward(loss)  # DDP: gradients are all-reduced here, so every rank sees one norm
         grads = [p.grad for p in self.module.policy.parameters() if p.grad is not None]
         norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        if self.guard.bad(float(loss), norm):
+        if self.guard.bad(float(loss.detach()), norm):
             opt.zero_grad(set_to_none=True)
             return {"skipped_steps": 1.0, "grad_norm": norm}
         if self.grad_clip > 0:

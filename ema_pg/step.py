@@ -152,7 +152,7 @@ class TorchUpdater:
         loss.backward()
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if self.guard.bad(float(loss), float(norm)):
+        if self.guard.bad(float(loss.detach()), float(norm)):
             self.opt.zero_grad(set_to_none=True)
             return {"skipped_steps": 1.0, "grad_norm": float(norm)}
         out = {"grad_norm": float(norm), "skipped_steps": 0.0}

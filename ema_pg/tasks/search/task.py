@@ -74,7 +74,7 @@ class SearchQATask(Task):
 
     def __init__(self, *, seed: int, topk: int, max_turns: int, per_split: int, retriever: str,
                  retriever_url: str | None, data_dir: str | None, n_people: int, n_orgs: int, prompt_template: str,
-                 multihop_demos: float = 0.0, demo_people: float = 0.0):
+                 multihop_demos: float, demo_people: float):
         if topk < 1 or max_turns < 1:
             raise ValueError(f"task.topk and task.max_turns must be >= 1; got {topk}, {max_turns}")
         if not 0.0 <= multihop_demos <= 1.0:

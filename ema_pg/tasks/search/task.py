@@ -108,7 +108,8 @@ class SearchQATask(Task):
             self.world = build_world(seed, n_people=n_people, n_orgs=n_orgs)
             qs = questions(self.world, seed, per_split, demo_people)
             self.train_set = [self._prompt(q.question, q.answers, q.split, q.hops) for q in qs["train"]]
-            self.demo_set = [self._prompt(q.question, q.answers, q.split, q.hops) for q in qs["demo"]]
+            self.demo_set = self.train_set if not demo_people else \
+                [self._prompt(q.question, q.answers, q.split, q.hops) for q in qs["demo"]]
             self.eval_sets = {s: [self._prompt(q.question, q.answers, s, q.hops) for q in qs[s]] for s in SPLITS}
             docs = self.world.docs
         self.retriever = HTTPRetriever(retriever_url) if retriever == "http" else BM25Retriever(docs)
@@ -160,8 +161,7 @@ class SearchQATask(Task):
         """Text for the tokenizer: passages, questions and the action format."""
         fmt = "<search> </search> <information>Doc 1(Title: ) </information> <answer> </answer>" + INVALID
         docs = [] if self.world is None else [f"{t} {x}" for t, x in self.world.docs]
-        demo = [p.text for p in self.demo_set] if self.demo_set is not self.train_set and self.world is not None and \
-            self.demo_people > 0 else []
+        demo = [] if self.demo_set is self.train_set else [p.text for p in self.demo_set]
         qs = [p.text for p in self.train_set] + demo + [p.text for v in self.eval_sets.values() for p in v]
         return docs + qs + [fmt] * 50
 

@@ -47,6 +47,7 @@ class ModelConfig:
     dtype: str = "float32"  #: float32 | bfloat16 | float16 (the anchor's master copy stays fp32)
     head_chunk_tokens: int = 0  #: tokens per chunk of the log-prob head (0 = sized by head_chunk_mb)
     head_chunk_mb: float = 256.0  #: memory budget of one chunk of logits (and its softmax/grad buffers)
+    compile: bool = False  #: torch.compile the decoder body of the policy and the anchor (ema_pg.models.compile_body)
 
 
 @dataclass
@@ -409,6 +410,9 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         if an.name != "teacher" and (an.eval_every or an.path):
             bad("with model.lora_rank > 0 the anchor is an adapter of the policy: anchor.eval_every and anchor.path are "
                 "not built for it; set them to 0 / null (anchor=teacher, a separate model, works)")
+    if m.compile and "deepspeed" in str(cfg.trainer.strategy):
+        bad("model.compile=true is not built under DeepSpeed (its parameter hooks and partitions break the compiled "
+            "graph); set model.compile=false, or use trainer=cpu, ddp or gpu")
     if cfg.optim.lr <= 0:
         bad(f"optim.lr must be > 0; got {cfg.optim.lr}")
     o = cfg.optim

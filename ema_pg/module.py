@@ -21,6 +21,7 @@ from .config import ConfigError, kl_params
 from .dist import World
 from .evaluate import eval_metrics, evaluate_policy
 from .kl import get_estimator
+from .models import compile_body
 from .monitor import StabilityMonitor
 from .rollout import build_sampler
 from .step import FiniteGuard, NonFiniteUpdates, rl_step
@@ -204,6 +205,10 @@ class GRPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if any(zero3_partitioned(p) for p in self.policy.parameters()) and hasattr(self.sampler, "lockstep"):
             self.sampler.lockstep = World.current()  # every forward is collective under ZeRO-3
+        if self.cfg.model.compile:  # after the anchor's copy (attached at setup): each model compiles its own body
+            for model in (self.policy, None if self.anchor is None else self.anchor.model):
+                if model is not None:
+                    compile_body(model)
 
     def on_train_start(self) -> None:
         if self.iteration == 0:

@@ -90,3 +90,43 @@ def test_sampler_with_growing_cache_equals_dynamic_cache(gqa_policy, monkeypatch
     assert fast.input_ids.shape[1] - fast.prompt_len > 64  # the cache grew past its first buffer
     assert torch.allclose(fast.old.logp, ref.old.logp, atol=1e-6)
     assert torch.equal(fast.old.index, ref.old.index)
+
+
+def test_a_compiled_body_computes_what_the_eager_one_does(gqa_policy):
+    """``model.compile``: the decoder body compiled in place (dynamic shapes) gives eager's logits and
+    gradients to float rounding, keeps every parameter name, and samples the same multi-turn rollouts
+    (prefill, one-token decode steps and an observation block all through the one compiled body)."""
+    import copy
+
+    from ema_pg.models import compile_body
+
+    eager, tok = gqa_policy
+    m = compile_body(copy.deepcopy(eager))
+    compiled_call = m.model._compiled_call_impl
+    assert compiled_call is not None and compile_body(m).model._compiled_call_impl is compiled_call  # once
+    assert list(m.state_dict()) == list(eager.state_dict())  # checkpoints unchanged
+    ids, am, pos = _padded_batch(tok)
+    out = []
+    for model in (m, eager):
+        model.zero_grad()
+        logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits
+        (logits * am[..., None]).pow(2).mean().backward()
+        out.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    eager.zero_grad()
+    real = am.bool()
+    assert (out[0][0] - out[1][0])[real].abs().max() < 1e-5
+    for g_c, g_e in zip(out[0][1], out[1][1]):
+        assert torch.allclose(g_c, g_e, atol=1e-6, rtol=1e-4)
+
+    calls = {"n": 0}
+
+    def observation(row, text):
+        calls["n"] += 1
+        return " 1 2 3" if calls["n"] < 4 else None
+
+    kw = dict(temperature=1.0, max_new_tokens=24, seed=5, stop=["+"], score=ScoreRequest(topk=3, entropy=True))
+    got = HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, on_stop=observation, **kw)
+    calls["n"] = 0
+    ref = HFSampler(tok).generate(eager, ["1+2=", "12+345="], 3, on_stop=observation, **kw)
+    assert torch.equal(got.input_ids, ref.input_ids) and torch.equal(got.loss_mask, ref.loss_mask)
+    assert torch.allclose(got.old.logp, ref.old.logp, atol=1e-5)

@@ -103,6 +103,7 @@ def test_a_float16_run_stops_at_its_first_bad_update_and_saves_nothing_non_finit
     (["+task.digitz=3"], "unknown key task.digitz: did you mean task.digits"),
     (["model=local"], "model=local needs model.path"),
     (["kl.k=400"], "larger than the vocabulary of the tiny model"),
+    (["trainer=deepspeed", "model.compile=true"], "model.compile=true is not built under DeepSpeed"),
 ])
 def test_bad_knobs_stop_at_start_naming_the_knob(overrides, match):
     with pytest.raises(ConfigError, match=match):
@@ -258,10 +259,12 @@ def test_a_sweep_with_a_group_overlay_continues_its_killed_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrupted_run_does(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["model.compile=true"]], ids=["eager", "compiled"])
+def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrupted_run_does(tmp_path, extra):
     """Three runs each SIGKILLed once at a random moment (cold start, an iteration, an evaluation or a
     checkpoint write), then continued by the same command (``if_exists=resume``): the final policy and
-    anchor are bit-identical to an uninterrupted run's."""
+    anchor are bit-identical to an uninterrupted run's. With ``model.compile=true`` too: the resumed
+    process compiles afresh and must still repeat the uninterrupted run bit for bit."""
     import random
     import signal
     import subprocess
@@ -271,7 +274,7 @@ def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrup
     from ema_pg.policy import load_run_model
 
     root = Path(__file__).resolve().parent.parent
-    tiny = cli_tiny(tmp_path) + ["algo.iterations=8", "if_exists=resume"]
+    tiny = cli_tiny(tmp_path) + ["algo.iterations=8", "if_exists=resume", *extra]
 
     def cmd(run):
         return [sys.executable, "-m", "ema_pg.train", *tiny, f"run_dir={run}", f"hydra.run.dir={run}"]

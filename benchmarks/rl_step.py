@@ -11,7 +11,9 @@ sampling, scoring (pi_old, anchor) and update.
 
 Rows: ``fp32`` for both (the headline: equal precision); ``bf16`` for both (each trainer's
 best precision on a CPU with AMX: ema-pg ``trainer.precision=bf16-mixed``, TRL ``bf16=True``;
-both autocast with fp32 master weights).
+both autocast with fp32 master weights); ``fp32+compile`` for both (ema-pg ``model.compile=true``,
+the decoder body compiled with dynamic shapes; TRL ``torch_compile=True``, the Trainer's compiled
+model; each one's compile happens in the warm-up steps and is not timed).
 
 ``--curve``: step time and tokens/s of both at three model sizes x two completion lengths,
 beside the physical floor: the step's matmul FLOPs (sampling forward, anchor forward, policy
@@ -54,7 +56,7 @@ def make_model_dir(root: Path, hidden: int, layers: int, heads: int = 4, kv_head
     return save_model_dir(model, tok, root / f"model_{hidden}x{layers}")
 
 
-def bench_ours(model_dir: Path, root: Path, a, bf16: bool) -> dict:
+def bench_ours(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = False) -> dict:
     import pandas as pd
     from omegaconf import OmegaConf, open_dict
 
@@ -69,8 +71,9 @@ def bench_ours(model_dir: Path, root: Path, a, bf16: bool) -> dict:
                    f"algo.adv_norm={s['adv_norm']}", f"algo.ppo_epochs={s['updates_per_batch']}", "algo.minibatch_size=0",
                    f"algo.prompts_per_step={a.prompts}", f"algo.group_size={a.group}", f"algo.iterations={n}",
                    f"algo.eval_every={n}", "task.eval_size=8", f"rollout.max_new_tokens={a.completion}",
-                   f"trainer.precision={'bf16-mixed' if bf16 else '32-true'}", "trainer.progress_bar=false"])
-    run = root / f"ours_{model_dir.name}_{a.completion}_{'bf16' if bf16 else 'fp32'}"
+                   f"trainer.precision={'bf16-mixed' if bf16 else '32-true'}", "trainer.progress_bar=false",
+                   f"model.compile={str(compiled).lower()}"])
+    run = root / f"ours_{model_dir.name}_{a.completion}_{'bf16' if bf16 else 'fp32'}{'_compiled' if compiled else ''}"
     with open_dict(cfg):
         cfg.run_dir = str(run)
         cfg.sft.cache_dir = str(root / "cache")
@@ -80,13 +83,13 @@ def bench_ours(model_dir: Path, root: Path, a, bf16: bool) -> dict:
     med = lambda c: float(df[c].median())
     tokens = float((df["train/response_len"] * a.prompts * a.group).median())
     eff = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("algo", "rollout", "optim", "kl", "anchor")}
-    eff["trainer.precision"] = cfg.trainer.precision
+    eff["trainer.precision"], eff["model.compile"] = cfg.trainer.precision, cfg.model.compile
     return {"step_s": med("time/step_s"), "sampling_s": med("time/rollout_s"), "score_s": med("time/score_s"),
             "update_s": med("time/update_s"), "completion_tokens_per_step": tokens,
             "completion_tokens_per_s": tokens / med("time/step_s"), "steps_timed": len(df), "effective_settings": eff}
 
 
-def bench_trl(model_dir: Path, root: Path, a, bf16: bool) -> dict:
+def bench_trl(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = False) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -120,7 +123,7 @@ def bench_trl(model_dir: Path, root: Path, a, bf16: bool) -> dict:
 
     s = SETTINGS
     cfg = GRPOConfig(
-        output_dir=str(root / "trl"), per_device_train_batch_size=a.prompts * a.group, num_generations=a.group,
+        output_dir=str(root / "trl"), torch_compile=compiled, per_device_train_batch_size=a.prompts * a.group, num_generations=a.group,
         max_completion_length=a.completion, beta=s["beta"], learning_rate=s["lr"], use_cpu=True, report_to="none",
         max_steps=a.warmup + a.steps, logging_steps=1, save_strategy="no", gradient_checkpointing=False,
         disable_tqdm=True, bf16=bf16, seed=0, dataloader_num_workers=0,
@@ -139,7 +142,8 @@ def bench_trl(model_dir: Path, root: Path, a, bf16: bool) -> dict:
     keys = ("loss_type", "use_bias_correction_kl", "beta", "epsilon", "epsilon_high", "temperature", "top_p", "top_k",
             "num_iterations", "scale_rewards", "learning_rate", "lr_scheduler_type", "warmup_steps", "max_grad_norm",
             "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "num_generations",
-            "per_device_train_batch_size", "max_completion_length", "mask_truncated_completions", "sync_ref_model")
+            "per_device_train_batch_size", "max_completion_length", "mask_truncated_completions", "sync_ref_model",
+            "torch_compile")
     return {"step_s": step, "completion_tokens_per_step": tokens, "completion_tokens_per_s": tokens / step,
             "steps_timed": len(t), "trl_version": __import__("trl").__version__,
             "effective_settings": {k: getattr(cfg, k) for k in keys}}
@@ -172,10 +176,11 @@ def step_flops(model_dir: Path, prompts: int, group: int, completion: int, promp
     return fwd + fwd + 3 * fwd  # sampling, anchor, policy forward + backward
 
 
-def run_pair(model_dir: Path, root: Path, a, bf16: bool) -> dict:
-    row = {"precision": "bf16" if bf16 else "fp32", "ema_pg": bench_ours(model_dir, root, a, bf16)}
+def run_pair(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = False) -> dict:
+    row = {"precision": ("bf16" if bf16 else "fp32") + ("+compile" if compiled else ""),
+           "ema_pg": bench_ours(model_dir, root, a, bf16, compiled)}
     if a.trl:
-        row["trl"] = bench_trl(model_dir, root, a, bf16)
+        row["trl"] = bench_trl(model_dir, root, a, bf16, compiled)
         o, t = row["ema_pg"], row["trl"]
         row["speedup_completion_tokens_per_s"] = o["completion_tokens_per_s"] / t["completion_tokens_per_s"]
         row["completion_tokens_ratio"] = o["completion_tokens_per_step"] / t["completion_tokens_per_step"]
@@ -183,12 +188,12 @@ def run_pair(model_dir: Path, root: Path, a, bf16: bool) -> dict:
 
 
 def print_rows(rows: list[dict]) -> None:
-    print(f"\n{'point':<18}{'prec':<6}{'ema-pg s/step':>14}{'tok/s':>9}{'TRL s/step':>12}{'tok/s':>9}{'ratio':>7}"
+    print(f"\n{'point':<18}{'prec':<14}{'ema-pg s/step':>14}{'tok/s':>9}{'TRL s/step':>12}{'tok/s':>9}{'ratio':>7}"
           f"{'floor':>8}{'ours%':>7}{'TRL%':>7}")
     for r in rows:
         o, t = r["ema_pg"], r.get("trl") or {}
         floor = r.get("floor_s")
-        print(f"{r.get('point', 'headline'):<18}{r['precision']:<6}{o['step_s']:>14.3f}{o['completion_tokens_per_s']:>9.0f}"
+        print(f"{r.get('point', 'headline'):<18}{r['precision']:<14}{o['step_s']:>14.3f}{o['completion_tokens_per_s']:>9.0f}"
               f"{t.get('step_s', float('nan')):>12.3f}{t.get('completion_tokens_per_s', float('nan')):>9.0f}"
               f"{r.get('speedup_completion_tokens_per_s', float('nan')):>7.2f}"
               + (f"{floor:>8.3f}{100 * floor / o['step_s']:>6.0f}%{100 * floor / t['step_s'] if t else float('nan'):>6.0f}%"
@@ -203,7 +208,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--completion", type=int, default=64)
     ap.add_argument("--size", default="1M", choices=list(SIZES))
-    ap.add_argument("--precisions", default="fp32,bf16", help="rows to run: fp32, bf16 or both")
+    ap.add_argument("--precisions", default="fp32,bf16,fp32+compile",
+                    help="rows to run, comma-separated: fp32, bf16, and either with +compile (both trainers compiled: "
+                         "ema-pg model.compile=true, TRL torch_compile=True)")
     ap.add_argument("--curve", action="store_true", help="the scale curve: every size x completion 64, 256")
     ap.add_argument("--no-trl", dest="trl", action="store_false")
     ap.add_argument("--out", default=None)
@@ -228,14 +235,16 @@ def main() -> None:
 
         params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model_dir)).parameters())
         for prec in a.precisions.split(","):
-            bf16 = prec == "bf16"
-            row = run_pair(model_dir, root, a, bf16)
+            bf16, compiled = prec.startswith("bf16"), prec.endswith("+compile")
+            if prec.removesuffix("+compile") not in ("fp32", "bf16"):
+                sys.exit(f"--precisions: {prec!r}; choose from fp32, bf16, fp32+compile, bf16+compile")
+            row = run_pair(model_dir, root, a, bf16, compiled)
             dtype = torch.bfloat16 if bf16 else torch.float32
-            if (size, prec) not in rates:  # measured once per size and precision
-                rates[(size, prec)] = matmul_rate(SIZES[size][0], dtype)
+            if (size, dtype) not in rates:  # measured once per size and precision
+                rates[(size, dtype)] = matmul_rate(SIZES[size][0], dtype)
             flops = step_flops(model_dir, a.prompts, a.group, completion)
             row.update(point=f"{size} x {completion} tok", model_params=params, completion_tokens=completion,
-                       step_flops=flops, matmul_flops_per_s=rates[(size, prec)], floor_s=flops / rates[(size, prec)])
+                       step_flops=flops, matmul_flops_per_s=rates[(size, dtype)], floor_s=flops / rates[(size, dtype)])
             out["rows"].append(row)
             print_rows(out["rows"][-1:])
     print_rows(out["rows"])

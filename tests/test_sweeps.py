@@ -154,8 +154,30 @@ def test_decide_scale_is_the_demo_collapse_edge_and_refused_for_the_tables(tmp_p
         assert "+scale=decide" in sweep and out == ROOT / "reproductions" / name / "decide"
         assert (out / "README.md").is_file(), f"{name}: pre-registration first"
     for name in TABLES:
-        with pytest.raises(SystemExit, match=f"sweeps/scale/{name}_decide.yaml"):
-            commands(name, "decide", [])
+        if (ROOT / "sweeps" / "scale" / f"{name}_decide.yaml").is_file():  # its own decisive overlay, pre-registered
+            sweep, _, _, out = commands(name, "decide", [], runs=tmp_path)
+            assert f"+scale={name}_decide" in sweep and (out / "README.md").is_file(), f"{name}: pre-registration first"
+        else:
+            with pytest.raises(SystemExit, match=f"sweeps/scale/{name}_decide.yaml"):
+                commands(name, "decide", [])
+
+
+def test_table2_decide_is_the_search_world_on_five_paired_seeds_compiled():
+    """Table 2's decisive overlay changes nothing of experiment=search but the seeds, the threads and the
+    compiled model: the pre-registered setting is the world the search section documents."""
+    from ema_pg.config import compose
+
+    def run_cfg(*extra):
+        return compose([f"hydra.searchpath=[file://{ROOT / 'sweeps'}]", "experiment=search", "seed=1", "method=grpo",
+                        *extra])
+
+    over = OmegaConf.load(ROOT / "sweeps" / "scale" / "table2_decide.yaml")
+    assert str(over.hydra.sweeper.params.seed) == "1,2,3,4,5"
+    decide, plain = run_cfg("+scale=table2_decide"), run_cfg()
+    assert decide.model.compile and decide.trainer.num_threads == 1
+    for key in ("model.compile", "trainer.num_threads", "trainer.progress_bar"):
+        OmegaConf.update(decide, key, OmegaConf.select(plain, key))
+    assert OmegaConf.to_yaml(decide) == OmegaConf.to_yaml(plain)
 
 
 def test_decide_strong_is_decide_from_a_stronger_cold_start():

@@ -215,6 +215,10 @@ def main() -> None:
     ap.add_argument("--no-trl", dest="trl", action="store_false")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    rows = a.precisions.split(",")
+    bad = [p for p in rows if p.removesuffix("+compile") not in ("fp32", "bf16")]
+    if bad:
+        sys.exit(f"--precisions: {', '.join(bad)}; choose from fp32, bf16, fp32+compile, bf16+compile")
     if a.trl:
         try:
             import trl  # noqa: F401
@@ -234,10 +238,8 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model_dir)).parameters())
-        for prec in a.precisions.split(","):
+        for prec in rows:
             bf16, compiled = prec.startswith("bf16"), prec.endswith("+compile")
-            if prec.removesuffix("+compile") not in ("fp32", "bf16"):
-                sys.exit(f"--precisions: {prec!r}; choose from fp32, bf16, fp32+compile, bf16+compile")
             row = run_pair(model_dir, root, a, bf16, compiled)
             dtype = torch.bfloat16 if bf16 else torch.float32
             if (size, dtype) not in rates:  # measured once per size and precision

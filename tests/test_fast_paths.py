@@ -34,6 +34,37 @@ def _padded_batch(tok):
     return enc["input_ids"], am, (am.cumsum(-1) - 1).clamp(min=0)
 
 
+def _logits_and_grads(m, tok):
+    """Logits of the padded batch and the parameters' gradients of a loss over its real positions."""
+    ids, am, pos = _padded_batch(tok)
+    m.zero_grad()
+    logits = m(input_ids=ids, attention_mask=am, position_ids=pos).logits
+    (logits * am[..., None]).pow(2).mean().backward()  # padded rows' garbage is excluded
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    return logits.detach(), grads, am.bool()
+
+
+def _assert_same_values_and_grads(a, b):
+    (la, ga, real), (lb, gb, _) = a, b
+    assert (la - lb)[real].abs().max() < 1e-5
+    for x, y in zip(ga, gb):
+        assert torch.allclose(x, y, atol=1e-6, rtol=1e-4)
+
+
+def _multi_turn(m, tok, max_new_tokens: int):
+    """Six sampled rows of two prompts; the first three stops get an observation block fed through the cache."""
+    calls = {"n": 0}
+
+    def observation(row, text):  # a multi-turn block on the first stop of every row
+        calls["n"] += 1
+        return " 1 2 3" if calls["n"] < 4 else None
+
+    return HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, on_stop=observation, temperature=1.0,
+                                   max_new_tokens=max_new_tokens, seed=5, stop=["+"],
+                                   score=ScoreRequest(topk=3, entropy=True))
+
+
 def test_models_built_or_loaded_here_use_the_fast_attention(gqa_policy, tmp_path):
     m, tok = gqa_policy
     assert m.config._attn_implementation == NAME
@@ -45,20 +76,13 @@ def test_models_built_or_loaded_here_use_the_fast_attention(gqa_policy, tmp_path
 @pytest.mark.parametrize("reference", ["sdpa", "eager"])
 def test_gqa_attention_equals_transformers_attention_in_value_and_gradient(gqa_policy, reference):
     m, tok = gqa_policy
-    ids, am, pos = _padded_batch(tok)
     out = {}
     for impl in (NAME, reference):
         m.set_attn_implementation(impl)
-        m.zero_grad()
-        logits = m(input_ids=ids, attention_mask=am, position_ids=pos).logits
-        (logits * am[..., None]).pow(2).mean().backward()  # padded rows' garbage is excluded
-        out[impl] = (logits.detach(), [p.grad.clone() for p in m.parameters()])
+        out[impl] = _logits_and_grads(m, tok)
     m.set_attn_implementation("sdpa")
     use_fast_attention(m)
-    real = am.bool()
-    assert (out[NAME][0] - out[reference][0])[real].abs().max() < 1e-5
-    for g_fast, g_ref in zip(out[NAME][1], out[reference][1]):
-        assert torch.allclose(g_fast, g_ref, atol=1e-6, rtol=1e-4)
+    _assert_same_values_and_grads(out[NAME], out[reference])
 
 
 def test_growing_layer_returns_what_concatenation_returns():
@@ -75,17 +99,9 @@ def test_growing_layer_returns_what_concatenation_returns():
 
 def test_sampler_with_growing_cache_equals_dynamic_cache(gqa_policy, monkeypatch):
     m, tok = gqa_policy
-    calls = {"n": 0}
-
-    def observation(row, text):  # a multi-turn block on the first stop of every row
-        calls["n"] += 1
-        return " 1 2 3" if calls["n"] < 4 else None
-
-    kw = dict(temperature=1.0, max_new_tokens=70, seed=5, stop=["+"], score=ScoreRequest(topk=3, entropy=True))
-    fast = HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, on_stop=observation, **kw)
-    calls["n"] = 0
+    fast = _multi_turn(m, tok, 70)
     monkeypatch.setattr(hf_rollout, "new_cache", lambda model: DynamicCache(config=model.config))
-    ref = HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, on_stop=observation, **kw)
+    ref = _multi_turn(m, tok, 70)
     assert torch.equal(fast.input_ids, ref.input_ids) and torch.equal(fast.loss_mask, ref.loss_mask)
     assert fast.input_ids.shape[1] - fast.prompt_len > 64  # the cache grew past its first buffer
     assert torch.allclose(fast.old.logp, ref.old.logp, atol=1e-6)
@@ -105,28 +121,7 @@ def test_a_compiled_body_computes_what_the_eager_one_does(gqa_policy):
     compiled_call = m.model._compiled_call_impl
     assert compiled_call is not None and compile_body(m).model._compiled_call_impl is compiled_call  # once
     assert list(m.state_dict()) == list(eager.state_dict())  # checkpoints unchanged
-    ids, am, pos = _padded_batch(tok)
-    out = []
-    for model in (m, eager):
-        model.zero_grad()
-        logits = model(input_ids=ids, attention_mask=am, position_ids=pos).logits
-        (logits * am[..., None]).pow(2).mean().backward()
-        out.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
-    eager.zero_grad()
-    real = am.bool()
-    assert (out[0][0] - out[1][0])[real].abs().max() < 1e-5
-    for g_c, g_e in zip(out[0][1], out[1][1]):
-        assert torch.allclose(g_c, g_e, atol=1e-6, rtol=1e-4)
-
-    calls = {"n": 0}
-
-    def observation(row, text):
-        calls["n"] += 1
-        return " 1 2 3" if calls["n"] < 4 else None
-
-    kw = dict(temperature=1.0, max_new_tokens=24, seed=5, stop=["+"], score=ScoreRequest(topk=3, entropy=True))
-    got = HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, on_stop=observation, **kw)
-    calls["n"] = 0
-    ref = HFSampler(tok).generate(eager, ["1+2=", "12+345="], 3, on_stop=observation, **kw)
+    _assert_same_values_and_grads(_logits_and_grads(m, tok), _logits_and_grads(eager, tok))
+    got, ref = _multi_turn(m, tok, 24), _multi_turn(eager, tok, 24)
     assert torch.equal(got.input_ids, ref.input_ids) and torch.equal(got.loss_mask, ref.loss_mask)
     assert torch.allclose(got.old.logp, ref.old.logp, atol=1e-5)

@@ -206,3 +206,14 @@ def test_if_exists_resume_skips_finished_runs_continues_longer_ones_and_refuses_
         train(compose_cfg(["algo.iterations=4", "if_exists=resume", "kl.k=4"], tmp_path))
     with pytest.raises(ConfigError, match="if_exists='skip'"):
         train(compose_cfg(["if_exists=skip"], tmp_path / "other"))
+
+
+@pytest.mark.slow
+def test_model_compile_compiles_the_policy_and_the_anchor_each_its_own(tmp_path):
+    """``model.compile=true`` reaches both models of a run (the anchor's copy is made before and compiled
+    separately, so it runs its own weights), and the run trains and evaluates through them."""
+    metrics, objs = train(compose_cfg(["model.compile=true", "algo.iterations=2"], tmp_path))
+    policy, anchor = objs["module"].policy, objs["module"].anchor.model
+    p_call, a_call = policy.model._compiled_call_impl, anchor.model._compiled_call_impl
+    assert p_call is not None and a_call is not None and p_call is not a_call
+    assert metrics["iteration"] == 2

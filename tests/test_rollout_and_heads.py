@@ -6,6 +6,7 @@ import torch
 from ema_pg.heads import head
 from ema_pg.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler, sample_token
+from ema_pg.rollout.hf import draw
 from ema_pg.scores import ScoreRequest
 from ema_pg.tasks import build_task
 
@@ -87,6 +88,40 @@ def test_top_p_keeps_the_nucleus():
     draws = {int(sample_token(logits, 1.0, 0.7, g)) for _ in range(300)}
     assert draws == {0, 1}
     assert int(sample_token(logits, 0.0, 1.0, None)) == 0
+
+
+def test_draw_is_the_inverse_cdf_exactly():
+    """Every uniform on a fine grid and on each interval's edges maps to the token whose CDF interval holds it,
+    computed in exact rationals; zero-mass tokens (first, inside, last) are never drawn, even at u -> 1."""
+    from fractions import Fraction
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0], [0.1, 0.0, 0.0, 0.0, 0.9, 0.0],
+                          [0.0, 0.15, 0.0, 0.45, 0.0, 0.0]], dtype=torch.float64)  # the last sums to 0.6
+    top = 1.0 - 2.0 ** -53  # the largest uniform below 1
+    for row in probs:
+        mass = [Fraction(float(p)) for p in row]
+        cdf = [sum(mass[: i + 1]) / sum(mass) for i in range(len(mass))]
+        us = [k / 997 for k in range(997)] + [float(c) for c in cdf if c < 1] + [top]
+        expect = [next(i for i, c in enumerate(cdf) if c > Fraction(u)) for u in us]
+        got = draw(row.expand(len(us), -1), torch.tensor(us, dtype=torch.float64)[:, None]).tolist()
+        positive = [i for i, m in enumerate(mass) if m > 0]
+        assert got == expect
+        assert set(got) == set(positive)  # every token of positive mass is reached, no other
+
+
+def test_sampled_frequencies_match_the_distribution():
+    """200k draws of one distribution: each token's frequency within 5 standard errors of its probability
+    (a wrong sampler, e.g. one off by an index or ignoring temperature, misses by far more)."""
+    p = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.3])
+    logits = torch.log(p).expand(200_000, -1) * 2.0  # temperature 2 undoes the doubling
+    g = torch.Generator().manual_seed(3)
+    freq = torch.bincount(sample_token(logits, 2.0, 1.0, g), minlength=5).double() / 200_000
+    se = (p.double() * (1 - p.double()) / 200_000).sqrt()
+    assert freq[2] == 0
+    assert ((freq - p.double()).abs() <= 5 * se + 1e-12).all(), (freq, p)
+    gs = [torch.Generator().manual_seed(s) for s in range(4)]  # one generator per block of rows: same law
+    freq = torch.bincount(sample_token(logits, 2.0, 1.0, gs), minlength=5).double() / 200_000
+    assert ((freq - p.double()).abs() <= 5 * se + 1e-12).all(), (freq, p)
 
 
 def test_ragged_observations_are_packed_and_scored_exactly(policy):

@@ -18,11 +18,22 @@ from ..scores import ScoreRequest, TokenScores
 from .base import OnStop, Rollouts, prompt_seeds
 
 
+def draw(probs: Tensor, u: Tensor) -> Tensor:
+    """(N,) indices drawn from the rows of (N, V) ``probs`` (non-negative, any positive total) by the inverse
+    CDF at (N, 1) uniforms ``u`` in [0, 1): the first index whose cumulative mass C_i exceeds u * C_V. Token i
+    is drawn for u in [C_{i-1}, C_i) / C_V, an interval of length p_i / C_V, so a token of zero mass is never
+    drawn (its C_i equals C_{i-1}; a rounded sum of non-negative terms never decreases), and u * C_V stays
+    below C_V in round-to-nearest for every u < 1. One uniform per row instead of one exponential per row and
+    token (the exponential race this replaced took a tenth of the sampler's time at a 300-token vocabulary)."""
+    c = probs.double().cumsum(-1)  # float64: at a 150k vocabulary float32 would round small steps away
+    return torch.searchsorted(c, u.double() * c[:, -1:], right=True).squeeze(-1)
+
+
 def sample_token(logits: Tensor, temperature: float, top_p: float,
                  generator: torch.Generator | list[torch.Generator] | None) -> Tensor:
     """(N,) tokens from (N, V) logits: greedy at temperature 0, else temperature + nucleus.
 
-    ``generator``: one for the whole batch, or a list of G generators, each drawing the noise of
+    ``generator``: one for the whole batch, or a list of G generators, each drawing the uniforms of
     its N / G consecutive rows (one prompt's group)."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -32,13 +43,13 @@ def sample_token(logits: Tensor, temperature: float, top_p: float,
         drop = sp.cumsum(-1) - sp > top_p  # keep the smallest prefix with mass >= top_p
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
-    # exponential race: argmax p_i / E_i with E_i ~ Exp(1) is a draw from p (faster than multinomial)
+    N, dev = probs.shape[0], probs.device
     if isinstance(generator, list):
-        n = probs.shape[0] // len(generator)
-        race = torch.cat([torch.empty_like(probs[:n]).exponential_(generator=g) for g in generator])
+        n = N // len(generator)
+        u = torch.cat([torch.rand(n, 1, generator=g, device=dev, dtype=torch.float64) for g in generator])
     else:
-        race = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / race).argmax(-1)
+        u = torch.rand(N, 1, generator=generator, device=dev, dtype=torch.float64)
+    return draw(probs, u)
 
 
 class GrowingLayer(DynamicLayer):

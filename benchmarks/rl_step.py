@@ -226,7 +226,10 @@ def main() -> None:
             sys.exit("TRL is not installed: pip install -e '.[bench]' (or run with --no-trl)")
     root = Path(tempfile.mkdtemp(prefix="rl_step_"))
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True, text=True)
-    out = {"benchmark": "rl_step_curve" if a.curve else "rl_step", "device": cpu.stdout.strip() or platform.machine(),
+    from ema_pg.runs import git_commit
+
+    out = {"benchmark": "rl_step_curve" if a.curve else "rl_step", "commit": git_commit(),
+           "device": cpu.stdout.strip() or platform.machine(),
            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "settings": SETTINGS,
            "batch": {"prompts": a.prompts, "group": a.group}, "warmup_steps": a.warmup, "timed_steps": a.steps,
            "rows": []}

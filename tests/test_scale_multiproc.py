@@ -87,7 +87,10 @@ def test_two_processes_train_like_one(strategy, one_process, two_process):
     first = lambda d, k: float(d[k].iloc[0])
     for key in ("train/grad_norm", "anchor/lag_norm"):
         assert first(got, key) == pytest.approx(first(ref, key), rel=1e-5), key
-    assert float(got["train/loss"].iloc[1]) == pytest.approx(float(ref["train/loss"].iloc[1]), rel=1e-4)
+    # The loss sums terms that cancel (group-centred advantages) to ~2e-4, so the reduction order's rounding
+    # of the weights shows in it at ~1e-4 relative (ZeRO-3: 1.3e-4, 2.6e-8 absolute); the weights themselves
+    # are compared below.
+    assert float(got["train/loss"].iloc[1]) == pytest.approx(float(ref["train/loss"].iloc[1]), rel=1e-3)
     init = weights(one_process, "initial")
     for which in ("policy", "anchor"):
         a, b = weights(one_process, which), weights(two_process(strategy), which)

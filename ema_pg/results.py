@@ -170,6 +170,22 @@ def summarize(runs: pd.DataFrame, by: list[str], metric: str) -> pd.DataFrame:
     return out
 
 
+def paired_differences(better, worse) -> np.ndarray:
+    """better - worse, seed by seed, with a difference below 1e-12 set to 0. Scores are means of a few hundred 0/1 outcomes, so a
+    smaller difference is float rounding of a tie (equal means summed from different parts: the 4-split
+    means (0.1 + 0.2 + 0 + 0) / 4 and (0.3 + 0 + 0 + 0) / 4 differ by 1.4e-17), which would otherwise count
+    as a win or a loss and could tip an interval's edge off 0."""
+    d = np.asarray(better, dtype=float) - np.asarray(worse, dtype=float)
+    return np.where(np.abs(d) < 1e-12, 0.0, d)
+
+
+def seed_tally(d) -> str:
+    """'better on W/N' seeds, with the ties when there are any."""
+    d = np.asarray(d, dtype=float)
+    ties = int((d == 0).sum())
+    return f"better on {int((d > 0).sum())}/{len(d)}" + (f", tied on {ties}" if ties else "")
+
+
 def bootstrap_ci(deltas, level: float = 0.95, n_boot: int = 10_000, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of paired differences (resampling seeds)."""
     d = np.asarray(list(deltas), dtype=float)
@@ -210,7 +226,7 @@ def paired_delta(runs: pd.DataFrame, by: list[str], metric: str, ref_x, x: str) 
     merged = runs.merge(ref, on=hue + ["seed"], how="inner")
     if not len(merged):
         return None
-    merged["delta"] = merged[col] - merged["ref"]
+    merged["delta"] = paired_differences(merged[col], merged["ref"])
     g = merged.groupby(by, sort=False)["delta"]
     out = g.apply(mean_std).reset_index().rename(columns={"delta": f"Δ vs {ref_x} (paired)"})
     cis = g.apply(lambda d: bootstrap_ci(d)).reset_index(drop=True)

@@ -20,7 +20,7 @@ import pandas as pd
 import seaborn as sns
 
 from .results import (METHOD_LABELS, bootstrap_ci, claim_verdict, load_curves, method_label, min_detectable,
-                      provenance_lines, set_style, table_args, write_results)
+                      paired_differences, provenance_lines, seed_tally, set_style, table_args, write_results)
 from .tasks.search.task import SPLITS as TASK_SPLITS
 
 SPLITS = list(TASK_SPLITS)  # general QA first, then multi-hop (the paper's column order)
@@ -116,12 +116,12 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
         if seeds:  # on the seeds both methods ran: a paired comparison (same seed = same base policy)
             b = by_seed.loc[[(better, s) for s in seeds], col].to_numpy(dtype=float)
             w = by_seed.loc[[(worse, s) for s in seeds], col].to_numpy(dtype=float)
-            d = b - w
+            d = paired_differences(b, w)
             lo, hi = bootstrap_ci(d)
             row.update(ours=f"{b.mean():.3f} vs {w.mean():.3f} (Δ {d.mean():+.4f})", ours_holds=bool(d.mean() > 0),
                        ci=f"[{lo:+.3f}, {hi:+.3f}]" if len(d) > 1 else "—", verdict=claim_verdict(lo, hi),
                        mde=min_detectable(d),
-                       seeds=f"Δ per seed: {', '.join(f'{x:+.3f}' for x in d)}; better on {int((d > 0).sum())}/{len(d)}")
+                       seeds=f"Δ per seed: {', '.join(f'{x:+.3f}' for x in d)}; {seed_tally(d)}")
         else:
             row.update(ours="missing", ours_holds=None, ci="—", verdict="missing", mde=float("nan"), seeds="")
         out.append(row)

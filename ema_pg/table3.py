@@ -21,8 +21,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .results import (bootstrap_ci, claim_verdict, load_curves, min_detectable, provenance_lines, set_style, table_args,
-                      write_results)
+from .results import (bootstrap_ci, claim_verdict, load_curves, min_detectable, paired_differences, provenance_lines,
+                      set_style, table_args, write_results)
 from .tasks.math.task import PAPER_NAMES
 
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table3" / "paper_table3.csv"
@@ -82,7 +82,7 @@ def paired(scores: pd.DataFrame, better: str, worse: str, col: str = "avg") -> n
     a = scores[scores["method"] == better].set_index("seed")[col]
     b = scores[scores["method"] == worse].set_index("seed")[col]
     seeds = sorted(set(a.index) & set(b.index))
-    return (a.loc[seeds] - b.loc[seeds]).to_numpy(dtype=float)
+    return paired_differences(a.loc[seeds], b.loc[seeds])
 
 
 def claims(p1: pd.DataFrame, pn: pd.DataFrame) -> pd.DataFrame:

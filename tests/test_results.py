@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from helpers import compose_cfg
@@ -12,7 +13,8 @@ from omegaconf import OmegaConf
 
 from ema_pg import table2
 from ema_pg.config import fill_defaults
-from ema_pg.results import ablation_report, derived_columns, load_curves, load_runs, method_label, summarize
+from ema_pg.results import (ablation_report, derived_columns, load_curves, load_runs, method_label, paired_differences,
+                            seed_tally, summarize)
 
 SPLITS = table2.SPLITS
 METHOD_OVERRIDES = {"grpo": "GRPO", "ema": "EMA-PG: w/ EMA anchor", "ema_topk_forward": "+ Top-k forward KL",
@@ -96,6 +98,29 @@ def test_ablation_report_writes_every_format(tmp_path):
     md = (tmp_path / "out" / "fig6_k.md").read_text()
     assert "0.300 ± 0.141" in md and "0.800 ± 0.141" in md
     assert rep["table"].set_index("kl.k")["mean"].to_dict() == pytest.approx({"0": 0.3, "16": 0.8})
+
+
+def test_a_float_tie_is_a_tie_not_a_win():
+    # equal 4-split means summed from different parts differ by float rounding alone
+    a, b = np.mean([0.1, 0.2, 0.0, 0.0]), np.mean([0.3, 0.0, 0.0, 0.0])
+    assert a - b != 0
+    d = paired_differences([a, 0.25, 0.2], [b, 0.2, 0.25])
+    assert d.tolist() == [0.0, pytest.approx(0.05), pytest.approx(-0.05)] and d[0] == 0.0
+    assert seed_tally(d) == "better on 1/3, tied on 1"
+    assert seed_tally([0.1, 0.2]) == "better on 2/2"
+
+
+def test_table2_counts_a_float_tie_on_multihop_as_a_tie(tmp_path):
+    # seed 0: the multi-hop splits (0.1, 0.2, 0, 0) against (0.3, 0, 0, 0): equal means; seed 1: +0.05 on each
+    mh = table2.MULTIHOP
+    grpo = [{s: 0.3 for s in table2.GENERAL} | dict(zip(mh, [0.3, 0.0, 0.0, 0.0])) | {"avg": 0.3},
+            _scores(0.3, 0.1)]
+    rev = [{s: 0.3 for s in table2.GENERAL} | dict(zip(mh, [0.1, 0.2, 0.0, 0.0])) | {"avg": 0.3},
+           _scores(0.3, 0.15)]
+    _t2_runs(tmp_path / "runs", {"grpo": grpo, "ema_topk_reverse": rev})
+    res = table2.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--scale", "test"])
+    c = next(c for c in res["orderings"] if c["claim"].startswith("Top-k reverse > GRPO on multi-hop"))
+    assert c["seeds"] == "Δ per seed: +0.000, +0.050; better on 1/2, tied on 1"
 
 
 def _t2_runs(root: Path, scores: dict[str, list[dict]]):

@@ -196,6 +196,23 @@ def bootstrap_ci(deltas, level: float = 0.95, n_boot: int = 10_000, seed: int = 
     return float(np.quantile(means, a)), float(np.quantile(means, 1 - a))
 
 
+def sign_flip_p(deltas) -> float:
+    """Exact one-sided p-value of the paired sign-flip (randomization) test that the mean difference is > 0:
+    the share of the 2^n sign assignments of |d| whose sum is at least the observed sum (ties with it count).
+    It assumes only that, without an effect, each seed's difference is as likely negative as positive. At
+    n = 5 its smallest value is 1/32, so no two-sided 5% test can be met with 5 seeds, and the percentile
+    bootstrap, which can, is the more liberal of the two. nan below one seed; n > 20 is refused (2^n sums)."""
+    d = np.abs(np.asarray(list(deltas), dtype=float))
+    if len(d) == 0:
+        return float("nan")
+    if len(d) > 20:
+        raise ValueError(f"sign_flip_p enumerates 2^n sign assignments; n = {len(d)} is too many (use <= 20)")
+    signs = 1 - 2 * ((np.arange(2 ** len(d))[:, None] >> np.arange(len(d))) & 1)  # (2^n, n) of +-1
+    sums = signs @ d
+    observed = float(np.sum(np.asarray(list(deltas), dtype=float)))
+    return float(np.mean(sums >= observed - 1e-12))
+
+
 def min_detectable(deltas) -> float:
     """The smallest mean paired difference these seeds would detect: 2.8 x the paired std / sqrt(seeds)
     (80% power, two-sided 5%); nan below two seeds."""

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from ema_pg import table2
 from ema_pg.config import fill_defaults
 from ema_pg.results import (ablation_report, derived_columns, load_curves, load_runs, method_label, paired_differences,
-                            seed_tally, summarize)
+                            seed_tally, sign_flip_p, summarize)
 
 SPLITS = table2.SPLITS
 METHOD_OVERRIDES = {"grpo": "GRPO", "ema": "EMA-PG: w/ EMA anchor", "ema_topk_forward": "+ Top-k forward KL",
@@ -110,6 +110,21 @@ def test_a_float_tie_is_a_tie_not_a_win():
     assert seed_tally([0.1, 0.2]) == "better on 2/2"
 
 
+def test_sign_flip_p_by_enumeration():
+    import itertools
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 5, 7):
+        d = rng.normal(0.01, 0.02, n)
+        sums = [sum(s * abs(x) for s, x in zip(signs, d)) for signs in itertools.product((1, -1), repeat=n)]
+        assert sign_flip_p(d) == pytest.approx(np.mean([t >= d.sum() - 1e-12 for t in sums]))
+    assert sign_flip_p([0.01, 0.02, 0.03, 0.04, 0.05]) == 1 / 32  # every seed better: the floor at 5 seeds
+    assert sign_flip_p([0.02, 0.0, 0.01, 0.0, 0.025]) == 4 / 32  # a tie flips to itself: 2 ties, 4 copies
+    assert sign_flip_p([-0.01, -0.02]) == 1.0 and sign_flip_p([1.0, -1.0]) == 3 / 4
+    assert np.isnan(sign_flip_p([]))
+    with pytest.raises(ValueError, match="<= 20"):
+        sign_flip_p(np.ones(21))
+
+
 def test_table2_counts_a_float_tie_on_multihop_as_a_tie(tmp_path):
     # seed 0: the multi-hop splits (0.1, 0.2, 0, 0) against (0.3, 0, 0, 0): equal means; seed 1: +0.05 on each
     mh = table2.MULTIHOP
@@ -121,6 +136,8 @@ def test_table2_counts_a_float_tie_on_multihop_as_a_tie(tmp_path):
     res = table2.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--scale", "test"])
     c = next(c for c in res["orderings"] if c["claim"].startswith("Top-k reverse > GRPO on multi-hop"))
     assert c["seeds"] == "Δ per seed: +0.000, +0.050; better on 1/2, tied on 1"
+    assert c["p"] == 0.5  # signs of (0, 0.05): the sum 0.05 is reached by 2 of 4
+    assert "| 0.500 | Δ per seed: +0.000, +0.050" in (tmp_path / "out" / "results.md").read_text()
 
 
 def _t2_runs(root: Path, scores: dict[str, list[dict]]):

@@ -171,8 +171,8 @@ def summarize(runs: pd.DataFrame, by: list[str], metric: str) -> pd.DataFrame:
 
 
 def paired_differences(better, worse) -> np.ndarray:
-    """better - worse, seed by seed, with a difference below 1e-12 set to 0. Scores are means of a few hundred 0/1 outcomes, so a
-    smaller difference is float rounding of a tie (equal means summed from different parts: the 4-split
+    """better - worse, seed by seed, with a difference below 1e-12 set to 0. Scores are means of a few hundred
+    0/1 outcomes, so a smaller difference is float rounding of a tie (equal means summed from different parts: the 4-split
     means (0.1 + 0.2 + 0 + 0) / 4 and (0.3 + 0 + 0 + 0) / 4 differ by 1.4e-17), which would otherwise count
     as a win or a loss and could tip an interval's edge off 0."""
     d = np.asarray(better, dtype=float) - np.asarray(worse, dtype=float)
@@ -201,7 +201,7 @@ def sign_flip_p(deltas) -> float:
     the share of the 2^n sign assignments of |d| whose sum is at least the observed sum (ties with it count).
     It assumes only that, without an effect, each seed's difference is as likely negative as positive. At
     n = 5 its smallest value is 1/32, so no two-sided 5% test can be met with 5 seeds, and the percentile
-    bootstrap, which can, is the more liberal of the two. nan below one seed; n > 20 is refused (2^n sums)."""
+    bootstrap, which can, is the more liberal of the two. nan with no seeds; n > 20 is refused (2^n sums)."""
     d = np.abs(np.asarray(list(deltas), dtype=float))
     if len(d) == 0:
         return float("nan")

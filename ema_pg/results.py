@@ -202,15 +202,13 @@ def sign_flip_p(deltas) -> float:
     It assumes only that, without an effect, each seed's difference is as likely negative as positive. At
     n = 5 its smallest value is 1/32, so no two-sided 5% test can be met with 5 seeds, and the percentile
     bootstrap, which can, is the more liberal of the two. nan with no seeds; n > 20 is refused (2^n sums)."""
-    d = np.abs(np.asarray(list(deltas), dtype=float))
+    d = np.asarray(list(deltas), dtype=float)
     if len(d) == 0:
         return float("nan")
     if len(d) > 20:
         raise ValueError(f"sign_flip_p enumerates 2^n sign assignments; n = {len(d)} is too many (use <= 20)")
     signs = 1 - 2 * ((np.arange(2 ** len(d))[:, None] >> np.arange(len(d))) & 1)  # (2^n, n) of +-1
-    sums = signs @ d
-    observed = float(np.sum(np.asarray(list(deltas), dtype=float)))
-    return float(np.mean(sums >= observed - 1e-12))
+    return float(np.mean(signs @ np.abs(d) >= d.sum() - 1e-12))
 
 
 def min_detectable(deltas) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -111,7 +112,6 @@ def test_a_float_tie_is_a_tie_not_a_win():
 
 
 def test_sign_flip_p_by_enumeration():
-    import itertools
     rng = np.random.default_rng(0)
     for n in (1, 2, 5, 7):
         d = rng.normal(0.01, 0.02, n)

@@ -5,7 +5,7 @@ import pytest
 from ema_pg.tasks import build_task
 from ema_pg.tasks.search import exact_match, normalize_answer
 from ema_pg.tasks.search.retriever import BM25Retriever, HTTPRetriever, serve
-from ema_pg.tasks.search.task import INVALID, SPLITS
+from ema_pg.tasks.search.task import INVALID, SPLITS, question_entity
 from ema_pg.tasks.search.world import build_world, questions
 
 
@@ -206,6 +206,37 @@ def test_multihop_demonstrations_search_twice_and_reach_the_answer_through_the_p
         build_task({"name": "search_qa", "seed": 0, "n_people": 50, "n_orgs": 10, "multihop_demos": 1.5})
     with pytest.raises(ValueError, match="max_turns"):
         build_task({"name": "search_qa", "seed": 0, "n_people": 50, "n_orgs": 10, "multihop_demos": 0.1, "max_turns": 1})
+
+
+def test_comparison_demonstrations_read_both_birth_years_and_name_the_earlier_on_demo_people_only():
+    kw = {"name": "search_qa", "seed": 0, "n_people": 300, "n_orgs": 60, "per_split": 20, "demo_people": 0.5}
+    t = build_task({**kw, "multihop_demos": 0.2, "comparison_demos": 0.3})
+    demos = t.demonstrations(400, seed=2)
+    comp = [(p, r) for p, r in demos if "born first" in p]
+    assert 0.15 < len(comp) / len(demos) < 0.35  # the share asked for (less the pairs whose passages miss a record)
+    assert 0.1 < sum("In which country" in p for p, _ in demos) / len(demos) < 0.3  # bridges keep their share
+    P = t.world.people
+    person = lambda q: q.removeprefix("Where was ").removeprefix("In which country was ").removesuffix(" born?")
+    demo_people = {person(p.meta["question"]) for p in t.demo_set}
+    names = lambda q: q.removeprefix("Who was born first, ").removesuffix("?").split(" or ") if "born first" in q \
+        else [question_entity(q)]
+    elsewhere = {person(p.meta["question"]) for p in t.train_set} | {
+        n for ps in t.eval_splits().values() for p in ps for n in names(p.meta["question"])}
+    assert len(elsewhere) > 200  # RL's people and the eval splits' people and organizations
+    for prompt, response in comp:
+        a, b = prompt.removeprefix("Question: Who was born first, ").removesuffix("?\n").split(" or ")
+        assert {a, b} <= demo_people and not {a, b} & elsewhere  # never an RL or eval person
+        first, second = response.split("</information>")[:2]
+        assert first.startswith(f"<search> {a} </search>") and second.lstrip("\n").startswith(f"<search> {b} </search>")
+        assert str(P[a].year) in first and str(P[b].year) in second  # both years were read
+        answer = response.rsplit("<answer> ", 1)[1].removesuffix(" </answer>")
+        assert answer == (a if P[a].year < P[b].year else b) != (b if P[a].year < P[b].year else a)
+    two_wiki = t.eval_splits()["2wiki"][0]  # the demonstrations ask the eval split's question, in its wording
+    assert two_wiki.text.startswith("Question: Who was born first, ") and two_wiki.meta["hops"] == 2
+    with pytest.raises(ValueError, match="comparison_demos"):
+        build_task({**kw, "multihop_demos": 0.8, "comparison_demos": 0.3})
+    with pytest.raises(ValueError, match="max_turns"):
+        build_task({**kw, "comparison_demos": 0.1, "max_turns": 1})
 
 
 def test_diagnostics_tell_reading_from_recall(task):

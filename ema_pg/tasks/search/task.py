@@ -22,7 +22,7 @@ import string
 
 from ..base import Prompt, Task
 from .retriever import BM25Retriever, HTTPRetriever
-from .world import build_world, questions
+from .world import build_world, comparison_question, questions
 
 SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -74,7 +74,7 @@ class SearchQATask(Task):
 
     def __init__(self, *, seed: int, topk: int, max_turns: int, per_split: int, retriever: str,
                  retriever_url: str | None, data_dir: str | None, n_people: int, n_orgs: int, prompt_template: str,
-                 multihop_demos: float, demo_people: float):
+                 multihop_demos: float, demo_people: float, comparison_demos: float):
         if topk < 1 or max_turns < 1:
             raise ValueError(f"task.topk and task.max_turns must be >= 1; got {topk}, {max_turns}")
         if not 0.0 <= multihop_demos <= 1.0:
@@ -83,13 +83,22 @@ class SearchQATask(Task):
         if multihop_demos > 0 and max_turns < 2:
             raise ValueError(f"task.multihop_demos={multihop_demos} demonstrates two searches, but task.max_turns="
                              f"{max_turns} allows one; raise task.max_turns or set task.multihop_demos=0")
+        if not 0.0 <= comparison_demos <= 1.0 - multihop_demos:
+            raise ValueError(f"task.comparison_demos={comparison_demos} is a share of the cold-start demonstrations beside "
+                             f"task.multihop_demos={multihop_demos}: give a number in [0, {1.0 - multihop_demos:g}]")
+        if comparison_demos > 0 and max_turns < 2:
+            raise ValueError(f"task.comparison_demos={comparison_demos} demonstrates two searches, but task.max_turns="
+                             f"{max_turns} allows one; raise task.max_turns or set task.comparison_demos=0")
+        if comparison_demos > 0 and data_dir:
+            raise ValueError("task.comparison_demos needs the synthetic world's birth years; with task.data_dir set "
+                             "task.comparison_demos=0")
         if not 0.0 <= demo_people < 1.0:
             raise ValueError(f"task.demo_people={demo_people} is the share of training people kept for the cold "
                              "start's demonstrations (the rest are RL's): give a number in [0, 1)")
         if demo_people > 0 and data_dir:
             raise ValueError("task.demo_people splits the synthetic world's people; with task.data_dir set task.demo_people=0")
         self.seed, self.topk, self.max_turns, self.template = seed, topk, max_turns, prompt_template
-        self.multihop_demos, self.demo_people = multihop_demos, demo_people
+        self.multihop_demos, self.demo_people, self.comparison_demos = multihop_demos, demo_people, comparison_demos
         self.data_dir = data_dir
         if retriever not in ("bm25", "http"):
             raise ValueError(f"task.retriever={retriever!r}; choose bm25 or http")
@@ -172,6 +181,10 @@ class SearchQATask(Task):
         country was P born?"): search P, read the birthplace in the passages, search that city, read
         its country, answer. A base model starts above zero on multi-hop (the paper's: HotpotQA
         0.047 before RL); RL is left to make the second search reliable, not to invent it.
+        A share ``task.comparison_demos`` compare two of the demonstrations' people ("Who was born
+        first, A or B?", the ``2wiki`` question): search A, search B, answer the one whose passages
+        give the earlier year. RL never asks this question (as in the paper, whose RL data are NQ and
+        HotpotQA), so on ``2wiki`` the cold start plays the base model's prior (0.051 there).
         Every demonstration reads its answer (and a bridge its city) from passages it was shown: a
         question whose search returns only other documents (distractors share the name) is not
         demonstrated, so the cold start never teaches answering from memory.
@@ -184,13 +197,23 @@ class SearchQATask(Task):
             raise ValueError(f"task.multihop_demos={self.multihop_demos} needs the synthetic world's bridge questions "
                              "(their intermediate city is known); with task.data_dir set task.multihop_demos=0")
         retrieve = lambda q: format_passages(self.retriever.retrieve([q], self.topk)[0])
+        people = sorted({question_entity(p.meta["question"]) for p in self.demo_set}) if self.comparison_demos else []
         out, tries = [], 0
         while len(out) < n:  # only trajectories whose passages hold what is answered: reading, never recall
             tries += 1
             if tries > 20 * n + 100:
                 raise ValueError(f"only {len(out)} of {n} demonstrations found their answer in the top-{self.topk} "
                                  "passages; raise task.topk")
-            if rng.random() < self.multihop_demos:
+            u = rng.random()
+            if u >= 1.0 - self.comparison_demos:  # (the top of [0, 1): the other draws stay as they were)
+                a, b = rng.sample(people, 2)
+                ya, yb = self.world.people[a].year, self.world.people[b].year
+                first, second = retrieve(a), retrieve(b)
+                if ya != yb and self._states_birth(a, first) and self._states_birth(b, second):
+                    question = self.template.format(question=comparison_question(a, b))
+                    out.append((question, f"<search> {a} </search>{first}<search> {b} </search>{second}"
+                                          f"<answer> {a if ya < yb else b} </answer>"))
+            elif u < self.multihop_demos:
                 p = rng.choice(bridges)
                 person = question_entity(p.meta["question"])
                 city = self.world.people[person].city
@@ -205,6 +228,13 @@ class SearchQATask(Task):
                 if p.answer in obs:
                     out.append((p.text, f"<search> {entity} </search>{obs}<answer> {p.answer} </answer>"))
         return out
+
+    def _states_birth(self, person: str, observation: str) -> bool:
+        """The passages hold ``person``'s own birth record (their city and year in one passage titled with
+        their name), not only a distractor that happens to share the year."""
+        p = self.world.people[person]
+        return any(f"(Title: {person})" in line and p.city in line and str(p.year) in line
+                   for line in observation.splitlines())
 
     def diagnostics(self, prompt: Prompt, response: str) -> dict[str, float]:
         """What a response read and where its answer came from (evaluation only; the reward is EM alone).

@@ -119,6 +119,11 @@ class Question:
     entities: list[str]
 
 
+def comparison_question(a: str, b: str) -> str:
+    """The ``2wiki`` question (and its cold-start demonstrations'): the answer is whoever was born first."""
+    return f"Who was born first, {a} or {b}?"
+
+
 def _people_split(w: World, popular: bool, rng: random.Random) -> tuple[list[str], list[str]]:
     xs = sorted(n for n, p in w.people.items() if p.popular == popular)
     rng.shuffle(xs)
@@ -167,7 +172,7 @@ def questions(w: World, seed: int = 0, per_split: int = 100, demo_frac: float = 
         a, b = rng.sample(pool, 2)
         if P[a].year != P[b].year:
             first = a if P[a].year < P[b].year else b
-            comp.append(Question(f"Who was born first, {a} or {b}?", [first], "", 2, [a, b]))
+            comp.append(Question(comparison_question(a, b), [first], "", 2, [a, b]))
     out["2wiki"] = comp
     out["musique"] = [Question(f"In which country was the founder of {o} born?", [country(P[w.orgs[o].founder].city)],
                                "", 3, [o]) for o in pick(public_orgs, per_split)]

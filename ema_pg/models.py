@@ -63,7 +63,7 @@ def build_tiny_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 
     return use_fast_attention(model)
 
 
-def compile_body(model):
+def compile_body(model, *, backward_twice: bool = False):
     """``torch.compile`` a causal LM's decoder body in place, with dynamic shapes (one graph serves every batch
     and length: the sampler's prefill and decode steps, the scorer's and the update's passes).
 
@@ -71,7 +71,16 @@ def compile_body(model):
     EMA anchor's in-place updates are seen by the compiled graph. The language-model head and the log-prob
     head stay eager (they are chunked). The first calls of each kind pay the compile (tens of seconds on a
     cold cache, seconds on a warm one); results agree with eager to float rounding, not bit for bit, so
-    compare compiled runs with compiled runs. Compiling twice is a no-op."""
+    compare compiled runs with compiled runs. Compiling twice is a no-op.
+
+    ``backward_twice``: the run backpropagates more than once through one forward graph
+    (``monitor.grad_ratio_every``: two ``retain_graph`` passes before the update's own). A compiled backward
+    frees ("donates") its saved buffers after the first pass unless told not to, which torch turns into an
+    error on the second; this switches donation off for the process (a memory saving, nothing numerical)."""
+    if backward_twice:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
     body = model.get_decoder() if hasattr(model, "get_decoder") else model
     if getattr(body, "_compiled_call_impl", None) is None:
         body.compile(dynamic=True)

@@ -208,7 +208,7 @@ class GRPOModule(L.LightningModule):
         if self.cfg.model.compile:  # after the anchor's copy (attached at setup): each model compiles its own body
             for model in (self.policy, None if self.anchor is None else self.anchor.model):
                 if model is not None:
-                    compile_body(model)
+                    compile_body(model, backward_twice=bool(self.cfg.monitor.grad_ratio_every))
 
     def on_train_start(self) -> None:
         if self.iteration == 0:

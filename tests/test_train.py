@@ -217,3 +217,16 @@ def test_model_compile_compiles_the_policy_and_the_anchor_each_its_own(tmp_path)
     p_call, a_call = policy.model._compiled_call_impl, anchor.model._compiled_call_impl
     assert p_call is not None and a_call is not None and p_call is not a_call
     assert metrics["iteration"] == 2
+
+
+@pytest.mark.slow
+def test_the_grad_ratio_monitor_runs_on_a_compiled_model(tmp_path):
+    """monitor.grad_ratio_every backpropagates twice through one graph before the update; a compiled backward
+    that donates its buffers refuses the second pass (RuntimeError: "non-empty donated buffers")."""
+    import pandas as pd
+
+    metrics, objs = train(compose_cfg(["model.compile=true", "monitor.grad_ratio_every=1", "algo.iterations=2",
+                                       "kl=k1", "algo.entropy_coef=0.01"], tmp_path))
+    m = pd.read_csv(objs["run_dir"] / "metrics.csv")
+    ratio = m["train/kl_pg_grad_ratio"].dropna()
+    assert metrics["iteration"] == 2 and len(ratio) == 2 and (m["train/grad_norm_pg"].dropna() > 0).all()

@@ -88,7 +88,8 @@ def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
     Metric columns: ``final/<metric>`` is the last logged value of every ``eval/...`` metric,
     ``base/<metric>`` its value at iteration 0 (the policy before RL); ``iteration`` is the last
     logged step, ``finished`` whether ``eval.json`` marks the run complete, ``wall_s`` the time
-    from the run's start to its last metrics write, ``commit`` the git commit it ran from.
+    from the run's start to its last metrics write, ``commit`` the git commit it ran from, ``machine`` the
+    machine it ran on (``unknown`` for runs older than ``machine.txt``).
     """
     rows = []
     for run in find_runs(root):
@@ -114,6 +115,8 @@ def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
         row["wall_s"] = (run / "metrics.csv").stat().st_mtime - (run / "config.yaml").stat().st_mtime
         git = run / "git.txt"
         row["commit"] = git.read_text().strip() if git.is_file() else "unknown"
+        host = run / "machine.txt"
+        row["machine"] = host.read_text().strip() if host.is_file() else "unknown"
         rows.append(row)
     out = pd.DataFrame(rows)
     if finished_only and len(out):
@@ -308,6 +311,7 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
              "around it (undecided), and the smallest difference these seeds would detect (2.8 × paired std / √seeds: "
              "80% power, two-sided 5%)" if dcol else "") + ".", "",
           table[by + ["mean ± std", *dcol, *extra, "n"]].to_markdown(index=False, disable_numparse=True), "",
+          *[f"**Not paired**: {w}." for w in unpaired_seeds(runs)],
           *(["`ended below base`: runs whose final value is below their own value before RL (iteration 0). "
              "`‖∇βKL‖/‖∇J‖`: the KL term's gradient norm over the policy gradient's (monitor.grad_ratio_every), "
              "as the ratio of the run's mean norms, averaged over seeds."] if extra else [])]
@@ -343,23 +347,56 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     return {"table": table, "runs": runs, "metric": metric, "files": sorted(str(p) for p in out.glob(f"{name}*"))}
 
 
+def unpaired_seeds(runs: pd.DataFrame) -> list[str]:
+    """Seeds whose runs should share one base policy but do not: a sentence each, empty when pairing holds.
+
+    Runs with the same seed and the same cold-start knobs (``task.*``, ``sft.*``, the model's architecture:
+    what :func:`ema_pg.sft.cold_start_key` hashes) start from one cached base policy, which is what makes a
+    difference between them paired. Their evaluations at iteration 0 must then agree exactly. They do not
+    when the base policy was made again on another kind of machine (its float kernels round differently),
+    or by other code: the seed's differences compare two starting points, not two methods."""
+    from .sft import ARCH_KEYS
+
+    base = [c for c in runs.columns if c.startswith("base/")]
+    if not base or "seed" not in runs or not len(runs):
+        return []
+    keys = [c for c in runs.columns if (c.startswith(("task.", "sft.")) and c != "sft.cache_dir")
+            or c in {f"model.{k}" for k in ARCH_KEYS}]
+    out = []
+    group = runs[["seed", *keys]].astype(str).agg("|".join, axis=1)  # (lists and None among the knobs group too)
+    for _, g in runs.groupby(group, sort=False):
+        values = g[base].round(12).drop_duplicates()
+        if len(values) > 1:
+            col = "base/eval/avg/em" if "base/eval/avg/em" in g else base[0]
+            seen = ", ".join(f"{v:.3f}" for v in sorted(g[col].dropna().unique()))
+            machines = sorted(set(g["machine"])) if "machine" in g else []
+            out.append(f"seed {g['seed'].iloc[0]}: its {len(g)} runs began from {len(values)} different base policies "
+                       f"(`{col}` before RL: {seen}; machines: {' / '.join(machines) or 'unknown'}), so its paired "
+                       "differences compare starting points as well as methods")
+    return out
+
+
 def provenance_lines(runs: pd.DataFrame, scale: str, command: str, knobs: list[str], listing: str) -> list[str]:
     """A reproduction's provenance as Markdown bullets: scale and command, commits, runs per method, run time
     (the sum of the runs' wall times, and the wall clock from the first start to the last end), the values
-    ``knobs`` took across runs, and where each run's config is (``listing`` names the CSV of run folders)."""
+    ``knobs`` took across runs, where each run's config is (``listing`` names the CSV of run folders), the
+    machines the runs ran on, and a **not paired** line for each seed whose runs began from different base
+    policies (:func:`unpaired_seeds`)."""
     def show(v):
         return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
 
     start = min(Path(r, "config.yaml").stat().st_mtime for r in runs["run_dir"])
     end = max(Path(r, "metrics.csv").stat().st_mtime for r in runs["run_dir"])
     cfg = {k: sorted({show(v) for v in runs[k].dropna()}) for k in knobs if k in runs}
-    return [f"- scale: `{scale}`" + (f"; command: `{command}`" if command else ""),
-            f"- commit(s) the runs ran from: {', '.join(f'`{c}`' for c in sorted(set(runs['commit'])))}",
-            f"- runs: {len(runs)} finished ({', '.join(f'{m}: {n}' for m, n in runs['method'].value_counts().items())})",
-            f"- run time: {runs['wall_s'].sum() / 60:.1f} min of runs (sum), {(end - start) / 60:.1f} min wall clock "
-            "from the first run's start to the last run's end (2 CPU cores)",
-            "- config (values across runs): " + "; ".join(f"`{k}`={'/'.join(v)}" for k, v in cfg.items()),
-            f"- each run's resolved config: `config.yaml` in its run folder (`{listing}` lists the folders)"]
+    lines = [f"- scale: `{scale}`" + (f"; command: `{command}`" if command else ""),
+             f"- commit(s) the runs ran from: {', '.join(f'`{c}`' for c in sorted(set(runs['commit'])))}",
+             f"- runs: {len(runs)} finished ({', '.join(f'{m}: {n}' for m, n in runs['method'].value_counts().items())})",
+             f"- run time: {runs['wall_s'].sum() / 60:.1f} min of runs (sum), {(end - start) / 60:.1f} min wall clock "
+             "from the first run's start to the last run's end (2 CPU cores)",
+             "- config (values across runs): " + "; ".join(f"`{k}`={'/'.join(v)}" for k, v in cfg.items()),
+             f"- each run's resolved config: `config.yaml` in its run folder (`{listing}` lists the folders)",
+             "- machine(s) the runs ran on: " + "; ".join(f"`{m}`" for m in sorted(set(runs.get("machine", ["unknown"]))))]
+    return lines + [f"- **not paired**: {w}" for w in unpaired_seeds(runs)]
 
 
 def table_args(name: str, doc: str, argv=None):

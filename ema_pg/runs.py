@@ -3,7 +3,7 @@
 A run folder holds ``config.yaml`` (resolved, every default filled in), ``model/`` (tokenizer,
 model config, initial weights: see :mod:`ema_pg.policy`), ``checkpoints/``, ``metrics.csv``,
 ``eval.json`` (written only when the run finished its iterations), ``curves.png`` and
-``git.txt`` (the commit it ran from).
+``git.txt`` (the commit it ran from) and ``machine.txt`` (the machine it ran on, :func:`machine`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,33 @@ RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", *RESUMABLE_SETTINGS)
 
 
 @functools.lru_cache(maxsize=1)
+def machine() -> str:
+    """The kind of machine a run ran on, in one line: CPU model and its widest vector extension, torch build, GPU.
+
+    Runs repeat bit for bit on one kind of machine; on another CPU (say AMX against AVX2) the matrix kernels
+    round differently, a 500-step cold start ends elsewhere, and two runs of one seed no longer start from one
+    base policy. Reports print the machines their runs ran on (``ema_pg.results.provenance_lines``)."""
+    import platform
+
+    import torch
+
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "model name":
+                cpu = val.strip()
+            elif key.strip() == "flags":
+                flags = set(val.split())
+                break
+    except OSError:  # not Linux: the platform's name is what there is
+        pass
+    isa = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags),
+               None)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return "; ".join(x for x in (cpu + (f" ({isa})" if isa else ""), f"torch {torch.__version__}", gpu) if x)
+
+
 def git_commit() -> str:
     """The commit of the code this process runs: read once, at the first call (a run's start, right after the
     modules are loaded), so every run of a multirun records the code it ran even when the repository moves on

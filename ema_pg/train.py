@@ -9,7 +9,7 @@
 
 ``train(cfg)`` returns (metrics, objects); ``main`` returns the metric an Optuna search
 optimizes (the final ``eval/avg/<metric>``). Every run writes one folder: ``config.yaml``
-(resolved), ``metrics.csv``, ``checkpoints/``, ``eval.json``, ``curves.png``, ``git.txt``.
+(resolved), ``metrics.csv``, ``checkpoints/``, ``eval.json``, ``curves.png``, ``git.txt``, ``machine.txt``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .step import NonFiniteUpdates
 from .plotting import plot_run
 from .policy import build_policy, checkpoint_file, checkpoint_state, save_run_model
 from .strategies import build_strategy
-from .runs import (claim_run_dir, config_differences, finished_metrics, git_commit, make_loggers, resolve_resume,
+from .runs import (claim_run_dir, config_differences, finished_metrics, git_commit, machine, make_loggers, resolve_resume,
                    upgraded)
 from .tasks import build_task
 
@@ -209,6 +209,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
             save_run_model(run_dir, policy, tok, cfg.model.path)
     if is_rank_zero():
         (run_dir / "git.txt").write_text(git_commit() + "\n")
+        (run_dir / "machine.txt").write_text(machine() + "\n")
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from ema_pg import table2
 from ema_pg.config import fill_defaults
 from ema_pg.results import (ablation_report, derived_columns, load_curves, load_runs, method_label, paired_differences,
-                            seed_tally, sign_flip_p, summarize)
+                            seed_tally, sign_flip_p, summarize, unpaired_seeds)
+from ema_pg.runs import machine
 
 SPLITS = table2.SPLITS
 METHOD_OVERRIDES = {"grpo": "GRPO", "ema": "EMA-PG: w/ EMA anchor", "ema_topk_forward": "+ Top-k forward KL",
@@ -242,3 +243,44 @@ def test_ablation_report_counts_runs_below_base_and_gives_the_kl_gradient_share(
     assert t.loc["0.05", "min. detectable Δ"] == "0.000" and t.loc["0.05", "Δ vs 0"] == "higher"
     md = (tmp_path / "out" / "b.md").read_text()
     assert "ended below base" in md and "min. detectable Δ" in md
+
+
+def test_a_seed_whose_runs_began_from_different_base_policies_is_reported_not_paired(tmp_path):
+    """Runs of one seed and one cold-start config share a cached base policy, so their iteration-0
+    evaluations agree; a base made again elsewhere (another CPU kind) breaks the pairing, and the reports say so."""
+    both = {**{s: 0.2 for s in SPLITS}, "avg": 0.2}
+    other = {**both, "nq": 0.3, "avg": 0.2 + 0.1 / 7}
+    final = {**{s: 0.25 for s in SPLITS}, "avg": 0.25}
+    root = tmp_path / "runs"
+    fake_run(root, "grpo_s1", ["method=grpo", "seed=1"], {0: both, 4: final})
+    fake_run(root, "rev_s1", ["method=ema_topk_reverse", "seed=1"], {0: both, 4: final})
+    fake_run(root, "grpo_s2", ["method=grpo", "seed=2"], {0: both, 4: final})
+    assert unpaired_seeds(load_runs(root)) == []
+    fake_run(tmp_path / "more", "sft_s1", ["method=grpo", "seed=1", "sft.steps=7"], {0: other, 4: final})
+    with_other_sft = pd.concat([load_runs(root), load_runs(tmp_path / "more")], ignore_index=True)
+    assert unpaired_seeds(with_other_sft) == []  # its base differs where its cold start does: not a broken pair
+    late = fake_run(root, "rev_s2", ["method=ema_topk_reverse", "seed=2"], {0: other, 4: final})
+    (late / "machine.txt").write_text("AMD EPYC (AVX2); torch 2.13.0+cpu\n")
+    runs = load_runs(root)
+    assert set(runs["machine"]) == {"unknown", "AMD EPYC (AVX2); torch 2.13.0+cpu"}
+    [warning] = unpaired_seeds(runs)
+    assert warning.startswith("seed 2: its 2 runs began from 2 different base policies") and "0.200, 0.214" in warning
+    res = table2.main(["--runs", str(root), "--out", str(tmp_path / "out"), "--scale", "test"])
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert f"- **not paired**: {warning}" in md and "`AMD EPYC (AVX2); torch 2.13.0+cpu`; `unknown`" in md
+    assert res["orderings"]
+    ablation_report(runs, tmp_path / "abl", x="method")
+    assert f"**Not paired**: {warning}." in (tmp_path / "abl" / "abl.md").read_text()
+
+
+def test_machine_names_the_cpu_and_the_torch_build():
+    import platform
+
+    import torch
+
+    m = machine()
+    assert f"torch {torch.__version__}" in m
+    if Path("/proc/cpuinfo").is_file() and platform.system() == "Linux":
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), None)
+        assert model is None or m.startswith(model)

@@ -29,7 +29,7 @@ def full_run(tmp_path_factory):
 def test_run_folder_has_everything(full_run):
     cfg, metrics, objs = full_run
     d = objs["run_dir"]
-    for f in ["config.yaml", "metrics.csv", "eval.json", "curves.png", "git.txt", "checkpoints/last.ckpt"]:
+    for f in ["config.yaml", "metrics.csv", "eval.json", "curves.png", "git.txt", "machine.txt", "checkpoints/last.ckpt"]:
         assert (d / f).is_file(), f
     df = pd.read_csv(d / "metrics.csv")
     for c in REQUIRED:

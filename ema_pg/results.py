@@ -363,7 +363,7 @@ def unpaired_seeds(runs: pd.DataFrame) -> list[str]:
     keys = [c for c in runs.columns if (c.startswith(("task.", "sft.")) and c != "sft.cache_dir")
             or c in {f"model.{k}" for k in ARCH_KEYS}]
     out = []
-    group = runs[["seed", *keys]].astype(str).agg("|".join, axis=1)  # (lists and None among the knobs group too)
+    group = runs[["seed", *keys]].map(repr).agg("|".join, axis=1)  # (lists, None and NaN among the knobs group too)
     for _, g in runs.groupby(group, sort=False):
         values = g[base].round(12).drop_duplicates()
         if len(values) > 1:

@@ -53,6 +53,7 @@ def machine() -> str:
     return "; ".join(x for x in (cpu + (f" ({isa})" if isa else ""), f"torch {torch.__version__}", gpu) if x)
 
 
+@functools.lru_cache(maxsize=1)
 def git_commit() -> str:
     """The commit of the code this process runs: read once, at the first call (a run's start, right after the
     modules are loaded), so every run of a multirun records the code it ran even when the repository moves on

@@ -29,8 +29,8 @@ RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", *RESUMABLE_SETTINGS)
 def machine() -> str:
     """The kind of machine a run ran on, in one line: CPU model and its widest vector extension, torch build, GPU.
 
-    Runs repeat bit for bit on one kind of machine; on another CPU (say AMX against AVX2) the matrix kernels
-    round differently, a 500-step cold start ends elsewhere, and two runs of one seed no longer start from one
+    Runs repeat bit for bit on one machine; on another kind of CPU (say AMX against AVX2) the matrix kernels
+    can round differently, a 500-step cold start then ends elsewhere, and two runs of one seed no longer start from one
     base policy. Reports print the machines their runs ran on (``ema_pg.results.provenance_lines``)."""
     import platform
 

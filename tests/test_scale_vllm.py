@@ -82,21 +82,32 @@ def test_multi_turn_search_rollout_has_the_hf_samplers_layout(engine):
 
 
 def test_training_with_vllm_rollouts_raises_the_reward(tmp_path):
-    """80 iterations of the demo (EMA-PG, Top-k reverse KL) with rollouts on the engine: measured here, the
-    reward's mean over the last 10 iterations was 0.195 against 0.091 over the first 10 (HF sampler, same
-    settings: 0.195 against 0.119), and the greedy eval went 0.176 -> 0.262."""
+    """160 iterations of the demo (EMA-PG, Top-k reverse KL) with rollouts on the engine; the reward's trend over
+    the iterations must be positive by more than 3 standard errors (least squares slope, its error from the
+    residuals), and the greedy eval must beat the cold start. A fixed rise over 80 iterations (+0.05, first 10
+    against last 10) held on an Intel AMX machine (0.091 -> 0.195) and failed on an AMD EPYC (0.098 -> 0.118):
+    the float kernels change the sampled trajectory. Measured on the AMD machine, seeds 0-3, 160 iterations:
+    slope t = 4.3, 14.9, 8.1, 14.1; greedy eval 0.207 -> 0.250, 0.441 -> 0.672, 0.129 -> 0.207, 0.328 -> 0.723
+    (this test runs seed 0). A run whose engine kept the first weights fails the sync and log-prob checks below."""
+    import numpy as np
     import pandas as pd
     from helpers import compose_cfg
 
     from ema_pg.train import train
 
-    cfg = compose_cfg(["experiment=demo", "rollout=vllm", "algo.iterations=80", "algo.eval_every=40", "optim.lr=3e-4",
-                       "trainer.progress_bar=false"], tmp_path, tiny=False)
+    n = 160
+    cfg = compose_cfg(["experiment=demo", "rollout=vllm", f"algo.iterations={n}", f"algo.eval_every={n // 2}",
+                       "optim.lr=3e-4", "trainer.progress_bar=false"], tmp_path, tiny=False)
     metrics, objs = train(cfg)
     d = pd.read_csv(objs["run_dir"] / "metrics.csv")
     reward = d["train/reward_mean"].dropna().to_numpy()
-    assert len(reward) == 80 and reward[-10:].mean() > reward[:10].mean() + 0.05, (reward[:10].mean(), reward[-10:].mean())
+    assert len(reward) == n
+    x = np.arange(n)
+    slope, icpt = np.polyfit(x, reward, 1)
+    resid = reward - (slope * x + icpt)
+    se = np.sqrt(resid.var(ddof=2) / ((x - x.mean()) ** 2).sum())
+    assert slope / se > 3, (slope, se, reward[:10].mean(), reward[-10:].mean())
     assert metrics["eval/avg/em"] > metrics["base/avg"]
     gap = d["rollout/logp_gap_max"].dropna()
-    assert len(gap) == 80 and gap.max() < 1e-3  # fp32 engine: the mismatch is rounding
-    assert objs["module"].sampler.syncs >= 79  # the engine got the weights after every update
+    assert len(gap) == n and gap.max() < 1e-3  # fp32 engine: the mismatch is rounding
+    assert objs["module"].sampler.syncs >= n - 1  # the engine got the weights after every update

@@ -8,6 +8,7 @@
 
     python -m ema_pg.evaluate runs/<run> rollout.eval_samples=32 rollout.eval_temperature=0.8 rollout.eval_top_p=0.9
                                                     # sampled: mean@32, pass@k, maj@32 per split
+    python -m ema_pg.evaluate --initial --train 200 runs/<run>   # also 200 training questions, apart
 
 Writes ``{"splits": {name: {metric: float, "n": int, ...}}, "avg": float, ...}`` and prints a table:
 for a run folder into ``<run>/evaluations/<which>[_<overrides>].json`` (the run's own
@@ -182,6 +183,15 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     return res
 
 
+def training_prompts(task, n: int, seed: int = 0) -> list:
+    """Up to ``n`` distinct prompts (by text) from the task's training distribution, in draw order: a fixed
+    sample (``task.sample`` at ``seed``) for comparing a policy before and after RL on what RL trained on."""
+    seen: dict[str, object] = {}
+    for p in task.sample(4 * n, seed):
+        seen.setdefault(p.text, p)
+    return list(seen.values())[:n]
+
+
 def diagnostic_means(rows: list[dict]) -> dict[str, float]:
     """The mean of each diagnostic over the responses that report it (a conditional one, like ``read_em``,
     is reported only by the responses it applies to), plus ``<name>_n``: how many did."""
@@ -247,7 +257,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="of a run folder: the last checkpoint's policy or EMA anchor, or the initial policy")
     ap.add_argument("--initial", action="store_const", const="initial", dest="which", help="= --which initial")
     ap.add_argument("--show", type=int, default=0, help="print this many sample rollouts per split")
+    ap.add_argument("--train", type=int, default=0, metavar="N",
+                    help="also score N distinct prompts of the RL training distribution (kept apart from the eval "
+                         "splits and their avg, under 'train'): a gain there that the eval splits do not share is "
+                         "recall of the training questions, not a skill")
     a = ap.parse_args(argv)
+    if a.train < 0:
+        raise SystemExit(f"--train {a.train}: give a number of training prompts >= 0")
     target = Path(a.target)
     is_run = (target / "config.yaml").is_file()
     if is_run:
@@ -269,7 +285,14 @@ def main(argv: list[str] | None = None) -> None:
     problem = eval_settings_problem(cfg.rollout)
     if problem:
         raise SystemExit(f"config error: {problem}")
-    result = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, splits=splits, show=a.show)
+    sampler = build_sampler(cfg.rollout, tok)
+    result = evaluate_policy(model.eval(), sampler, task, cfg.rollout, splits=splits, show=a.show)
+    if a.train:
+        prompts = training_prompts(task, a.train)
+        if a.baseline != "none":
+            prompts = task.baseline_prompts(prompts, a.baseline)
+        result["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
+                                          desc="train")["splits"]["train"]
     result.update(baseline=a.baseline, which=a.which, overrides=list(a.overrides))
     if is_run:  # never over the run's own eval.json (its record of the final result)
         label = "_".join([a.which] + ([a.baseline] if a.baseline != "none" else [])
@@ -285,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
         for x in xs:
             print(f"--- [{name}] {x['prompt'].strip()}   (gold: {x['gold']}, reward {x['reward']:.0f})\n{x['response']}")
     print(format_table(result))
+    if "train" in result:
+        t = result["train"]
+        train = {"splits": {"train": t}, "avg": t[result["metric"]], "metric": result["metric"],
+                 "avg_diagnostics": t.get("diagnostics", {})}
+        print(f"\ntraining questions ({result['train']['n']} distinct; not in avg):\n" + format_table(train))
     print(f"wrote {out}")
 
 

@@ -100,6 +100,29 @@ def test_evaluate_cli_on_a_run_folder(full_run, capsys):
     assert out["avg"] == json.loads((objs["run_dir"] / "eval.json").read_text())["avg"]
 
 
+def test_evaluate_cli_scores_training_prompts_apart_from_the_eval_splits(full_run, capsys):
+    """--train N: the policy on N distinct training prompts, kept out of the eval splits' average (the recall check)."""
+    from ema_pg.evaluate import evaluate_policy, main, training_prompts
+    from ema_pg.policy import load_run_model
+    from ema_pg.rollout import build_sampler
+
+    cfg, _, objs = full_run
+    run = objs["run_dir"]
+    main([str(run), "--out", str(run / "eval_train.json"), "--train", "8"])
+    out = json.loads((run / "eval_train.json").read_text())
+    assert out["avg"] == json.loads((run / "eval.json").read_text())["avg"] and "train" not in out["splits"]
+    assert "training questions (8 distinct; not in avg)" in capsys.readouterr().out
+    task = objs["module"].task
+    prompts = training_prompts(task, 8)
+    assert len({p.text for p in prompts}) == 8
+    model, tok = load_run_model(run, "policy")
+    direct = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout,
+                             splits={"t": prompts}, progress=False)
+    assert out["train"]["n"] == 8 and out["train"]["em"] == direct["splits"]["t"]["em"]
+    with pytest.raises(SystemExit, match="--train -1"):
+        main([str(run), "--train", "-1"])
+
+
 def test_run_folder_rebuilds_its_policy_without_the_cache_from_another_directory(full_run, tmp_path, monkeypatch):
     """evaluate and export need nothing but the run folder: the cold-start cache is gone, the cwd is elsewhere."""
     import shutil

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--train", type=int, default=0, metavar="N",
                     help="also score N distinct prompts of the RL training distribution (kept apart from the eval "
                          "splits and their avg, under 'train'): a gain there that the eval splits do not share is "
-                         "recall of the training questions, not a skill")
+                         "specific to what RL trained on, not a skill")
     a = ap.parse_args(argv)
     if a.train < 0:
         raise SystemExit(f"--train {a.train}: give a number of training prompts >= 0")
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         t = result["train"]
         train = {"splits": {"train": t}, "avg": t[result["metric"]], "metric": result["metric"],
                  "avg_diagnostics": t.get("diagnostics", {})}
-        print(f"\ntraining questions ({result['train']['n']} distinct; not in avg):\n" + format_table(train))
+        print(f"\ntraining questions ({t['n']} distinct; not in avg):\n" + format_table(train))
     print(f"wrote {out}")
 
 

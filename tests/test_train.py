@@ -101,7 +101,7 @@ def test_evaluate_cli_on_a_run_folder(full_run, capsys):
 
 
 def test_evaluate_cli_scores_training_prompts_apart_from_the_eval_splits(full_run, capsys):
-    """--train N: the policy on N distinct training prompts, kept out of the eval splits' average (the recall check)."""
+    """--train N: the policy on N distinct training prompts, kept out of the eval splits' average."""
     from ema_pg.evaluate import evaluate_policy, main, training_prompts
     from ema_pg.policy import load_run_model
     from ema_pg.rollout import build_sampler

@@ -27,6 +27,9 @@ from .tasks.search.task import SPLITS as TASK_SPLITS
 SPLITS = list(TASK_SPLITS)  # general QA first, then multi-hop (the paper's column order)
 GENERAL, MULTIHOP = SPLITS[:3], SPLITS[3:]
 COLS = SPLITS + ["avg"]
+#: the evaluation's diagnostics the reading claims test (``eval_diag/avg/<name>``): EM when a returned passage
+#: holds the answer, and the share of answers that no returned passage holds (from memory)
+DIAGNOSTICS = ["read_em", "recalled"]
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table2" / "paper_table2.csv"
 ROWS = ["before RL", *METHOD_LABELS.values()]  # the paper's rows, then ours (the corrected tail)
 METHODS = list(METHOD_LABELS.values())
@@ -39,10 +42,14 @@ def per_run_scores(runs: pd.DataFrame) -> pd.DataFrame:
     missing = [f"final/eval/{s}/em" for s in SPLITS + ["avg"] if f"final/eval/{s}/em" not in runs]
     if missing:
         raise SystemExit(f"these runs are not search-task runs (no {missing[0]}); point --runs at a table2 sweep")
-    final = runs[["run", "method", "seed"] + [f"final/eval/{s}/em" for s in COLS]].rename(
-        columns={f"final/eval/{s}/em": s for s in COLS})
-    base = runs[["run", "seed"] + [f"base/eval/{s}/em" for s in COLS]].rename(
-        columns={f"base/eval/{s}/em": s for s in COLS}).drop_duplicates("seed").assign(method="before RL")
+    runs = runs.copy()
+    for when in ("final", "base"):  # where the answers came from, mean over the splits (NaN for runs without it)
+        for d in DIAGNOSTICS:
+            runs[f"{when}/eval/{d}/em"] = runs.get(f"{when}/eval_diag/avg/{d}", np.nan)
+    final = runs[["run", "method", "seed"] + [f"final/eval/{s}/em" for s in COLS + DIAGNOSTICS]].rename(
+        columns={f"final/eval/{s}/em": s for s in COLS + DIAGNOSTICS})
+    base = runs[["run", "seed"] + [f"base/eval/{s}/em" for s in COLS + DIAGNOSTICS]].rename(
+        columns={f"base/eval/{s}/em": s for s in COLS + DIAGNOSTICS}).drop_duplicates("seed").assign(method="before RL")
     return pd.concat([base, final], ignore_index=True)
 
 
@@ -105,14 +112,15 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
     scores = scores.assign(multihop=scores[MULTIHOP].mean(axis=1), general=scores[GENERAL].mean(axis=1))
     pm = paper[paper["block"].str.contains("RL")].set_index("method")[COLS]
     pm = pm.assign(multihop=pm[MULTIHOP].mean(axis=1), general=pm[GENERAL].mean(axis=1))
-    om = scores.groupby("method")[COLS + ["multihop", "general"]].mean()
+    om = scores.groupby("method")[COLS + DIAGNOSTICS + ["multihop", "general"]].mean()
     by_seed = scores.set_index(["method", "seed"])
     out = []
 
     def compare(claim, better, worse, col="avg"):
         row = {"claim": claim, "paper": f"{pm.loc[better, col]:.3f} vs {pm.loc[worse, col]:.3f}",
-               "paper_holds": bool(pm.loc[better, col] > pm.loc[worse, col])}
-        seeds = sorted(set(by_seed.loc[better].index) & set(by_seed.loc[worse].index)) \
+               "paper_holds": bool(pm.loc[better, col] > pm.loc[worse, col])} if col in pm else \
+              {"claim": claim, "paper": "— (ours, not the paper's)", "paper_holds": None}
+        seeds = sorted(set(by_seed.loc[better, col].dropna().index) & set(by_seed.loc[worse, col].dropna().index)) \
             if better in om.index and worse in om.index else []
         if seeds:  # on the seeds both methods ran: a paired comparison (same seed = same base policy)
             b = by_seed.loc[[(better, s) for s in seeds], col].to_numpy(dtype=float)
@@ -153,6 +161,14 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
     else:
         row.update(ours="missing", ours_holds=None, seeds="")
     out.append(row)
+
+    # ours, not the paper's: does RL's gain reach held-out questions, and is it reading rather than recall?
+    compare("RL raises held-out EM: Top-k reverse > before RL (avg)", REV, "before RL")
+    if scores["read_em"].notna().any():  # runs that log the evaluation's diagnostics
+        compare("RL reads better: Top-k reverse's EM given a passage with the answer > before RL (read_em)", REV,
+                "before RL", "read_em")
+        compare("RL recalls less: answers no passage holds, before RL > Top-k reverse (recalled)", "before RL",
+                REV, "recalled")
     return out
 
 
@@ -237,6 +253,12 @@ def main(argv=None) -> dict:
           "|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {c['claim']} | {c['paper']} | {verdict(c['paper_holds'])} | {c['ours']} | {c['ci']} | **{c['verdict']}** | "
            f"{_num(c['mde'])} | {_num(c['p'])} | {c['seeds']} |" for c in checks]
+    if "mean/train/kl_pg_grad_ratio" in runs and runs["mean/train/kl_pg_grad_ratio"].notna().any():
+        ratio = runs.groupby("method")["mean/train/kl_pg_grad_ratio"].agg(["mean", "min", "max"])
+        md += ["", "The KL term's pull next to the policy gradient's (‖∇βKL‖ / ‖∇J‖, ratio of the mean norms over a "
+               "run's measurements, `monitor.grad_ratio_every`; mean [min, max] over seeds): "
+               + "; ".join(f"{m} {r['mean']:.3g} [{r['min']:.3g}, {r['max']:.3g}]"
+                           for m, r in ratio.reindex([m for m in METHODS if m in ratio.index]).iterrows()) + "."]
     md += ["", "![per split](table2.png)", "", "![curves](table2_curves.png)", ""]
     write_results(out, md)
     return {"table": t, "orderings": checks, "out": out}

@@ -195,6 +195,34 @@ def test_table2_orderings_and_missing_rows(tmp_path):
         assert (tmp_path / "out" / f).is_file(), f
 
 
+def test_table2_tests_whether_the_gain_is_reading_and_reports_the_kl_pull(tmp_path):
+    # before RL: read_em 0.5, recalled 0.3 on both seeds; Top-k reverse ends at read_em 0.7 / 0.6 and recalled
+    # 0.1 / 0.2; GRPO logs no diagnostics. The KL/PG gradient norms are logged on one iteration per run.
+    _t2_runs(tmp_path / "runs", {"grpo": [_scores(0.4, 0.1)] * 2, "ema_topk_reverse": [_scores(0.5, 0.2)] * 2})
+    for seed, (read, recalled) in enumerate([(0.7, 0.1), (0.6, 0.2)]):
+        d = tmp_path / "runs" / f"ema_topk_reverse_s{seed}"
+        m = pd.read_csv(d / "metrics.csv")
+        ev = m["eval/avg/em"].notna()
+        m.loc[ev & (m["step"] == 0), ["eval_diag/avg/read_em", "eval_diag/avg/recalled"]] = [0.5, 0.3]
+        m.loc[ev & (m["step"] == 4), ["eval_diag/avg/read_em", "eval_diag/avg/recalled"]] = [read, recalled]
+        m.loc[~ev & (m["step"] == 2), ["train/grad_norm_pg", "train/grad_norm_kl"]] = [1.0, 0.1 * (seed + 1)]
+        m.to_csv(d / "metrics.csv", index=False)
+    res = table2.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--scale", "test"])
+    checks = {c["claim"].split(":")[0]: c for c in res["orderings"]}
+    held = checks["RL raises held-out EM"]
+    assert held["ours"].startswith(f"{_scores(0.5, 0.2)['avg']:.3f} vs 0.050") and held["paper_holds"] is True
+    read, recall = checks["RL reads better"], checks["RL recalls less"]
+    assert read["ours"] == "0.650 vs 0.500 (Δ +0.1500)" and read["seeds"] == "Δ per seed: +0.200, +0.100; better on 2/2"
+    assert recall["ours"] == "0.300 vs 0.150 (Δ +0.1500)" and recall["verdict"] == "holds"
+    assert read["paper_holds"] is None and read["paper"].startswith("— (ours")
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "+ Top-k reverse KL 0.15 [0.1, 0.2]" in md and "GRPO 0" not in md  # GRPO logged no gradient norms
+    # runs without diagnostics: no reading rows, and the other claims unchanged
+    rows = table2.orderings(table2.per_run_scores(load_runs(tmp_path / "runs").query("method == 'grpo'").assign(
+        method="GRPO")), pd.read_csv(table2.PAPER))
+    assert not any(c["claim"].startswith("RL reads") for c in rows)
+
+
 def test_table2_multihop_gain_undefined_when_grpo_scores_zero(tmp_path):
     _t2_runs(tmp_path / "runs", {"grpo": [_scores(0.4, 0.0)], "ema_topk_reverse": [_scores(0.5, 0.0)]})
     res = table2.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out")])

@@ -180,6 +180,32 @@ def test_table2_decide_is_the_search_world_on_five_paired_seeds_compiled():
     assert OmegaConf.to_yaml(decide) == OmegaConf.to_yaml(plain)
 
 
+def test_table2_decide_reading_is_table2_decide_in_the_2000_people_world_at_beta_0_1(tmp_path):
+    """SCALE=decide_reading: Table 2 decide in a world of 2,000 people, beta 0.1 and the KL/PG gradient ratio
+    logged; nothing else differs, its five seeds are ones no pilot ran (6-10), and its pre-registration is
+    committed beside where its results go. Other sweeps have no such overlay and say so."""
+    from ema_pg.config import compose
+    from ema_pg.reproduce import commands
+
+    def run_cfg(scale):
+        return compose([f"hydra.searchpath=[file://{ROOT / 'sweeps'}]", "experiment=search", "seed=1", "method=grpo",
+                        "+scale=" + scale])
+
+    decide, reading = run_cfg("table2_decide"), run_cfg("table2_decide_reading")
+    assert reading.task.n_people == 2 * decide.task.n_people == 2000
+    assert reading.algo.beta == 10 * decide.algo.beta and reading.monitor.grad_ratio_every > 0
+    for key in ("task.n_people", "algo.beta", "monitor.grad_ratio_every"):
+        OmegaConf.update(reading, key, OmegaConf.select(decide, key))
+    assert OmegaConf.to_yaml(reading) == OmegaConf.to_yaml(decide)
+    over = OmegaConf.load(ROOT / "sweeps" / "scale" / "table2_decide_reading.yaml")
+    assert over.defaults[0] == "table2_decide" and str(over.hydra.sweeper.params.seed) == "6,7,8,9,10"
+    sweep, _, _, out = commands("table2", "decide_reading", [], runs=tmp_path)
+    assert "+scale=table2_decide_reading" in sweep and out == ROOT / "reproductions" / "table2" / "decide_reading"
+    assert (out / "README.md").is_file(), "pre-registration first"
+    with pytest.raises(SystemExit, match="no scale 'decide_reading' for fig5_methods"):
+        commands("fig5_methods", "decide_reading", [])
+
+
 def test_decide_strong_is_decide_from_a_stronger_cold_start():
     """SCALE=decide_strong: everything decide sets, and SFT runs on to a training reward of 0.3."""
     from ema_pg.config import compose

@@ -22,14 +22,13 @@ import seaborn as sns
 from .results import (METHOD_LABELS, bootstrap_ci, claim_verdict, load_curves, method_label, min_detectable,
                       paired_differences, provenance_lines, seed_tally, set_style, sign_flip_p, table_args,
                       write_results)
+from .tasks.search.task import DIAGNOSTICS as TASK_DIAGNOSTICS
 from .tasks.search.task import SPLITS as TASK_SPLITS
 
 SPLITS = list(TASK_SPLITS)  # general QA first, then multi-hop (the paper's column order)
 GENERAL, MULTIHOP = SPLITS[:3], SPLITS[3:]
 COLS = SPLITS + ["avg"]
-#: the evaluation's diagnostics the reading claims test (``eval_diag/avg/<name>``): EM when a returned passage
-#: holds the answer, and the share of answers that no returned passage holds (from memory)
-DIAGNOSTICS = ["read_em", "recalled"]
+DIAGNOSTICS = list(TASK_DIAGNOSTICS)  # the evaluation's diagnostics (``eval_diag/avg/<name>``), read when runs log them
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table2" / "paper_table2.csv"
 ROWS = ["before RL", *METHOD_LABELS.values()]  # the paper's rows, then ours (the corrected tail)
 METHODS = list(METHOD_LABELS.values())
@@ -172,6 +171,42 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
     return out
 
 
+def answer_sources(scores: pd.DataFrame) -> pd.DataFrame:
+    """Where each method's answers came from, before RL and after, on the seeds that logged the diagnostics.
+
+    One row per (method, diagnostic): the mean before RL and after over those seeds, the mean paired change and
+    its 95% bootstrap interval. Descriptive: no claim rests on it beyond R2/R3 (``orderings``)."""
+    base = scores[scores["method"] == "before RL"].set_index("seed")
+    rows = []
+    for m in [m for m in METHODS if m in set(scores["method"])]:
+        after = scores[scores["method"] == m].set_index("seed")
+        for d in DIAGNOSTICS:
+            seeds = sorted(set(after[d].dropna().index) & set(base[d].dropna().index))
+            if not seeds:
+                continue
+            a, b = after.loc[seeds, d].to_numpy(dtype=float), base.loc[seeds, d].to_numpy(dtype=float)
+            lo, hi = bootstrap_ci(paired_differences(a, b)) if len(seeds) > 1 else (np.nan, np.nan)
+            rows.append({"method": m, "diagnostic": d, "seeds": len(seeds), "before": b.mean(), "after": a.mean(),
+                         "delta": (a - b).mean(), "lo": lo, "hi": hi})
+    return pd.DataFrame(rows, columns=["method", "diagnostic", "seeds", "before", "after", "delta", "lo", "hi"])
+
+
+def answer_sources_markdown(src: pd.DataFrame) -> list[str]:
+    if not len(src):
+        return []
+    cell = lambda r: (f"{r.before:.3f} → {r.after:.3f} ({r.delta:+.3f}"
+                      + (f" [{r.lo:+.3f}, {r.hi:+.3f}])" if not np.isnan(r.lo) else ")"))
+    md = ["## Where the answers came from (descriptive, not a claim)", "",
+          "Mean over the seeds that logged the evaluation's diagnostics, before RL → after, (mean paired change "
+          "[95% bootstrap interval]). " + "; ".join(f"`{d}`: {what}" for d, what in TASK_DIAGNOSTICS.items()) + ".", "",
+          "| Method | seeds | " + " | ".join(f"`{d}`" for d in DIAGNOSTICS) + " |", "|---|---:|" + "---|" * len(DIAGNOSTICS)]
+    for m, g in src.groupby("method", sort=False):
+        by = g.set_index("diagnostic")
+        md.append(f"| {m} | {int(g['seeds'].max())} | "
+                  + " | ".join(cell(by.loc[d]) if d in by.index else "—" for d in DIAGNOSTICS) + " |")
+    return md + [""]
+
+
 def _num(x: float) -> str:
     return "—" if np.isnan(x) else f"{x:.3f}"
 
@@ -259,6 +294,9 @@ def main(argv=None) -> dict:
                "run's measurements, `monitor.grad_ratio_every`; mean [min, max] over seeds): "
                + "; ".join(f"{m} {r['mean']:.3g} [{r['min']:.3g}, {r['max']:.3g}]"
                            for m, r in ratio.reindex([m for m in METHODS if m in ratio.index]).iterrows()) + "."]
+    src = answer_sources(scores)
+    src.to_csv(out / "answer_sources.csv", index=False)
+    md += ["", *answer_sources_markdown(src)]
     md += ["", "![per split](table2.png)", "", "![curves](table2_curves.png)", ""]
     write_results(out, md)
     return {"table": t, "orderings": checks, "out": out}

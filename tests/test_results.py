@@ -217,6 +217,13 @@ def test_table2_tests_whether_the_gain_is_reading_and_reports_the_kl_pull(tmp_pa
     assert read["paper_holds"] is None and read["paper"].startswith("— (ours")
     md = (tmp_path / "out" / "results.md").read_text()
     assert "+ Top-k reverse KL 0.15 [0.1, 0.2]" in md and "GRPO 0" not in md  # GRPO logged no gradient norms
+    # where the answers came from: before → after on the seeds with diagnostics, paired change; GRPO has none
+    src = pd.read_csv(tmp_path / "out" / "answer_sources.csv").set_index(["method", "diagnostic"])
+    assert set(src.index.get_level_values("method")) == {"+ Top-k reverse KL"}
+    assert src.loc[("+ Top-k reverse KL", "read_em"), ["before", "after", "delta"]].tolist() == pytest.approx([0.5, 0.65, 0.15])
+    assert src.loc[("+ Top-k reverse KL", "recalled"), ["before", "after", "delta", "seeds"]].tolist() == pytest.approx(
+        [0.3, 0.15, -0.15, 2])
+    assert "| + Top-k reverse KL | 2 |" in md and "0.500 → 0.650 (+0.150 [" in md and "`gold_seen`: a gold answer" in md
     # runs without diagnostics: no reading rows, and the other claims unchanged
     rows = table2.orderings(table2.per_run_scores(load_runs(tmp_path / "runs").query("method == 'grpo'").assign(
         method="GRPO")), pd.read_csv(table2.PAPER))

@@ -5,7 +5,7 @@ import pytest
 from ema_pg.tasks import build_task
 from ema_pg.tasks.search import exact_match, normalize_answer
 from ema_pg.tasks.search.retriever import BM25Retriever, HTTPRetriever, serve
-from ema_pg.tasks.search.task import INVALID, SPLITS, question_entity
+from ema_pg.tasks.search.task import DIAGNOSTICS, INVALID, SPLITS, question_entity
 from ema_pg.tasks.search.world import build_world, questions
 
 
@@ -248,6 +248,7 @@ def test_diagnostics_tell_reading_from_recall(task):
     wrong_read = next(c for c in task.world.city_country if c in obs and c != gold)  # named there, but not the answer
     read = task.diagnostics(p, f"<search> {name} </search>{obs}<answer> {gold} </answer>")
     assert read == {"searches": 1.0, "gold_seen": 1.0, "grounded": 1.0, "recalled": 0.0, "read_em": 1.0}
+    assert set(read) == set(DIAGNOSTICS)  # every measure is named (and explained) in DIAGNOSTICS
     misread = task.diagnostics(p, f"<search> {name} </search>{obs}<answer> {wrong_read} </answer>")
     assert misread == {"searches": 1.0, "gold_seen": 1.0, "grounded": 1.0, "recalled": 0.0, "read_em": 0.0}
     recalled = task.diagnostics(p, f"<search> {name} </search>{obs}<answer> {other} </answer>")

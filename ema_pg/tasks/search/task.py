@@ -29,6 +29,14 @@ ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 INVALID = ("\nMy previous action is invalid. To search, write <search> query </search>. "
            "To answer, write <answer> answer </answer>.\n")
 SPLITS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle")
+#: what ``SearchTask.diagnostics`` measures of a response, and what each measure means
+DIAGNOSTICS = {
+    "searches": "well-formed searches made",
+    "gold_seen": "a gold answer appears in the returned passages (the search found what answers the question)",
+    "grounded": "the stated answer appears in the returned passages (it was read, right or wrong)",
+    "read_em": "exact match among responses whose passages held the gold answer (reading, given a good search)",
+    "recalled": "an answer that no passage held (from memory or made up)",
+}
 
 
 def normalize_answer(s: str) -> str:
@@ -238,13 +246,8 @@ class SearchQATask(Task):
                    for line in observation.splitlines())
 
     def diagnostics(self, prompt: Prompt, response: str) -> dict[str, float]:
-        """What a response read and where its answer came from (evaluation only; the reward is EM alone).
-
-        ``searches``: well-formed searches made. ``gold_seen``: a gold answer appears in the returned
-        passages (the search found what answers the question). ``grounded``: the stated answer appears
-        in the returned passages (it was read, right or wrong). ``read_em``: exact match among responses
-        whose passages held the gold answer (reading, given a good search). ``recalled``: an answer that
-        no passage held (from memory or made up)."""
+        """What a response read and where its answer came from (evaluation only; the reward is EM alone):
+        the measures of ``DIAGNOSTICS``; ``read_em`` only when a gold answer was seen."""
         answers = prompt.meta["answers"]
         found = SEARCH_RE.findall(response.replace(INVALID, ""))
         seen = normalize_answer(" ".join(re.findall(r"<information>(.*?)</information>", response, re.DOTALL)))

@@ -197,7 +197,7 @@ def answer_sources_markdown(src: pd.DataFrame) -> list[str]:
     cell = lambda r: (f"{r.before:.3f} → {r.after:.3f} ({r.delta:+.3f}"
                       + (f" [{r.lo:+.3f}, {r.hi:+.3f}])" if not np.isnan(r.lo) else ")"))
     md = ["## Where the answers came from (descriptive, not a claim)", "",
-          "Mean over the seeds that logged the evaluation's diagnostics, before RL → after, (mean paired change "
+          "Mean over the seeds that logged the evaluation's diagnostics, before RL → after (mean paired change "
           "[95% bootstrap interval]). " + "; ".join(f"`{d}`: {what}" for d, what in TASK_DIAGNOSTICS.items()) + ".", "",
           "| Method | seeds | " + " | ".join(f"`{d}`" for d in DIAGNOSTICS) + " |", "|---|---:|" + "---|" * len(DIAGNOSTICS)]
     for m, g in src.groupby("method", sort=False):

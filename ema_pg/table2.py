@@ -103,6 +103,16 @@ def _rel_gains(means: pd.Series, base: pd.Series, splits: list[str]) -> float | 
     return float(((means[splits] - base[splits]) / base[splits]).mean())
 
 
+def paired(by_seed: pd.DataFrame, better: str, worse: str, col: str) -> tuple[np.ndarray, np.ndarray]:
+    """``col`` of two methods on the seeds where both have it (``by_seed`` is indexed by method, seed), in seed
+    order; empty arrays when they share none."""
+    methods = by_seed.index.get_level_values("method")
+    if better not in methods or worse not in methods:
+        return np.array([]), np.array([])
+    seeds = sorted(set(by_seed.loc[better, col].dropna().index) & set(by_seed.loc[worse, col].dropna().index))
+    return tuple(by_seed.loc[[(m, s) for s in seeds], col].to_numpy(dtype=float) for m in (better, worse))
+
+
 def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
     """The paper's orderings, checked on the paper's numbers and on ours: paired by seed (same seed = same
     base policy and prompt stream), the mean difference with its 95% bootstrap interval over seeds, the
@@ -119,11 +129,8 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
         row = {"claim": claim, "paper": f"{pm.loc[better, col]:.3f} vs {pm.loc[worse, col]:.3f}",
                "paper_holds": bool(pm.loc[better, col] > pm.loc[worse, col])} if col in pm else \
               {"claim": claim, "paper": "— (ours, not the paper's)", "paper_holds": None}
-        seeds = sorted(set(by_seed.loc[better, col].dropna().index) & set(by_seed.loc[worse, col].dropna().index)) \
-            if better in om.index and worse in om.index else []
-        if seeds:  # on the seeds both methods ran: a paired comparison (same seed = same base policy)
-            b = by_seed.loc[[(better, s) for s in seeds], col].to_numpy(dtype=float)
-            w = by_seed.loc[[(worse, s) for s in seeds], col].to_numpy(dtype=float)
+        b, w = paired(by_seed, better, worse, col)
+        if len(b):  # on the seeds both methods ran: a paired comparison (same seed = same base policy)
             d = paired_differences(b, w)
             lo, hi = bootstrap_ci(d)
             row.update(ours=f"{b.mean():.3f} vs {w.mean():.3f} (Δ {d.mean():+.4f})", ours_holds=bool(d.mean() > 0),
@@ -176,17 +183,15 @@ def answer_sources(scores: pd.DataFrame) -> pd.DataFrame:
 
     One row per (method, diagnostic): the mean before RL and after over those seeds, the mean paired change and
     its 95% bootstrap interval. Descriptive: no claim rests on it beyond R2/R3 (``orderings``)."""
-    base = scores[scores["method"] == "before RL"].set_index("seed")
+    by_seed = scores.set_index(["method", "seed"])
     rows = []
     for m in [m for m in METHODS if m in set(scores["method"])]:
-        after = scores[scores["method"] == m].set_index("seed")
         for d in DIAGNOSTICS:
-            seeds = sorted(set(after[d].dropna().index) & set(base[d].dropna().index))
-            if not seeds:
+            a, b = paired(by_seed, m, "before RL", d)
+            if not len(a):
                 continue
-            a, b = after.loc[seeds, d].to_numpy(dtype=float), base.loc[seeds, d].to_numpy(dtype=float)
-            lo, hi = bootstrap_ci(paired_differences(a, b)) if len(seeds) > 1 else (np.nan, np.nan)
-            rows.append({"method": m, "diagnostic": d, "seeds": len(seeds), "before": b.mean(), "after": a.mean(),
+            lo, hi = bootstrap_ci(paired_differences(a, b)) if len(a) > 1 else (np.nan, np.nan)
+            rows.append({"method": m, "diagnostic": d, "seeds": len(a), "before": b.mean(), "after": a.mean(),
                          "delta": (a - b).mean(), "lo": lo, "hi": hi})
     return pd.DataFrame(rows, columns=["method", "diagnostic", "seeds", "before", "after", "delta", "lo", "hi"])
 

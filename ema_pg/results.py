@@ -217,11 +217,33 @@ def sign_flip_p(deltas) -> float:
     return float(np.mean(signs @ np.abs(d) >= d.sum() - 1e-12))
 
 
+DETECT_Z = 2.8  # z(0.975) + z(0.80): a paired difference this many standard errors from 0 is found 80% of the time at two-sided 5%
+
+
 def min_detectable(deltas) -> float:
     """The smallest mean paired difference these seeds would detect: 2.8 x the paired std / sqrt(seeds)
     (80% power, two-sided 5%); nan below two seeds."""
     d = np.asarray(list(deltas), dtype=float)
-    return float(2.8 * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return float(DETECT_Z * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+
+
+def seeds_to_detect(deltas) -> float:
+    """How many paired seeds would make the observed mean difference the minimum detectable one (the same
+    rule as ``min_detectable``: 80% power, two-sided 5%), if the paired std stayed what these seeds show:
+    ceil((2.8 x std / |mean|)^2). It is what an undecided verdict would need to be decided either way; inf
+    when the mean difference is 0, nan below two seeds."""
+    d = np.asarray(list(deltas), dtype=float)
+    if len(d) < 2:
+        return float("nan")
+    m, sd = abs(float(d.mean())), float(d.std(ddof=1))
+    if m == 0:
+        return float("inf") if sd > 0 else float("nan")
+    return float(max(2, int(np.ceil((DETECT_Z * sd / m) ** 2))))
+
+
+def format_seeds(n: float) -> str:
+    """A seed count from ``seeds_to_detect`` for a report: '—' when undefined, '> 1000' past any budget."""
+    return "—" if np.isnan(n) else "> 1000" if n > 1000 else f"{int(n)}"
 
 
 def verdict(lo: float, hi: float) -> str:
@@ -254,6 +276,7 @@ def paired_delta(runs: pd.DataFrame, by: list[str], metric: str, ref_x, x: str) 
     out["Δ 95% CI"] = [f"[{lo:+.3f}, {hi:+.3f}]" if not np.isnan(lo) else "—" for lo, hi in cis]
     out["Δ vs 0"] = [verdict(lo, hi) for lo, hi in cis]
     out["min. detectable Δ"] = g.apply(lambda d: f"{min_detectable(d):.3f}").values
+    out["seeds to detect Δ"] = g.apply(lambda d: format_seeds(seeds_to_detect(d))).values
     return out
 
 
@@ -306,13 +329,13 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
                         "mean/train/kl_pg_grad_ratio", "wall_s", "commit"] if c in runs]
     runs[keep].to_csv(out / f"{name}_runs.csv", index=False)
     table.to_csv(out / f"{name}.csv", index=False)
-    dcol = [c for c in table.columns if c.startswith("Δ ") or c == "min. detectable Δ"]
+    dcol = [c for c in table.columns if c.startswith("Δ ") or c in ("min. detectable Δ", "seeds to detect Δ")]
     extra = [c for c in ("ended below base", "‖∇βKL‖/‖∇J‖") if c in table]
     md = [f"# {title or name}", "", f"Final `{metric}` over seeds (mean ± sample std; n = seeds)"
           + (f"; `{dcol[0]}`: the difference to that variant on the same seed (same cold start), mean ± std, "
              "with its 95% paired bootstrap interval over seeds and whether that interval lies above 0, below 0 or "
              "around it (undecided), and the smallest difference these seeds would detect (2.8 × paired std / √seeds: "
-             "80% power, two-sided 5%)" if dcol else "") + ".", "",
+             "80% power, two-sided 5%), and how many seeds would detect the observed mean difference by that rule" if dcol else "") + ".", "",
           table[by + ["mean ± std", *dcol, *extra, "n"]].to_markdown(index=False, disable_numparse=True), "",
           *[f"**Not paired**: {w}." for w in unpaired_seeds(runs)],
           *(["`ended below base`: runs whose final value is below their own value before RL (iteration 0). "

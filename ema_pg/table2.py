@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .results import (METHOD_LABELS, bootstrap_ci, claim_verdict, load_curves, method_label, min_detectable,
-                      paired_differences, provenance_lines, seed_tally, set_style, sign_flip_p, table_args,
+from .results import (METHOD_LABELS, bootstrap_ci, claim_verdict, format_seeds, load_curves, method_label, min_detectable,
+                      paired_differences, provenance_lines, seed_tally, seeds_to_detect, set_style, sign_flip_p, table_args,
                       write_results)
 from .tasks.search.task import DIAGNOSTICS as TASK_DIAGNOSTICS
 from .tasks.search.task import SPLITS as TASK_SPLITS
@@ -135,10 +135,11 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
             lo, hi = bootstrap_ci(d)
             row.update(ours=f"{b.mean():.3f} vs {w.mean():.3f} (Δ {d.mean():+.4f})", ours_holds=bool(d.mean() > 0),
                        ci=f"[{lo:+.3f}, {hi:+.3f}]" if len(d) > 1 else "—", verdict=claim_verdict(lo, hi),
-                       mde=min_detectable(d), p=sign_flip_p(d),
+                       mde=min_detectable(d), n_detect=seeds_to_detect(d), p=sign_flip_p(d),
                        seeds=f"Δ per seed: {', '.join(f'{x:+.3f}' for x in d)}; {seed_tally(d)}")
         else:
-            row.update(ours="missing", ours_holds=None, ci="—", verdict="missing", mde=float("nan"), p=float("nan"), seeds="")
+            row.update(ours="missing", ours_holds=None, ci="—", verdict="missing", mde=float("nan"), n_detect=float("nan"),
+                       p=float("nan"), seeds="")
         out.append(row)
 
     compare("EMA anchor > GRPO (avg)", EMA, "GRPO")
@@ -153,8 +154,8 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
 
     row = {"claim": "relative gain over GRPO (Top-k reverse) larger on multi-hop than on general QA"}
     pg, pmh = _rel_gains(pm.loc[REV], pm.loc["GRPO"], GENERAL), _rel_gains(pm.loc[REV], pm.loc["GRPO"], MULTIHOP)
-    row.update(paper=f"{100 * pmh:+.1f}% vs {100 * pg:+.1f}%", paper_holds=bool(pmh > pg), ci="—", mde=float("nan"), p=float("nan"),
-               verdict="(descriptive)")
+    row.update(paper=f"{100 * pmh:+.1f}% vs {100 * pg:+.1f}%", paper_holds=bool(pmh > pg), ci="—", mde=float("nan"),
+               n_detect=float("nan"), p=float("nan"), verdict="(descriptive)")
     if REV in om.index and "GRPO" in om.index:
         og, omh = _rel_gains(om.loc[REV], om.loc["GRPO"], GENERAL), _rel_gains(om.loc[REV], om.loc["GRPO"], MULTIHOP)
         ag = float((om.loc[REV, GENERAL] - om.loc["GRPO", GENERAL]).mean())
@@ -287,12 +288,13 @@ def main(argv=None) -> dict:
           "## The paper's orderings, checked on ours", "",
           "Ours: paired by seed; **holds** = the 95% bootstrap interval of the mean paired difference lies above 0, "
           "**fails** = below 0, **undecided** = it contains 0; min. Δ = the smallest difference these seeds would "
-          "detect (2.8 × paired std / √seeds); p = the exact one-sided sign-flip p-value over seeds, a check beside "
+          "detect (2.8 × paired std / √seeds); seeds for Δ = how many seeds would detect the observed Δ by the same rule "
+          "(what an undecided verdict needs, if the paired spread stays as it is); p = the exact one-sided sign-flip p-value over seeds, a check beside "
           "the verdict (at 5 seeds it cannot go below 1/32 = 0.031).", "",
-          "| Claim | Paper | Holds in paper | Ours | 95% CI of Δ | Verdict | min. Δ | p | Seed by seed |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| Claim | Paper | Holds in paper | Ours | 95% CI of Δ | Verdict | min. Δ | seeds for Δ | p | Seed by seed |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {c['claim']} | {c['paper']} | {verdict(c['paper_holds'])} | {c['ours']} | {c['ci']} | **{c['verdict']}** | "
-           f"{_num(c['mde'])} | {_num(c['p'])} | {c['seeds']} |" for c in checks]
+           f"{_num(c['mde'])} | {format_seeds(c['n_detect'])} | {_num(c['p'])} | {c['seeds']} |" for c in checks]
     if "mean/train/kl_pg_grad_ratio" in runs and runs["mean/train/kl_pg_grad_ratio"].notna().any():
         ratio = runs.groupby("method")["mean/train/kl_pg_grad_ratio"].agg(["mean", "min", "max"])
         md += ["", "The KL term's pull next to the policy gradient's (‖∇βKL‖ / ‖∇J‖, ratio of the mean norms over a "

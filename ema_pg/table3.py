@@ -21,8 +21,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .results import (bootstrap_ci, claim_verdict, load_curves, min_detectable, paired_differences, provenance_lines,
-                      set_style, table_args, write_results)
+from .results import (bootstrap_ci, claim_verdict, format_seeds, load_curves, min_detectable, paired_differences,
+                      provenance_lines, seeds_to_detect, set_style, table_args, write_results)
 from .tasks.math.task import PAPER_NAMES
 
 PAPER = Path(__file__).resolve().parent.parent / "reproductions" / "table3" / "paper_table3.csv"
@@ -103,7 +103,7 @@ def claims(p1: pd.DataFrame, pn: pd.DataFrame) -> pd.DataFrame:
         lo, hi = bootstrap_ci(d)
         rows.append({"id": cid, "claim": text, "seeds": len(d), "delta_mean": float(d.mean()) if len(d) else float("nan"),
                      "ci_low": lo, "ci_high": hi, "verdict": claim_verdict(lo, hi) if len(d) > 1 else "undecided",
-                     "mde": min_detectable(d),
+                     "mde": min_detectable(d), "n_detect": seeds_to_detect(d),
                      "per_seed": ", ".join(f"{x:+.3f}" for x in d)})
     out = pd.DataFrame(rows)
     out.loc[out["id"].str.startswith("D"), "verdict"] = "(descriptive)"
@@ -111,11 +111,12 @@ def claims(p1: pd.DataFrame, pn: pd.DataFrame) -> pd.DataFrame:
 
 
 def claims_markdown(c: pd.DataFrame) -> str:
-    lines = ["| id | comparison | seeds | Δ mean | 95% CI | verdict | min. detectable Δ | Δ per seed |",
-             "|---|---|---:|---:|---|---|---:|---|"]
+    lines = ["| id | comparison | seeds | Δ mean | 95% CI | verdict | min. detectable Δ | seeds to detect Δ | Δ per seed |",
+             "|---|---|---:|---:|---|---|---:|---:|---|"]
     for _, r in c.iterrows():
         lines.append(f"| {r['id']} | {r['claim']} | {r['seeds']} | {r['delta_mean']:+.4f} | "
-                     f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] | **{r['verdict']}** | {r['mde']:.4f} | {r['per_seed']} |")
+                     f"[{r['ci_low']:+.4f}, {r['ci_high']:+.4f}] | **{r['verdict']}** | {r['mde']:.4f} | "
+                     f"{format_seeds(r['n_detect'])} | {r['per_seed']} |")
     return "\n".join(lines)
 
 
@@ -214,7 +215,8 @@ def main(argv=None) -> dict:
           "Written in this folder's README.md before the final sweep ran. Each is a paired difference over seeds "
           "(same seed = same cold start and prompt stream) with its 95% percentile-bootstrap interval; **holds** = the "
           "interval lies above 0, **fails** = below 0, **undecided** = it contains 0. The minimum detectable Δ is "
-          "2.8 × the paired std / √seeds (80% power, two-sided 5%).", "", claims_markdown(c), "",
+          "2.8 × the paired std / √seeds (80% power, two-sided 5%); seeds to detect Δ: how many seeds would detect the "
+          "observed Δ by that rule, if the paired spread stayed as it is.", "", claims_markdown(c), "",
           "![Table 3](table3.png)", "", "![Fig 3](fig3.png)", "",
           "## Per seed: Pass@1", "", seeds_markdown(p1, "method"), "",
           f"## Per seed: Pass@{PASS_N}", "", seeds_markdown(pn, "method"), ""]

@@ -321,7 +321,9 @@ def test_table3_report_gives_the_papers_column_and_decides_the_claims(tmp_path):
     assert c.loc["C4", "verdict"] == "fails" and c.loc["C4", "delta_mean"] == pytest.approx(-0.05)
     assert c.loc["C3", "seeds"] == 5 and 0.05 - 1e-9 <= c.loc["C3", "ci_low"] < c.loc["C3", "ci_high"] <= 0.052 + 1e-9
     assert c.loc["D1", "verdict"] == "(descriptive)" and c.loc["D1", "delta_mean"] == pytest.approx(-0.1)
+    assert c.loc["C3", "n_detect"] == 2  # sd 0.0011 against a mean of 0.0508: decided at the fewest seeds
     md = (tmp_path / "out" / "results.md").read_text()
+    assert "| min. detectable Δ | seeds to detect Δ |" in md
     # the paper's relative-improvement column, on the paper's numbers and ours: (0.4508 - 0.42) / (0.42 - 0.2)
     assert "| Average (avg) | 0.200 ± 0.000 | 0.420 ± 0.016 | 0.471 ± 0.016 | +23% | 0.430 | 0.503 | 0.528 | +34% |" in md
     assert "| 0.446 | 0.508 | 0.539 | +50% |" in md  # OlympiadBench, the paper's row

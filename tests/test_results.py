@@ -14,8 +14,9 @@ from omegaconf import OmegaConf
 
 from ema_pg import table2
 from ema_pg.config import fill_defaults
-from ema_pg.results import (ablation_report, derived_columns, load_curves, load_runs, method_label, paired_differences,
-                            seed_tally, sign_flip_p, summarize, unpaired_seeds)
+from ema_pg.results import (ablation_report, derived_columns, format_seeds, load_curves, load_runs, method_label,
+                            min_detectable, paired_differences, seed_tally, seeds_to_detect, sign_flip_p, summarize,
+                            unpaired_seeds)
 from ema_pg.runs import machine
 
 SPLITS = table2.SPLITS
@@ -112,6 +113,26 @@ def test_a_float_tie_is_a_tie_not_a_win():
     assert seed_tally([0.1, 0.2]) == "better on 2/2"
 
 
+def test_seeds_to_detect_is_the_count_where_the_observed_difference_becomes_detectable():
+    """The seed count an undecided verdict would need: at n seeds (same paired spread) the minimum detectable
+    difference has fallen to the observed mean, at n - 1 it has not."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        d = rng.normal(rng.uniform(-0.05, 0.05), rng.uniform(0.005, 0.05), size=int(rng.integers(2, 9)))
+        n = int(seeds_to_detect(d))
+        sd = d.std(ddof=1)
+        mde_at = lambda k: min_detectable(d.mean() + sd * np.sqrt(k - 1) * np.r_[1, -1, np.zeros(k - 2)] / np.sqrt(2))
+        assert mde_at(n) <= abs(d.mean()) + 1e-12
+        if n > 2:
+            assert mde_at(n - 1) > abs(d.mean())
+    # known value: deltas 0.1, 0.3 (mean 0.2, std 0.1414): (2.8 x 0.1414 / 0.2)^2 = 3.92 -> 4 seeds
+    assert seeds_to_detect([0.1, 0.3]) == 4
+    assert seeds_to_detect([-0.1, -0.3]) == 4  # either direction
+    assert seeds_to_detect([0.2, 0.2]) == 2  # no spread: the fewest seeds a paired std needs
+    assert seeds_to_detect([0.1, -0.1]) == np.inf and format_seeds(np.inf) == "> 1000"
+    assert np.isnan(seeds_to_detect([0.1])) and format_seeds(float("nan")) == "—" and format_seeds(37.0) == "37"
+
+
 def test_sign_flip_p_by_enumeration():
     rng = np.random.default_rng(0)
     for n in (1, 2, 5, 7):
@@ -138,7 +159,8 @@ def test_table2_counts_a_float_tie_on_multihop_as_a_tie(tmp_path):
     c = next(c for c in res["orderings"] if c["claim"].startswith("Top-k reverse > GRPO on multi-hop"))
     assert c["seeds"] == "Δ per seed: +0.000, +0.050; better on 1/2, tied on 1"
     assert c["p"] == 0.5  # signs of (0, 0.05): the sum 0.05 is reached by 2 of 4
-    assert "| 0.500 | Δ per seed: +0.000, +0.050" in (tmp_path / "out" / "results.md").read_text()
+    assert c["n_detect"] == 16  # (2.8 x 0.0354 / 0.025)^2 = 15.7 seeds to detect a mean of 0.025
+    assert "| 16 | 0.500 | Δ per seed: +0.000, +0.050" in (tmp_path / "out" / "results.md").read_text()
 
 
 def _t2_runs(root: Path, scores: dict[str, list[dict]]):
@@ -178,6 +200,8 @@ def test_table2_orderings_and_missing_rows(tmp_path):
     assert ema["verdict"] == "holds" and ema["ci"] == "[+0.033, +0.041]"
     # deltas 0.23/7 and 0.29/7: paired sd (0.06/7)/sqrt(2), over sqrt(2 seeds), times 2.8
     assert ema["mde"] == pytest.approx(2.8 * (0.06 / 7) / 2 ** 0.5 / 2 ** 0.5, rel=1e-9)
+    # (2.8 x 0.0424 / 0.26)^2 = 0.21: already detectable, so the floor of 2 seeds
+    assert ema["n_detect"] == 2
     assert checks["Top-k forward > K3, both with the EMA anchor (avg)"]["verdict"] == "fails"
     # multi-hop: Top-k reverse 0.2 vs before RL 0.05 and vs GRPO 0.1 (holds); general QA vs GRPO +0.1 (holds)
     up = checks["RL raises multi-hop EM: Top-k reverse > before RL (mean of the 4 multi-hop splits)"]
@@ -280,7 +304,8 @@ def test_ablation_report_counts_runs_below_base_and_gives_the_kl_gradient_share(
     assert t.loc["0.05", "‖∇βKL‖/‖∇J‖"] == "0.5" and t.loc["0.05", "Δ vs 0.0 (paired)"] == "0.400 ± 0.000"
     assert t.loc["0.05", "min. detectable Δ"] == "0.000" and t.loc["0.05", "Δ vs 0"] == "higher"
     md = (tmp_path / "out" / "b.md").read_text()
-    assert "ended below base" in md and "min. detectable Δ" in md
+    assert t.loc["0.05", "seeds to detect Δ"] == "2"
+    assert "ended below base" in md and "min. detectable Δ" in md and "seeds to detect Δ" in md
 
 
 def test_a_seed_whose_runs_began_from_different_base_policies_is_reported_not_paired(tmp_path):

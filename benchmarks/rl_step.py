@@ -20,6 +20,9 @@ beside the physical floor: the step's matmul FLOPs (sampling forward, anchor for
 forward + backward; 2 / 2 / 6 FLOPs per parameter and token plus attention) over this CPU's
 measured matmul rate at that precision, and the fraction of it each trainer reaches.
 
+``--device cuda``: both trainers on the GPU (ema-pg ``trainer=gpu``, TRL ``use_cpu=False``), the
+floor at the GPU's measured matmul rate; needs a CUDA build of torch.
+
     python benchmarks/rl_step.py --out benchmarks/results/rl_step.json            # headline rows
     python benchmarks/rl_step.py --curve --out benchmarks/results/rl_step_curve.json
 """
@@ -72,7 +75,8 @@ def bench_ours(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = Fals
                    f"algo.prompts_per_step={a.prompts}", f"algo.group_size={a.group}", f"algo.iterations={n}",
                    f"algo.eval_every={n}", "task.eval_size=8", f"rollout.max_new_tokens={a.completion}",
                    f"trainer.precision={'bf16-mixed' if bf16 else '32-true'}", "trainer.progress_bar=false",
-                   f"model.compile={str(compiled).lower()}"])
+                   f"model.compile={str(compiled).lower()}"] + (["trainer=gpu", "trainer.devices=1"] if a.device == "cuda" else [])
+                  + [f"rollout.static_cache={str(a.static_cache).lower()}"])
     run = root / f"ours_{model_dir.name}_{a.completion}_{'bf16' if bf16 else 'fp32'}{'_compiled' if compiled else ''}"
     with open_dict(cfg):
         cfg.run_dir = str(run)
@@ -84,6 +88,7 @@ def bench_ours(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = Fals
     tokens = float((df["train/response_len"] * a.prompts * a.group).median())
     eff = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("algo", "rollout", "optim", "kl", "anchor")}
     eff["trainer.precision"], eff["model.compile"] = cfg.trainer.precision, cfg.model.compile
+    eff["trainer.accelerator"] = cfg.trainer.accelerator
     return {"step_s": med("time/step_s"), "sampling_s": med("time/rollout_s"), "score_s": med("time/score_s"),
             "update_s": med("time/update_s"), "completion_tokens_per_step": tokens,
             "completion_tokens_per_s": tokens / med("time/step_s"), "steps_timed": len(df), "effective_settings": eff}
@@ -124,7 +129,7 @@ def bench_trl(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = False
     s = SETTINGS
     cfg = GRPOConfig(
         output_dir=str(root / "trl"), torch_compile=compiled, per_device_train_batch_size=a.prompts * a.group, num_generations=a.group,
-        max_completion_length=a.completion, beta=s["beta"], learning_rate=s["lr"], use_cpu=True, report_to="none",
+        max_completion_length=a.completion, beta=s["beta"], learning_rate=s["lr"], use_cpu=a.device == "cpu", report_to="none",
         max_steps=a.warmup + a.steps, logging_steps=1, save_strategy="no", gradient_checkpointing=False,
         disable_tqdm=True, bf16=bf16, seed=0, dataloader_num_workers=0,
         loss_type="grpo", use_bias_correction_kl=False, epsilon=s["eps_low"], epsilon_high=s["eps_high"],
@@ -143,20 +148,25 @@ def bench_trl(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = False
             "num_iterations", "scale_rewards", "learning_rate", "lr_scheduler_type", "warmup_steps", "max_grad_norm",
             "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "num_generations",
             "per_device_train_batch_size", "max_completion_length", "mask_truncated_completions", "sync_ref_model",
-            "torch_compile")
+            "torch_compile", "use_cpu")
     return {"step_s": step, "completion_tokens_per_step": tokens, "completion_tokens_per_s": tokens / step,
             "steps_timed": len(t), "trl_version": __import__("trl").__version__,
             "effective_settings": {k: getattr(cfg, k) for k in keys}}
 
 
-def matmul_rate(hidden: int, dtype: torch.dtype) -> float:
-    """FLOP/s of this CPU on the model's dominant matmul shape: (4096 tokens x hidden) @ (hidden x 4 hidden)."""
-    x, w = torch.randn(4096, hidden, dtype=dtype), torch.randn(hidden, 4 * hidden, dtype=dtype)
+def matmul_rate(hidden: int, dtype: torch.dtype, device: str = "cpu") -> float:
+    """FLOP/s of this device on the model's dominant matmul shape: (4096 tokens x hidden) @ (hidden x 4 hidden)."""
+    x = torch.randn(4096, hidden, dtype=dtype, device=device)
+    w = torch.randn(hidden, 4 * hidden, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for _ in range(3):
         x @ w
-    n, t0 = 20, time.perf_counter()
+    n = 200 if device == "cuda" else 20
+    sync()
+    t0 = time.perf_counter()
     for _ in range(n):
         x @ w
+    sync()
     return 2 * 4096 * hidden * 4 * hidden * n / (time.perf_counter() - t0)
 
 
@@ -213,12 +223,18 @@ def main() -> None:
                          "ema-pg model.compile=true, TRL torch_compile=True)")
     ap.add_argument("--curve", action="store_true", help="the scale curve: every size x completion 64, 256")
     ap.add_argument("--no-trl", dest="trl", action="store_false")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both trainers run")
+    ap.add_argument("--static-cache", action="store_true",
+                    help="ema-pg samples over a static KV cache (rollout.static_cache=true: the decode step a CUDA graph "
+                         "on GPU); TRL's transformers generation has no such mode (it disables generate's compilation)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = a.precisions.split(",")
     bad = [p for p in rows if p.removesuffix("+compile") not in ("fp32", "bf16")]
     if bad:
         sys.exit(f"--precisions: {', '.join(bad)}; choose from fp32, bf16, fp32+compile, bf16+compile")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: CUDA is not available (a CPU build of torch, or no GPU); run with --device cpu")
     if a.trl:
         try:
             import trl  # noqa: F401
@@ -229,7 +245,7 @@ def main() -> None:
     from ema_pg.runs import git_commit
 
     out = {"benchmark": "rl_step_curve" if a.curve else "rl_step", "commit": git_commit(),
-           "device": cpu.stdout.strip() or platform.machine(),
+           "device": torch.cuda.get_device_name() if a.device == "cuda" else cpu.stdout.strip() or platform.machine(),
            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "settings": SETTINGS,
            "batch": {"prompts": a.prompts, "group": a.group}, "warmup_steps": a.warmup, "timed_steps": a.steps,
            "rows": []}
@@ -246,7 +262,7 @@ def main() -> None:
             row = run_pair(model_dir, root, a, bf16, compiled)
             dtype = torch.bfloat16 if bf16 else torch.float32
             if (size, dtype) not in rates:  # measured once per size and precision
-                rates[(size, dtype)] = matmul_rate(SIZES[size][0], dtype)
+                rates[(size, dtype)] = matmul_rate(SIZES[size][0], dtype, a.device)
             flops = step_flops(model_dir, a.prompts, a.group, completion)
             row.update(point=f"{size} x {completion} tok", model_params=params, completion_tokens=completion,
                        step_flops=flops, matmul_flops_per_s=rates[(size, dtype)], floor_s=flops / rates[(size, dtype)])

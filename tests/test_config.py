@@ -174,3 +174,9 @@ def test_the_math_recipe_has_the_papers_and_the_authors_eval_settings(monkeypatc
     else:
         with pytest.raises(ConfigError, match="make scale-setup"):
             validate(cfg)
+
+
+def test_static_cache_is_for_the_hf_sampler_only():
+    validate(compose_cfg(["rollout.static_cache=true"]))
+    with pytest.raises(ConfigError, match="rollout.static_cache is a setting of the HF sampler"):
+        validate(compose_cfg(["rollout=vllm", "rollout.static_cache=true"]))

@@ -125,3 +125,55 @@ def test_a_compiled_body_computes_what_the_eager_one_does(gqa_policy):
     got, ref = _multi_turn(m, tok, 24), _multi_turn(eager, tok, 24)
     assert torch.equal(got.input_ids, ref.input_ids) and torch.equal(got.loss_mask, ref.loss_mask)
     assert torch.allclose(got.old.logp, ref.old.logp, atol=1e-5)
+
+
+def test_static_cache_sampling_equals_the_growing_cache(gqa_policy):
+    """``static_cache``: every decode step over the preallocated prompt + max_new_tokens columns (the
+    masked columns ahead carry no weight) gives the growing cache's tokens and log-probs, rows of different
+    prompt lengths and rows ended by EOS included; a second call reuses the cache (reset, not stale)."""
+    m, tok = gqa_policy
+    prompts = ["1+2=", "12+345=", "7"]
+    kw = dict(temperature=1.0, max_new_tokens=12, score=ScoreRequest(topk=3, entropy=True))
+    sampler = HFSampler(tok, static_cache=True)
+    for seed in (0, 1):
+        a = HFSampler(tok).generate(m, prompts, 4, seed=seed, **kw)
+        b = sampler.generate(m, prompts, 4, seed=seed, **kw)
+        assert a.responses == b.responses and torch.equal(a.input_ids, b.input_ids)
+        assert torch.equal(a.loss_mask, b.loss_mask) and torch.equal(a.truncated, b.truncated)
+        assert (a.old.logp - b.old.logp).abs().max() < 1e-5
+        assert torch.equal(a.old.index, b.old.index) and (a.old.entropy - b.old.entropy).abs().max() < 1e-5
+    assert a.truncated.any() and not a.truncated.all()  # rows that ran to the limit and rows that ended by EOS
+    assert len(sampler._static[m][1]) == 1  # one cache for the one batch shape, reused by the second call
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 keys (rotary), bfloat16 values: both kept
+        a = HFSampler(tok).generate(m, prompts, 4, seed=0, **kw)
+        b = sampler.generate(m, prompts, 4, seed=0, **kw)
+    assert a.responses == b.responses and (a.old.logp - b.old.logp).abs().max() < 1e-2
+    assert len(sampler._static[m][1]) == 2  # its own cache: the layers' dtypes differ under autocast
+
+
+def test_static_cache_falls_back_to_the_growing_cache_for_multi_turn(gqa_policy):
+    """A call with stop strings (observations of unknown length) keeps the growing cache, with equal results."""
+    m, tok = gqa_policy
+    kw = dict(temperature=1.0, max_new_tokens=10, seed=5, stop=["+"])
+    a = HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, **kw)
+    s = HFSampler(tok, static_cache=True)
+    b = s.generate(m, ["1+2=", "12+345="], 3, **kw)
+    assert a.responses == b.responses and m not in s._static
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph decode step needs a GPU")
+def test_static_cache_cuda_graph_decode_equals_the_eager_loop_on_gpu(gqa_policy):
+    """On CUDA the static cache's decode step is compiled and replayed as a CUDA graph: the same tokens and,
+    to the compiled kernels' rounding, the same log-probs as the eager loop; the graph is replayed across calls."""
+    m, tok = gqa_policy
+    m = m.to("cuda")
+    kw = dict(temperature=1.0, max_new_tokens=12, score=ScoreRequest(topk=3, entropy=True))
+    sampler = HFSampler(tok, static_cache=True)
+    try:
+        for seed in (0, 1, 2):
+            a = HFSampler(tok).generate(m, ["1+2=", "12+345=", "7"], 4, seed=seed, **kw)
+            b = sampler.generate(m, ["1+2=", "12+345=", "7"], 4, seed=seed, **kw)
+            assert a.responses == b.responses
+            assert (a.old.logp - b.old.logp).abs().max() < 1e-4
+    finally:
+        m.to("cpu")

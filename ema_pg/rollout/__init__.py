@@ -8,7 +8,7 @@ from .hf import HFSampler, sample_token
 
 def build_sampler(cfg, tokenizer) -> Sampler:
     if cfg.name == "hf":
-        return HFSampler(tokenizer, max_obs_tokens=cfg.max_obs_tokens)
+        return HFSampler(tokenizer, max_obs_tokens=cfg.max_obs_tokens, static_cache=cfg.static_cache)
     if cfg.name == "vllm":
         from .vllm import VLLMSampler
 

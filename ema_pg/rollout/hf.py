@@ -9,10 +9,12 @@ sampler's log-probs and the scorer's agree to float rounding.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from ..scores import ScoreRequest, TokenScores
 from .base import OnStop, Rollouts, prompt_seeds
@@ -82,24 +84,67 @@ class GrowingLayer(DynamicLayer):
         return self.n if self.is_initialized else 0
 
 
-def new_cache(model) -> Cache:
-    """A :class:`GrowingLayer` cache for models whose layers all use full attention, else transformers' own."""
+class FixedLayer(StaticLayer):
+    """transformers' :class:`StaticLayer` (preallocated keys and values, written in place at fixed addresses)
+    whose values keep their own dtype: under autocast the rotary embedding leaves the keys in float32 while
+    the value projection gives bfloat16, as the growing cache stores them; StaticLayer would give both the
+    keys' dtype and refuse the values."""
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if self.values.dtype != value_states.dtype:
+            self.values = torch.zeros_like(self.values, dtype=value_states.dtype)
+            torch._dynamo.mark_static_address(self.values)
+
+
+def full_attention_layers(model) -> int | None:
+    """The number of decoder layers if all of them use full attention, else None (sliding windows etc.)."""
     text = model.config.get_text_config(decoder=True)
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"}:  # sliding-window or other layer kinds: their own cache layers
+    return text.num_hidden_layers if kinds == {"full_attention"} else None
+
+
+def new_cache(model) -> Cache:
+    """A :class:`GrowingLayer` cache for models whose layers all use full attention, else transformers' own."""
+    n = full_attention_layers(model)
+    if n is None:  # sliding-window or other layer kinds: their own cache layers
         return DynamicCache(config=model.config)
-    return Cache(layers=[GrowingLayer() for _ in range(text.num_hidden_layers)])
+    return Cache(layers=[GrowingLayer() for _ in range(n)])
 
 
 class HFSampler:
-    """Sampling loop with a KV cache. ``tokenizer`` must pad on the left."""
+    """Sampling loop with a KV cache. ``tokenizer`` must pad on the left.
 
-    def __init__(self, tokenizer, max_obs_tokens: int = 256):
+    ``static_cache``: single-turn calls (no ``stop``) of full-attention models run over a preallocated cache of
+    prompt + ``max_new_tokens`` columns, every decode step with the same shapes; on CUDA the decode
+    step is compiled with ``mode="reduce-overhead"`` (captured once as a CUDA graph per batch shape and
+    replayed), which removes the per-step launch cost of a small model's hundreds of kernels. The
+    prefill and multi-turn calls stay eager on the growing cache. The numbers are those of the eager
+    loop to float rounding (the attention runs over the padded cache length)."""
+
+    def __init__(self, tokenizer, max_obs_tokens: int = 256, static_cache: bool = False):
         self.tok = tokenizer
         self.max_obs_tokens = max_obs_tokens
+        self.static_cache = static_cache
+        #: per model: (its compiled decode step or the model itself, {(rows, columns, autocast): cache}), reused
+        #: across calls so that a CUDA graph's buffers keep their addresses
+        self._static: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         #: a :class:`ema_pg.dist.World` whose ranks must run the same forwards (DeepSpeed ZeRO-3, where every
         #: forward gathers parameters collectively): the loop then runs until every rank's rows are done
         self.lockstep = None
+
+    def _static_for(self, model, shape: tuple[int, int, bool], dev: torch.device):
+        """(a reset cache of ``shape`` = (rows, columns, under autocast) for ``model``, its decode step)."""
+        decode, caches = self._static.get(model, (None, {}))
+        if decode is None:
+            decode = torch.compile(model, mode="reduce-overhead", dynamic=False) if dev.type == "cuda" else model
+            self._static[model] = (decode, caches)
+        cache = caches.get(shape)
+        if cache is None:
+            cache = caches[shape] = Cache(layers=[FixedLayer(max_cache_len=shape[1])
+                                                  for _ in range(full_attention_layers(model))])
+        cache.reset()
+        return cache, decode
 
     def _any(self, flag: bool) -> bool:
         return flag if self.lockstep is None else bool(self.lockstep.max(int(flag)))
@@ -127,9 +172,16 @@ class HFSampler:
 
         was_training = model.training
         model.eval()
-        cache = new_cache(model)
         pos = (am.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
+        static = self.static_cache and not stop and self.lockstep is None and full_attention_layers(model) is not None
+        if static:  # the mask of every column the cache holds, filled as columns are written
+            cache, decode = self._static_for(model, (N, P + max_new_tokens, torch.is_autocast_enabled(dev.type)), dev)
+            mask_buf = torch.zeros((N, P + max_new_tokens), dtype=am.dtype, device=dev)
+            mask_buf[:, :P] = am
+            out = model(input_ids=ids, attention_mask=mask_buf, position_ids=pos, past_key_values=cache, use_cache=True)
+        else:
+            cache = new_cache(model)
+            out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
         next_logits = out.logits[:, -1].float()  # (N, V)
         cols_ids, cols_am, cols_lm, cols_lp = [], [], [], []
         cols_ti, cols_tl, cols_en = [], [], []
@@ -142,10 +194,16 @@ class HFSampler:
         def feed(block: Tensor, block_am: Tensor) -> None:
             """Run a (N, W) block through the model; refresh next_logits of rows whose last column is real."""
             nonlocal next_logits, last_pos
-            full_am = torch.cat([am] + cols_am, 1)  # (N, L) including the block
             bpos = last_pos[:, None] + block_am.cumsum(-1)  # positions continue past real tokens only
             bpos = torch.where(block_am.bool(), bpos, last_pos[:, None].clamp(min=0))
-            o = model(input_ids=block, attention_mask=full_am, position_ids=bpos, past_key_values=cache, use_cache=True)
+            if static:  # one column: written into the mask buffer; same shapes at every step
+                mask_buf[:, P + len(cols_am) - 1] = block_am[:, 0]
+                o = decode(input_ids=block, attention_mask=mask_buf, position_ids=bpos, past_key_values=cache,
+                           use_cache=True)
+            else:
+                full_am = torch.cat([am] + cols_am, 1)  # (N, L) including the block
+                o = model(input_ids=block, attention_mask=full_am, position_ids=bpos, past_key_values=cache,
+                          use_cache=True)
             real_last = block_am[:, -1].bool()
             next_logits = torch.where(real_last[:, None], o.logits[:, -1].float(), next_logits)
             last_pos = last_pos + block_am.sum(-1)

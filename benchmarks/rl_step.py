@@ -20,8 +20,10 @@ beside the physical floor: the step's matmul FLOPs (sampling forward, anchor for
 forward + backward; 2 / 2 / 6 FLOPs per parameter and token plus attention) over this CPU's
 measured matmul rate at that precision, and the fraction of it each trainer reaches.
 
-``--device cuda``: both trainers on the GPU (ema-pg ``trainer=gpu``, TRL ``use_cpu=False``), the
-floor at the GPU's measured matmul rate; needs a CUDA build of torch.
+``--device`` (auto: cuda where torch sees a GPU): on cuda both trainers run on the GPU (ema-pg
+``trainer=gpu``, TRL ``use_cpu=False``), the floor at the GPU's measured matmul rate, and ema-pg's
+sampler uses its default there, the static cache with a CUDA-graph decode step (``--static-cache off``
+for the growing cache).
 
     python benchmarks/rl_step.py --out benchmarks/results/rl_step.json            # headline rows
     python benchmarks/rl_step.py --curve --out benchmarks/results/rl_step_curve.json
@@ -45,6 +47,8 @@ import torch
 SETTINGS = {"kl": "k3 (no importance weight)", "beta": 0.001, "eps_low": 0.2, "eps_high": 0.28, "temperature": 1.0,
             "top_p": 1.0, "lr": 1e-6, "grad_clip": 1.0, "weight_decay": 0.0, "lr_schedule": "constant",
             "loss_agg": "seq-mean-token-mean", "adv_norm": "group", "updates_per_batch": 1, "reference": "fixed"}
+#: --static-cache choices -> ema-pg's rollout.static_cache
+STATIC = {"auto": "null", "on": "true", "off": "false"}
 #: model sizes of the scale curve: name -> (hidden, layers, heads, kv heads)
 SIZES = {"1M": (128, 4, 4, 2), "10M": (320, 8, 8, 2), "50M": (512, 16, 8, 2)}
 
@@ -76,7 +80,7 @@ def bench_ours(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = Fals
                    f"algo.eval_every={n}", "task.eval_size=8", f"rollout.max_new_tokens={a.completion}",
                    f"trainer.precision={'bf16-mixed' if bf16 else '32-true'}", "trainer.progress_bar=false",
                    f"model.compile={str(compiled).lower()}"] + (["trainer=gpu", "trainer.devices=1"] if a.device == "cuda" else [])
-                  + [f"rollout.static_cache={str(a.static_cache).lower()}"])
+                  + [f"rollout.static_cache={STATIC[a.static_cache]}"])
     run = root / f"ours_{model_dir.name}_{a.completion}_{'bf16' if bf16 else 'fp32'}{'_compiled' if compiled else ''}"
     with open_dict(cfg):
         cfg.run_dir = str(run)
@@ -223,16 +227,19 @@ def main() -> None:
                          "ema-pg model.compile=true, TRL torch_compile=True)")
     ap.add_argument("--curve", action="store_true", help="the scale curve: every size x completion 64, 256")
     ap.add_argument("--no-trl", dest="trl", action="store_false")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both trainers run")
-    ap.add_argument("--static-cache", action="store_true",
-                    help="ema-pg samples over a static KV cache (rollout.static_cache=true: the decode step a CUDA graph "
-                         "on GPU); TRL's transformers generation has no such mode (it disables generate's compilation)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="where both trainers run (auto: cuda where torch sees a GPU, else cpu)")
+    ap.add_argument("--static-cache", default="auto", choices=list(STATIC),
+                    help="ema-pg's rollout.static_cache (auto: its default, on for a CUDA policy: the decode step a CUDA "
+                         "graph); TRL's transformers generation has no such mode (it turns generate's compilation off)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows = a.precisions.split(",")
     bad = [p for p in rows if p.removesuffix("+compile") not in ("fp32", "bf16")]
     if bad:
         sys.exit(f"--precisions: {', '.join(bad)}; choose from fp32, bf16, fp32+compile, bf16+compile")
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: CUDA is not available (a CPU build of torch, or no GPU); run with --device cpu")
     if a.trl:

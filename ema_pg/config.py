@@ -69,7 +69,8 @@ class RolloutConfig:
     max_new_tokens: int = 6  #: policy tokens per response (all turns together)
     stop: list[str] = field(default_factory=list)  #: stop strings that end a turn
     max_obs_tokens: int = 256  #: cap on the tokens of one environment observation
-    static_cache: bool = False  #: hf: single-turn sampling over a preallocated cache, the decode step a CUDA graph on GPU
+    #: hf: single-turn sampling over a preallocated cache, the decode step a CUDA graph on GPU (null: on for a CUDA policy)
+    static_cache: bool | None = None
     eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
     eval_samples: int = 1  #: responses per eval problem; > 1 samples them and adds mean@N, pass@k, maj@N
     eval_top_p: float = 1.0  #: nucleus mass of sampled evaluation (eval_samples > 1)
@@ -485,6 +486,9 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
                 "every rank; use deepspeed_stage_2 (full weights on each rank) or rollout=hf")
     if cfg.rollout.name not in ("hf", "vllm"):
         bad(f"rollout={cfg.rollout.name!r}; choose hf or vllm")
+    if cfg.rollout.static_cache and cfg.rollout.name != "hf":
+        bad(f"rollout.static_cache is a setting of the HF sampler (rollout=hf); rollout={cfg.rollout.name} has its own "
+            "cache: drop rollout.static_cache")
     if cfg.rollout.name == "vllm":
         import importlib.util
 
@@ -500,9 +504,6 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
                 bad(f"rollout=vllm on CPU: the model's head size is {head_dim} but vLLM's CPU attention takes only "
                     f"{', '.join(map(str, CPU_HEAD_DIMS))}; change model.hidden_size / model.num_heads "
                     "(e.g. 64 / 2) or use rollout=hf")
-    if cfg.rollout.static_cache and cfg.rollout.name != "hf":
-        bad(f"rollout.static_cache is a setting of the HF sampler (rollout=hf); rollout={cfg.rollout.name} has its own "
-            "cache: drop rollout.static_cache")
     if cfg.rollout.tis_cap < 0:
         bad(f"rollout.tis_cap must be >= 0 (0 = off; peers use 2-5); got {cfg.rollout.tis_cap}")
     if cfg.rollout.tis_cap > 0 and cfg.rollout.name == "hf":

@@ -159,6 +159,9 @@ def test_static_cache_falls_back_to_the_growing_cache_for_multi_turn(gqa_policy)
     s = HFSampler(tok, static_cache=True)
     b = s.generate(m, ["1+2=", "12+345="], 3, **kw)
     assert a.responses == b.responses and m not in s._static
+    default = HFSampler(tok)  # static_cache None: on for a CUDA policy only
+    default.generate(m, ["1+2="], 2, temperature=1.0, max_new_tokens=4, seed=0)
+    assert default.static_cache is None and m not in default._static
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph decode step needs a GPU")
@@ -168,12 +171,13 @@ def test_static_cache_cuda_graph_decode_equals_the_eager_loop_on_gpu(gqa_policy)
     m, tok = gqa_policy
     m = m.to("cuda")
     kw = dict(temperature=1.0, max_new_tokens=12, score=ScoreRequest(topk=3, entropy=True))
-    sampler = HFSampler(tok, static_cache=True)
+    sampler = HFSampler(tok)  # the default: static for a CUDA policy
     try:
         for seed in (0, 1, 2):
-            a = HFSampler(tok).generate(m, ["1+2=", "12+345=", "7"], 4, seed=seed, **kw)
+            a = HFSampler(tok, static_cache=False).generate(m, ["1+2=", "12+345=", "7"], 4, seed=seed, **kw)
             b = sampler.generate(m, ["1+2=", "12+345=", "7"], 4, seed=seed, **kw)
             assert a.responses == b.responses
             assert (a.old.logp - b.old.logp).abs().max() < 1e-4
+        assert len(sampler._static[m][1]) == 1  # the static path ran, one cache for the one shape
     finally:
         m.to("cpu")

@@ -115,14 +115,15 @@ def new_cache(model) -> Cache:
 class HFSampler:
     """Sampling loop with a KV cache. ``tokenizer`` must pad on the left.
 
-    ``static_cache``: single-turn calls (no ``stop``) of full-attention models run over a preallocated cache of
+    ``static_cache`` (None: on where the model is on CUDA, off elsewhere, where it buys nothing):
+    single-turn calls (no ``stop``) of full-attention models run over a preallocated cache of
     prompt + ``max_new_tokens`` columns, every decode step with the same shapes; on CUDA the decode
     step is compiled with ``mode="reduce-overhead"`` (captured once as a CUDA graph per batch shape and
     replayed), which removes the per-step launch cost of a small model's hundreds of kernels. The
     prefill and multi-turn calls stay eager on the growing cache. The numbers are those of the eager
     loop to float rounding (the attention runs over the padded cache length)."""
 
-    def __init__(self, tokenizer, max_obs_tokens: int = 256, static_cache: bool = False):
+    def __init__(self, tokenizer, max_obs_tokens: int = 256, static_cache: bool | None = None):
         self.tok = tokenizer
         self.max_obs_tokens = max_obs_tokens
         self.static_cache = static_cache
@@ -173,7 +174,8 @@ class HFSampler:
         was_training = model.training
         model.eval()
         pos = (am.cumsum(-1) - 1).clamp(min=0)
-        static = self.static_cache and not stop and self.lockstep is None and full_attention_layers(model) is not None
+        static = (dev.type == "cuda" if self.static_cache is None else self.static_cache) and not stop \
+            and self.lockstep is None and full_attention_layers(model) is not None
         if static:  # the mask of every column the cache holds, filled as columns are written
             cache, decode = self._static_for(model, (N, P + max_new_tokens, torch.is_autocast_enabled(dev.type)), dev)
             mask_buf = torch.zeros((N, P + max_new_tokens), dtype=am.dtype, device=dev)

@@ -69,7 +69,7 @@ class RolloutConfig:
     max_new_tokens: int = 6  #: policy tokens per response (all turns together)
     stop: list[str] = field(default_factory=list)  #: stop strings that end a turn
     max_obs_tokens: int = 256  #: cap on the tokens of one environment observation
-    #: hf: single-turn sampling over a preallocated cache, the decode step a CUDA graph on GPU (null: on for a CUDA policy)
+    #: hf: single-turn sampling over a preallocated cache, the decode step a CUDA graph on GPU (null: on for a non-LoRA policy on CUDA)
     static_cache: bool | None = None
     eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
     eval_samples: int = 1  #: responses per eval problem; > 1 samples them and adds mean@N, pass@k, maj@N

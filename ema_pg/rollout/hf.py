@@ -115,7 +115,8 @@ def new_cache(model) -> Cache:
 class HFSampler:
     """Sampling loop with a KV cache. ``tokenizer`` must pad on the left.
 
-    ``static_cache`` (None: on where the model is on CUDA, off elsewhere, where it buys nothing):
+    ``static_cache`` (None: on for a plain model on CUDA; off on CPU and for LoRA policies, where it was
+    not measured to pay):
     single-turn calls (no ``stop``) of full-attention models run over a preallocated cache of
     prompt + ``max_new_tokens`` columns, every decode step with the same shapes; on CUDA the decode
     step is compiled with ``mode="reduce-overhead"`` (captured once as a CUDA graph per batch shape and
@@ -174,7 +175,8 @@ class HFSampler:
         was_training = model.training
         model.eval()
         pos = (am.cumsum(-1) - 1).clamp(min=0)
-        static = (dev.type == "cuda" if self.static_cache is None else self.static_cache) and not stop \
+        auto = dev.type == "cuda" and not hasattr(model, "peft_config")  # a LoRA policy: not tried under graphs
+        static = (auto if self.static_cache is None else self.static_cache) and not stop \
             and self.lockstep is None and full_attention_layers(model) is not None
         if static:  # the mask of every column the cache holds, filled as columns are written
             cache, decode = self._static_for(model, (N, P + max_new_tokens, torch.is_autocast_enabled(dev.type)), dev)

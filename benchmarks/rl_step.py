@@ -234,6 +234,9 @@ def main() -> None:
                          "graph); TRL's transformers generation has no such mode (it turns generate's compilation off)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    # every trainer here compiles the same transformers forward for its own model and shapes: the curve's six
+    # models would pass torch's per-function limit of 8 recompiles, after which it silently runs eagerly
+    torch._dynamo.config.recompile_limit = 64
     rows = a.precisions.split(",")
     bad = [p for p in rows if p.removesuffix("+compile") not in ("fp32", "bf16")]
     if bad:

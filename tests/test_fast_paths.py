@@ -144,6 +144,9 @@ def test_static_cache_sampling_equals_the_growing_cache(gqa_policy):
         assert torch.equal(a.old.index, b.old.index) and (a.old.entropy - b.old.entropy).abs().max() < 1e-5
     assert a.truncated.any() and not a.truncated.all()  # rows that ran to the limit and rows that ended by EOS
     assert len(sampler._static[m][1]) == 1  # one cache for the one batch shape, reused by the second call
+    c = sampler.generate(m, ["1+2=", "1", "7"], 4, seed=0, **kw)  # shorter padded prompts: the same columns
+    assert c.prompt_len < a.prompt_len and len(sampler._static[m][1]) == 1
+    assert [hf_rollout.static_columns(n) for n in (1, 64, 65, 200)] == [64, 64, 128, 256]
     with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 keys (rotary), bfloat16 values: both kept
         a = HFSampler(tok).generate(m, prompts, 4, seed=0, **kw)
         b = sampler.generate(m, prompts, 4, seed=0, **kw)

@@ -112,13 +112,22 @@ def new_cache(model) -> Cache:
     return Cache(layers=[GrowingLayer() for _ in range(n)])
 
 
+def static_columns(needed: int) -> int:
+    """The static cache's columns for ``needed`` = prompt + max_new_tokens: the next power of two (at least 64),
+    so that batches whose padded prompts differ in length share one cache and one compiled decode step instead
+    of compiling one per length (torch recompiles a function at most ``recompile_limit`` = 8 times, then runs it
+    eagerly). The columns past ``needed`` stay masked."""
+    return max(64, 1 << (needed - 1).bit_length())
+
+
 class HFSampler:
     """Sampling loop with a KV cache. ``tokenizer`` must pad on the left.
 
     ``static_cache`` (None: on for a plain model on CUDA; off for LoRA policies, never run under graphs, and
     on CPU, where it was 8% slower: no launch cost to save, and attention over every preallocated column):
     single-turn calls (no ``stop``) of full-attention models run over a preallocated cache of
-    prompt + ``max_new_tokens`` columns, every decode step with the same shapes; on CUDA the decode
+    prompt + ``max_new_tokens`` columns rounded up to a power of two (:func:`static_columns`), every decode
+    step with the same shapes; on CUDA the decode
     step is compiled with ``mode="reduce-overhead"`` (captured once as a CUDA graph per batch shape and
     replayed), which removes the per-step launch cost of a small model's hundreds of kernels. The
     prefill and multi-turn calls stay eager on the growing cache. The numbers are those of the eager
@@ -179,8 +188,9 @@ class HFSampler:
         static = (auto if self.static_cache is None else self.static_cache) and not stop \
             and self.lockstep is None and full_attention_layers(model) is not None
         if static:  # the mask of every column the cache holds, filled as columns are written
-            cache, decode = self._static_for(model, (N, P + max_new_tokens, torch.is_autocast_enabled(dev.type)), dev)
-            mask_buf = torch.zeros((N, P + max_new_tokens), dtype=am.dtype, device=dev)
+            cols = static_columns(P + max_new_tokens)
+            cache, decode = self._static_for(model, (N, cols, torch.is_autocast_enabled(dev.type)), dev)
+            mask_buf = torch.zeros((N, cols), dtype=am.dtype, device=dev)
             mask_buf[:, :P] = am
             out = model(input_ids=ids, attention_mask=mask_buf, position_ids=pos, past_key_values=cache, use_cache=True)
         else:

@@ -124,7 +124,8 @@ class HFSampler:
     """Sampling loop with a KV cache. ``tokenizer`` must pad on the left.
 
     ``static_cache`` (None: on for a plain model on CUDA; off for LoRA policies, never run under graphs, and
-    on CPU, where it was 8% slower: no launch cost to save, and attention over every preallocated column):
+    on CPU, where it was 8% slower (before the power-of-two columns): no launch cost to save, and attention
+    over every preallocated column):
     single-turn calls (no ``stop``) of full-attention models run over a preallocated cache of
     prompt + ``max_new_tokens`` columns rounded up to a power of two (:func:`static_columns`), every decode
     step with the same shapes; on CUDA the decode

@@ -9,9 +9,9 @@ Two ways to compute it, checked equal before timing:
 - ``products``: the query heads grouped as a view over their key/value head (no copy of the
   cache), scores = Q K^T, masked softmax, then times V: two batched matrix products.
 
-If both take the same time, and the bytes of cache read per call over that time are near the
-memory bandwidth (measured in the same run by a large copy), the step is bound by reading the cache, and rewriting the kernel wins
-nothing. Shapes come from ``rl_step.SIZES`` (the step benchmark's models).
+Each row also gives the rate at which the fused kernel reads the cache, beside the memory bandwidth
+measured in the same run by a large copy: near it, the step is bound by reading the cache and no
+rewrite of the kernel can win. Shapes come from ``rl_step.SIZES`` (the step benchmark's models).
 
     python benchmarks/decode_attention.py --out benchmarks/results/decode_attention_cpu.json
 """

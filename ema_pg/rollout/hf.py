@@ -123,16 +123,15 @@ def static_columns(needed: int) -> int:
 class HFSampler:
     """Sampling loop with a KV cache. ``tokenizer`` must pad on the left.
 
-    ``static_cache`` (None: on for a plain model on CUDA; off for LoRA policies, never run under graphs, and
-    on CPU, where it was 8% slower (before the power-of-two columns): no launch cost to save, and attention
-    over every preallocated column):
-    single-turn calls (no ``stop``) of full-attention models run over a preallocated cache of
-    prompt + ``max_new_tokens`` columns rounded up to a power of two (:func:`static_columns`), every decode
-    step with the same shapes; on CUDA the decode
-    step is compiled with ``mode="reduce-overhead"`` (captured once as a CUDA graph per batch shape and
-    replayed), which removes the per-step launch cost of a small model's hundreds of kernels. The
-    prefill and multi-turn calls stay eager on the growing cache. The numbers are those of the eager
-    loop to float rounding (the attention runs over the padded cache length)."""
+    ``static_cache``: single-turn calls (no ``stop``) of full-attention models run over a preallocated
+    cache of prompt + ``max_new_tokens`` columns rounded up to a power of two (:func:`static_columns`), so
+    every decode step has the same shapes; on CUDA the decode step is compiled with
+    ``mode="reduce-overhead"`` (captured once as a CUDA graph per batch shape and replayed), which removes
+    the per-step launch cost of a small model's hundreds of kernels. The prefill, multi-turn calls and
+    ZeRO-3 lockstep stay eager on the growing cache. The numbers are those of the eager loop to float
+    rounding (the attention runs over the padded cache length). None (the default): on for a plain model
+    on CUDA; off for LoRA policies (never run under graphs) and on CPU, where it was 8% slower (before the
+    power-of-two columns): no launch cost to save, and attention over every preallocated column."""
 
     def __init__(self, tokenizer, max_obs_tokens: int = 256, static_cache: bool | None = None):
         self.tok = tokenizer

@@ -6,8 +6,9 @@ to ours explicitly: its ``loss_type`` ``dapo`` -> ``grpo`` (seq-mean-token-mean,
 top-p 1, one pass per batch, group-scaled rewards, constant LR, grad-norm clip 1, AdamW with
 no weight decay). The JSON records each trainer's effective settings as it read them, the
 completion tokens per step of each (their ratio should be 1 within sampling noise), seconds
-per step (median after a warm-up), completion tokens/s, and for ema-pg the split into
-sampling, scoring (pi_old, anchor) and update.
+per step (median after a warm-up), completion tokens/s, and for both the split into sampling,
+scoring (ema-pg: pi_old and the anchor's pass; TRL: the rest of ``_generate_and_score_completions``,
+its reference pass, rewards and advantages) and update (the rest of the step).
 
 Rows: ``fp32`` for both (the headline: equal precision); ``bf16`` for both (each trainer's
 best precision on a CPU with AMX: ema-pg ``trainer.precision=bf16-mixed``, TRL ``bf16=True``;
@@ -118,13 +119,27 @@ def bench_trl(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = False
     model = AutoModelForCausalLM.from_pretrained(str(model_dir))  # transformers' own sdpa attention
     times: list[float] = []
     lengths: list[float] = []
+    #: per step: seconds in generation, and in generation + scoring (reference pass, rewards, advantages)
+    phases: list[dict[str, float]] = []
+    acc = {"sampling": 0.0, "prepare": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[key] += time.perf_counter() - t0
+        return wrapper
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            acc.update(sampling=0.0, prepare=0.0)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
+            phases.append(dict(acc))
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "completions/mean_length" in logs:
@@ -143,8 +158,14 @@ def bench_trl(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = False
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tok,
                           callbacks=[Timer()])
+    # the same phases as ema-pg's: generation (_generate), scoring (the rest of _generate_and_score_completions:
+    # the reference pass, rewards, advantages), update (the rest of the step)
+    trainer._generate = timed(trainer._generate, "sampling")
+    trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "prepare")
     trainer.train()
     t = times[a.warmup:]
+    ph = phases[a.warmup:]
+    med = lambda f: statistics.median(f(p, s) for p, s in zip(ph, t))
     L = lengths[a.warmup:] or lengths
     step = statistics.median(t)
     tokens = statistics.median(L) * a.prompts * a.group
@@ -153,8 +174,9 @@ def bench_trl(model_dir: Path, root: Path, a, bf16: bool, compiled: bool = False
             "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "bf16", "num_generations",
             "per_device_train_batch_size", "max_completion_length", "mask_truncated_completions", "sync_ref_model",
             "torch_compile", "use_cpu")
-    return {"step_s": step, "completion_tokens_per_step": tokens, "completion_tokens_per_s": tokens / step,
-            "steps_timed": len(t), "trl_version": __import__("trl").__version__,
+    return {"step_s": step, "sampling_s": med(lambda p, s: p["sampling"]),
+            "score_s": med(lambda p, s: p["prepare"] - p["sampling"]), "update_s": med(lambda p, s: s - p["prepare"]),
+            "completion_tokens_per_step": tokens, "completion_tokens_per_s": tokens / step, "steps_timed": len(t), "trl_version": __import__("trl").__version__,
             "effective_settings": {k: getattr(cfg, k) for k in keys}}
 
 
@@ -212,6 +234,13 @@ def print_rows(rows: list[dict]) -> None:
               f"{r.get('speedup_completion_tokens_per_s', float('nan')):>7.2f}"
               + (f"{floor:>8.3f}{100 * floor / o['step_s']:>6.0f}%{100 * floor / t['step_s'] if t else float('nan'):>6.0f}%"
                  if floor else ""))
+    print(f"\n{'point':<18}{'prec':<14}{'seconds: sampling / scoring / update':>40}")
+    for r in rows:
+        for who in ("ema_pg", "trl"):
+            x = r.get(who)
+            if x and "sampling_s" in x:
+                print(f"{r.get('point', 'headline'):<18}{r['precision']:<14}{who:>8}"
+                      f"{x['sampling_s']:>12.3f}{x['score_s']:>10.3f}{x['update_s']:>10.3f}")
 
 
 def main() -> None:

@@ -167,6 +167,24 @@ def test_static_cache_falls_back_to_the_growing_cache_for_multi_turn(gqa_policy)
     assert default.static_cache is None and m not in default._static
 
 
+def test_static_cache_is_not_used_in_lockstep(gqa_policy):
+    """Under DeepSpeed ZeRO-3 the sampler runs in lockstep with the other ranks (``lockstep``, set by the
+    module): every rank must run the same forwards, so the growing-cache loop runs even when the static
+    cache is asked for. Here a one-process :class:`World` (its collectives the identity) stands for it."""
+    from ema_pg.dist import World
+
+    m, tok = gqa_policy
+    kw = dict(temperature=1.0, max_new_tokens=8, seed=2, score=ScoreRequest())
+    a = HFSampler(tok).generate(m, ["1+2=", "7"], 3, **kw)
+    s = HFSampler(tok, static_cache=True)
+    s.lockstep = World()
+    b = s.generate(m, ["1+2=", "7"], 3, **kw)
+    assert m not in s._static and a.responses == b.responses and torch.equal(a.old.logp, b.old.logp)
+    s.lockstep = None
+    s.generate(m, ["1+2=", "7"], 3, **kw)
+    assert len(s._static[m][1]) == 1  # the same sampler out of lockstep takes the static path
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph decode step needs a GPU")
 def test_static_cache_cuda_graph_decode_equals_the_eager_loop_on_gpu(gqa_policy):
     """On CUDA the static cache's decode step is compiled and replayed as a CUDA graph: the same tokens and,

@@ -233,6 +233,7 @@ class GRPOModule(L.LightningModule):
     def configure_optimizers(self):
         o = self.cfg.optim
         params = [p for p in self.policy.parameters() if p.requires_grad]  # LoRA: the adapters only
+        # not fused=True: the fused kernel leaves the version counters that the vLLM weight sync keys on unmoved
         opt = torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas))
         w = self.cfg.algo.warmup_steps
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / w) if w > 0 else 1.0)

@@ -253,3 +253,20 @@ def test_the_grad_ratio_monitor_runs_on_a_compiled_model(tmp_path):
     m = pd.read_csv(objs["run_dir"] / "metrics.csv")
     ratio = m["train/kl_pg_grad_ratio"].dropna()
     assert metrics["iteration"] == 2 and len(ratio) == 2 and (m["train/grad_norm_pg"].dropna() > 0).all()
+
+
+def test_the_policys_optimizer_step_is_seen_by_the_engines_weight_sync(full_run):
+    """The vLLM sampler pushes weights when their in-place version counters moved (weights_version). torch's fused
+    AdamW updates without moving them: with it, the engine kept sampling from the first weights and the vLLM
+    training test's reward stayed flat (0.134 -> 0.130). The optimizer the trainer builds must be one the sync sees."""
+    import torch
+
+    from ema_pg.rollout.vllm import weights_version
+
+    module = full_run[2]["module"]
+    opt = module.configure_optimizers()["optimizer"]
+    for p in module.policy.parameters():
+        p.grad = torch.randn_like(p)
+    before = weights_version(module.policy)
+    opt.step()
+    assert weights_version(module.policy) != before

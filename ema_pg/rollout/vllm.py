@@ -80,7 +80,8 @@ def _llvmlite_hidden():
 
 
 def weights_version(model) -> tuple:
-    """Identifies a model's current weights: the object plus its parameters' in-place version counters."""
+    """Identifies a model's current weights: the object plus its parameters' in-place version counters.
+    Any in-place update moves them, except torch's fused optimizer kernels: the policy's AdamW is not fused."""
     return (id(model), sum(p._version for p in model.parameters()))
 
 

@@ -264,9 +264,13 @@ def test_the_policys_optimizer_step_is_seen_by_the_engines_weight_sync(full_run)
     from ema_pg.rollout.vllm import weights_version
 
     module = full_run[2]["module"]
+    saved = {k: v.clone() for k, v in module.policy.state_dict().items()}  # the fixture is shared: put it back
     opt = module.configure_optimizers()["optimizer"]
     for p in module.policy.parameters():
         p.grad = torch.randn_like(p)
     before = weights_version(module.policy)
     opt.step()
-    assert weights_version(module.policy) != before
+    moved = weights_version(module.policy) != before
+    module.policy.zero_grad(set_to_none=True)
+    module.policy.load_state_dict(saved)
+    assert moved

@@ -28,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .dist import World
+from .prompts import PromptEncoder, sampler_prompts
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -101,7 +102,8 @@ def _prompt_seed(split: str, index: int) -> int:
 
 @torch.no_grad()
 def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, progress: bool = True,
-                    splits: dict | None = None, desc: str = "eval", show: int = 0, world: World = World()) -> dict:
+                    splits: dict | None = None, desc: str = "eval", show: int = 0, world: World = World(),
+                    encode=None) -> dict:
     """Score the policy on the task's eval splits.
 
     Returns ``{"splits": {name: {metric: mean reward, "n": problems, ...}}, "avg": mean of metric over
@@ -114,6 +116,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     ``show`` > 0 also keeps that many (prompt, response, reward) samples per split under "samples".
     ``world``: on several processes each rank evaluates every ``world.size``-th prompt and the
     scores are gathered, so every rank returns the result of the whole set.
+    ``encode``: the run's :class:`ema_pg.prompts.PromptEncoder` (None: prompts as plain text).
     """
     metric = task.metric
     problem = eval_settings_problem(rollout_cfg)
@@ -137,7 +140,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
         for i in range(0, len(index), per_call):
             idx = index[i : i + per_call]
             chunk = [all_prompts[j] for j in idx]
-            ro = sampler.generate(model, [p.text for p in chunk], n_samples, temperature=rollout_cfg.eval_temperature,
+            ro = sampler.generate(model, sampler_prompts(chunk, encode), n_samples, temperature=rollout_cfg.eval_temperature,
                                   top_p=top_p, max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop),
                                   on_stop=task.on_stop_fn(chunk, n_samples), seed=[_prompt_seed(name, j) for j in idx])
             rs = [[] for _ in chunk]
@@ -151,7 +154,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
             keys += ks_
             diags += ds_
             if show and name not in samples:
-                samples[name] = [{"prompt": chunk[j].text, "gold": chunk[j].answer, "response": text,
+                samples[name] = [{"prompt": chunk[j].text if encode is None else encode.render(chunk[j]), "gold": chunk[j].answer, "response": text,
                                   "reward": task.reward(chunk[j], text)}
                                  for j, text in list(zip(ro.prompt_index, ro.responses))[:show]]
             bar.update(1)
@@ -286,13 +289,17 @@ def main(argv: list[str] | None = None) -> None:
     if problem:
         raise SystemExit(f"config error: {problem}")
     sampler = build_sampler(cfg.rollout, tok)
-    result = evaluate_policy(model.eval(), sampler, task, cfg.rollout, splits=splits, show=a.show)
+    try:
+        encode = PromptEncoder(tok, cfg.task.get("chat_template", "auto"))
+    except ValueError as e:
+        raise SystemExit(f"config error: {e}") from None
+    result = evaluate_policy(model.eval(), sampler, task, cfg.rollout, splits=splits, show=a.show, encode=encode)
     if a.train:
         prompts = training_prompts(task, a.train)
         if a.baseline != "none":
             prompts = task.baseline_prompts(prompts, a.baseline)
         result["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
-                                          desc="train")["splits"]["train"]
+                                          desc="train", encode=encode)["splits"]["train"]
     result.update(baseline=a.baseline, which=a.which, overrides=list(a.overrides))
     if is_run:  # never over the run's own eval.json (its record of the final result)
         label = "_".join([a.which] + ([a.baseline] if a.baseline != "none" else [])

@@ -23,6 +23,7 @@ from .evaluate import eval_metrics, evaluate_policy
 from .kl import get_estimator
 from .models import compile_body
 from .monitor import StabilityMonitor
+from .prompts import PromptEncoder
 from .rollout import build_sampler
 from .step import FiniteGuard, NonFiniteUpdates, rl_step
 from .strategies import full_shape, zero3_partitioned
@@ -86,6 +87,7 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.estimator = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
         self.sampler = build_sampler(cfg.rollout, tokenizer)
+        self.encode = PromptEncoder(tokenizer, cfg.task.get("chat_template", "auto"))  # the one prompt -> ids
         self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps)
         self.critic = None
         if cfg.algo.advantage == "gae":  # PPO's value model: its own optimizer, saved in checkpoints
@@ -142,7 +144,8 @@ class GRPOModule(L.LightningModule):
         return rl_step(iteration, policy=self.policy, anchor_model=None if self.anchor is None else self.anchor.model,
                        task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
                        algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk,
-                       world=World.current(), critic=self.critic, grad_ratio=self._grad_ratio_due(iteration))
+                       world=World.current(), critic=self.critic, grad_ratio=self._grad_ratio_due(iteration),
+                       encode=self.encode)
 
     def _grad_ratio_due(self, iteration: int) -> bool:
         every = self.cfg.monitor.grad_ratio_every
@@ -170,11 +173,13 @@ class GRPOModule(L.LightningModule):
     def run_eval(self) -> dict:
         world = World.current()
         res = evaluate_policy(self.policy, self.sampler, self.task, self.cfg.rollout, world=world,
-                              progress=self.cfg.trainer.progress_bar and world.rank == 0, desc=f"eval @ {self.iteration}")
+                              progress=self.cfg.trainer.progress_bar and world.rank == 0, desc=f"eval @ {self.iteration}",
+                              encode=self.encode)
         m = eval_metrics("eval", res)
         an = self.anchor
         if an is not None and an.eval_every and self.iteration % an.eval_every == 0:
-            ra = evaluate_policy(an.model, self.sampler, self.task, self.cfg.rollout, progress=False, world=world)
+            ra = evaluate_policy(an.model, self.sampler, self.task, self.cfg.rollout, progress=False, world=world,
+                                 encode=self.encode)
             m.update(eval_metrics("eval_anchor", ra))
         self._log_metrics(m)
         self.eval_history.append({"iteration": self.iteration, **res})

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from .rollout import HFSampler
+from .tasks.base import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -31,35 +32,52 @@ log = logging.getLogger(__name__)
 ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_positions", "tokenizer_vocab")
 
 
-def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = ()) -> str:
-    """Hash of what determines the base policy: architecture, task, SFT knobs, seed (not run-time knobs)."""
+#: task knobs that cannot change the tiny cold start: how prompts are rendered (the tiny tokenizer has no chat
+#: template) and the retrieval client's patience
+RUNTIME_TASK_KEYS = ("chat_template", "retriever_timeout", "retriever_retries")
+
+
+def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), task_format: int = 0) -> str:
+    """Hash of what determines the base policy: architecture, task, SFT knobs, seed (not run-time knobs);
+    ``task_format`` > 0: the version of the task's demonstration layout (``Task.format_version``)."""
+    task = {k: v for k, v in OmegaConf.to_container(task_cfg, resolve=True).items() if k not in RUNTIME_TASK_KEYS}
     blob = json.dumps(
-        {"model": {k: model_cfg[k] for k in ARCH_KEYS}, "task": OmegaConf.to_container(task_cfg, resolve=True),
+        {"model": {k: model_cfg[k] for k in ARCH_KEYS}, "task": task,
          "probe": list(probe),
          "sft": {k: v for k, v in OmegaConf.to_container(sft_cfg, resolve=True).items() if k != "cache_dir"},
-         "seed": seed, "version": 1},
+         "seed": seed, "version": 1, **({"task_format": task_format} if task_format else {})},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _sft_batch(tokenizer, batch, eos: str, mask_fn=None):
-    """Right-padded ids and labels: -100 on padding, the prompt, and ``mask_fn(response)`` char spans."""
-    texts = [p + r + eos for p, r in batch]
-    full = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False, return_offsets_mapping=True)
-    labels = full["input_ids"].clone()
-    labels[full["attention_mask"] == 0] = -100
-    for i, (p, r) in enumerate(batch):
-        spans = [(0, len(p))] + ([(len(p) + a, len(p) + b) for a, b in mask_fn(r)] if mask_fn else [])
-        for j, (s, e) in enumerate(full["offset_mapping"][i].tolist()):
-            if e > s and any(s < b and e > a for a, b in spans):
-                labels[i, j] = -100
-    full.pop("offset_mapping")
-    return full, labels
+def _sft_batch(tokenizer, batch, encode=None, mask_fn=None):
+    """Right-padded ``{"input_ids", "attention_mask"}`` and labels of (prompt, response) pairs: the prompt's ids
+    from ``encode`` (a :class:`~ema_pg.prompts.PromptEncoder`: the ids the sampler starts from; a string prompt
+    is plain text), then the response's ids and EOS. Labels are -100 on padding, the prompt, and the response's
+    ``mask_fn(response)`` character spans (environment text)."""
+    from .prompts import PromptEncoder
+
+    encode = encode or PromptEncoder(tokenizer, "off")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    seqs, labs = [], []
+    for p, r in batch:
+        pid = encode.encode(Prompt(text=p, answer="") if isinstance(p, str) else p)
+        enc = tokenizer(r, add_special_tokens=False, return_offsets_mapping=True)
+        spans = mask_fn(r) if mask_fn else []
+        rl = [-100 if e > s and any(s < b and e > a for a, b in spans) else t
+              for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"])]
+        seqs.append(list(pid) + list(enc["input_ids"]) + [tokenizer.eos_token_id])
+        labs.append([-100] * len(pid) + rl + [tokenizer.eos_token_id])
+    L = max(len(x) for x in seqs)
+    ids = torch.tensor([x + [pad] * (L - len(x)) for x in seqs])
+    am = torch.tensor([[1] * len(x) + [0] * (L - len(x)) for x in seqs])
+    labels = torch.tensor([x + [-100] * (L - len(x)) for x in labs])
+    return {"input_ids": ids, "attention_mask": am}, labels
 
 
-def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_size: int, lr: float, seed: int,
-              progress: bool = True, stop_fn=None, check_every: int = 20, mask_fn=None) -> list[float]:
+def sft_train(model, tokenizer, demos: list[tuple], steps: int, batch_size: int, lr: float, seed: int,
+              progress: bool = True, stop_fn=None, check_every: int = 20, mask_fn=None, encode=None) -> list[float]:
     """Cross-entropy on the response tokens (+ EOS) of (prompt, response) pairs; returns losses.
 
     ``mask_fn(response)`` (optional) gives character spans with no loss (environment text);
@@ -67,14 +85,13 @@ def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_
     """
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    eos = tokenizer.eos_token
     model.train()
     losses = []
     tok_r = tokenizer.padding_side
     tokenizer.padding_side = "right"
     for step in tqdm(range(steps), desc="cold start (SFT)", disable=not progress, leave=False, mininterval=2.0):
         batch = rng.sample(demos, min(batch_size, len(demos)))
-        full, labels = _sft_batch(tokenizer, batch, eos, mask_fn)
+        full, labels = _sft_batch(tokenizer, batch, encode, mask_fn)
         out = model(input_ids=full["input_ids"], attention_mask=full["attention_mask"], labels=labels)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -93,15 +110,29 @@ def sft_train(model, tokenizer, demos: list[tuple[str, str]], steps: int, batch_
     return losses
 
 
+class NoColdStart(ValueError):
+    """The task has no demonstrations to cold-start from; the message says how to start instead."""
+
+
 def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int = 16, stop: tuple = ()):
     """(model, tokenizer, model_dir) of the cached base policy, built on first use."""
-    key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop))
+    from .prompts import PromptEncoder
+
+    key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop),
+                         task_format=getattr(task, "format_version", 0))
     d = Path(sft_cfg.cache_dir).expanduser() / f"{task.name}-{key}"
     if (d / "config.json").is_file():
         log.info("cold start: reusing %s", d)
         model, tok = load_model_dir(d)
         return model, tok, d
+    demos = None
+    if sft_cfg.steps > 0:  # before anything is built: a task without demonstrations says so at once
+        try:
+            demos = task.demonstrations(sft_cfg.num_demos, seed)
+        except ValueError as e:
+            raise NoColdStart(str(e)) from None
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=model_cfg.tokenizer_vocab)
+    encode = PromptEncoder(tok, task_cfg.get("chat_template", "auto"))
     model = build_tiny_model(
         len(tok), hidden_size=model_cfg.hidden_size, num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads,
         num_kv_heads=model_cfg.num_kv_heads, max_positions=model_cfg.max_positions, seed=seed,
@@ -109,20 +140,19 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
     )
     if sft_cfg.steps > 0:
         torch.manual_seed(seed)
-        demos = task.demonstrations(sft_cfg.num_demos, seed)
         stop_fn = None
         if sft_cfg.stop_at_reward > 0:
             probe = task.sample(128, seed=-1 - seed)  # training prompts, never the eval splits
             sampler = HFSampler(tok)
 
             def stop_fn() -> bool:
-                ro = sampler.generate(model, [p.text for p in probe], 1, temperature=0.0, max_new_tokens=max_new_tokens,
+                ro = sampler.generate(model, encode(probe), 1, temperature=0.0, max_new_tokens=max_new_tokens,
                                       stop=list(stop), on_stop=task.on_stop_fn(probe, 1))
                 r = sum(task.reward(probe[i], t) for i, t in zip(ro.prompt_index, ro.responses)) / len(probe)
                 return r >= sft_cfg.stop_at_reward
 
         losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
-                           stop_fn=stop_fn, check_every=sft_cfg.check_every, mask_fn=task.masked_spans)
+                           stop_fn=stop_fn, check_every=sft_cfg.check_every, mask_fn=task.masked_spans, encode=encode)
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
     save_model_dir(model, tok, tmp)

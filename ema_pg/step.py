@@ -39,6 +39,7 @@ from .kl.sampled import k3_core
 from .dist import World
 from .critic import gae, last_token_rewards, whiten
 from .losses import advantages, grpo_loss, masked_mean
+from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
 from .scores import ScoreRequest, TokenScores
 
@@ -176,12 +177,13 @@ def overlong_penalty(length: Tensor, max_len: int, buffer: int, factor: float) -
     return factor * (((max_len - buffer) - length.float()) / buffer).clamp(max=0.0)
 
 
-def _sample_round(round_seed: int, *, policy, task, sampler, algo, rollout, score, world, device, offset: int):
+def _sample_round(round_seed: int, *, policy, task, sampler, algo, rollout, score, world, device, offset: int,
+                  encode=None):
     all_prompts = task.sample(algo.prompts_per_step, seed=round_seed)
     mine = world.block(len(all_prompts))  # this rank's prompts, each with its whole group
     prompts = all_prompts[mine]
     ro = sampler.generate(
-        policy, [p.text for p in prompts], algo.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
+        policy, sampler_prompts(prompts, encode), algo.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
         max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop), on_stop=task.on_stop_fn(prompts, algo.group_size),
         seed=prompt_seeds(round_seed, len(all_prompts))[mine], score=score)
     rewards = torch.tensor([task.reward(prompts[i], text) for i, text in zip(ro.prompt_index, ro.responses)],
@@ -190,7 +192,7 @@ def _sample_round(round_seed: int, *, policy, task, sampler, algo, rollout, scor
     return ro, list(prompts), rewards
 
 
-def _collect(it_seed: int, *, policy, task, sampler, algo, rollout, score, world, device):
+def _collect(it_seed: int, *, policy, task, sampler, algo, rollout, score, world, device, encode=None):
     """(rollouts, rewards, metrics) of one iteration.
 
     With ``algo.dynamic_sampling`` (DAPO): groups whose rewards are all equal (zero advantage, no
@@ -198,7 +200,7 @@ def _collect(it_seed: int, *, policy, task, sampler, algo, rollout, score, world
     in all, until ``prompts_per_step`` groups have a reward spread; if the rounds run out, the
     batch is filled up with dropped groups (they carry no policy gradient, only the KL)."""
     kw = dict(policy=policy, task=task, sampler=sampler, algo=algo, rollout=rollout, score=score, world=world,
-              device=device)
+              device=device, encode=encode)
     ro, prompts, rewards = _sample_round(it_seed, offset=0, **kw)
     G = algo.group_size
     zero_std = rewards.view(-1, G).std(-1) == 0  # (groups,)
@@ -253,7 +255,7 @@ def grad_norms_pg_kl(policy, loss: torch.Tensor, loss_without_kl: torch.Tensor) 
 
 def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, estimator: Estimator,
             updater: Updater, algo, rollout, seed: int, chunk: Callable[[int], int],
-            world: World = World(), critic=None, grad_ratio: bool = False) -> StepResult:
+            world: World = World(), critic=None, grad_ratio: bool = False, encode=None) -> StepResult:
     """Run RL iteration ``iteration`` (0-based) and return its metrics (namespaced) and rollouts.
 
     ``algo`` and ``rollout`` are the config nodes of the same names; ``chunk(n_tokens)`` gives the
@@ -263,6 +265,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     ``algo.advantage=gae``): token-level GAE advantages, and a value update after each policy update.
     ``grad_ratio``: also measure, on the first minibatch, the gradient norms of the loss's policy-gradient
     part and of its KL part (:func:`grad_norms_pg_kl`; two extra backward passes).
+    ``encode``: the run's :class:`ema_pg.prompts.PromptEncoder` (None: prompts as plain text).
     """
     device = next(policy.parameters()).device
     it_seed = step_seed(seed, iteration)
@@ -271,7 +274,8 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
 
     # 1. prompts, rollouts from pi_old (= the current policy), rewards; DAPO's dynamic sampling refills
     rollouts, rewards, sampling = _collect(it_seed, policy=policy, task=task, sampler=sampler, algo=algo,
-                                          rollout=rollout, score=scorer.request(), world=world, device=device)
+                                          rollout=rollout, score=scorer.request(), world=world, device=device,
+                                          encode=encode)
     mask = rollouts.response_mask  # (N, T): policy tokens only (no prompt, observation or padding)
     if algo.overlong_buffer > 0:  # DAPO's soft overlong punishment (eq. 13 of DAPO), added to the reward
         rewards = rewards + overlong_penalty(mask.sum(-1), rollout.max_new_tokens, algo.overlong_buffer,

@@ -35,7 +35,9 @@ from .policy import build_policy, checkpoint_file, checkpoint_state, save_run_mo
 from .strategies import build_strategy
 from .runs import (claim_run_dir, config_differences, finished_metrics, git_commit, machine, make_loggers, resolve_resume,
                    upgraded)
-from .tasks import build_task
+from .prompts import PromptEncoder
+from .sft import NoColdStart
+from .tasks import ServiceError, build_task
 
 log = logging.getLogger("ema_pg")
 RUN_DIR_ENV = "EMA_PG_RUN_DIR"  #: the run folder rank 0 claimed, for the processes it launches
@@ -167,10 +169,11 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     try:
-        task = build_task(cfg.task)
-    except ValueError as e:
+        task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
+        policy, tok = build_policy(cfg, task)
+        encode = PromptEncoder(tok, cfg.task.chat_template)
+    except (ValueError, NoColdStart) as e:
         raise ConfigError(str(e)) from None
-    policy, tok = build_policy(cfg, task)
     mc = policy.config
     validate(cfg, vocab_size=mc.vocab_size,
              head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
@@ -188,6 +191,9 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         except (ValueError, ModelPathError) as e:
             raise ConfigError(str(e)) from None
     module = GRPOModule(cfg, policy, tok, task, anchor)
+    if is_rank_zero():  # what the model reads, once: the chat template (or not), the BOS, the instruction
+        log.info("prompts as the model reads them (%s), e.g.:\n%s", encode.describe(),
+                 tok.decode(encode.encode(task.sample(1, seed=cfg.seed)[0])))
 
     ckpt_path, resume_step = None, None
     last = run_dir / "checkpoints" / "last.ckpt"
@@ -268,9 +274,10 @@ def main(cfg: DictConfig) -> float:
     except (ConfigError, ModelPathError) as e:
         log.error("config error: %s", e)
         raise SystemExit(f"config error: {e}") from None
-    except NonFiniteUpdates as e:
+    except (NonFiniteUpdates, ServiceError) as e:
         log.error("stopped: %s", e)
-        raise SystemExit(f"stopped: {e}") from None
+        raise SystemExit(f"stopped: {e}; the run folder keeps its last checkpoint: continue it with "
+                         f"resume=<run folder>") from None
     metric_key = next(k for k in metrics if k.startswith("eval/avg/"))
     if not is_rank_zero():
         return float(metrics[metric_key])

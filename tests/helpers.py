@@ -30,3 +30,8 @@ def compose_cfg(overrides: list[str] = (), tmp_path: Path | None = None, tiny: b
 
 def resolved(cfg):
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+
+
+def per_row(fn):
+    """A batched ``on_stop`` (the sampler's protocol) from a function of one row: fn(row, turn_text) -> obs | None."""
+    return lambda rows, texts: [fn(r, t) for r, t in zip(rows, texts)]

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from ema_pg import config as C
 from ema_pg.kl import ESTIMATORS
-from ema_pg.tasks import TASKS
+from ema_pg.tasks import TASKS, common_defaults
 
 SCHEMA = {"model": C.ModelConfig, "rollout": C.RolloutConfig, "kl": C.KLConfig, "anchor": C.AnchorConfig,
           "algo": C.AlgoConfig, "trainer": C.TrainerConfig, "logger": C.LoggerConfig}
@@ -76,8 +76,11 @@ def test_task_knobs_have_their_option_file_as_home():
         sig = inspect.signature(cls.__init__)
         with_default = [p.name for p in sig.parameters.values() if p.default is not inspect.Parameter.empty]
         assert not with_default, f"{cls.__name__} gives {with_default} a default; conf/task/{name}.yaml has it"
-        knobs = set(OmegaConf.load(C.CONF_DIR / "task" / f"{name}.yaml")) - {"name"}
+        own = OmegaConf.load(C.CONF_DIR / "task" / f"{name}.yaml")
+        assert list(own.defaults) == ["_common", "_self_"], f"conf/task/{name}.yaml must include the common task knobs"
+        knobs = set(own) - {"name", "defaults"}
         assert knobs == set(sig.parameters) - {"self"}, name
+        assert not knobs & set(common_defaults()), f"conf/task/{name}.yaml restates a common knob"
 
 
 def test_loss_coefficients_have_no_second_default():

@@ -18,6 +18,7 @@ from ema_pg.rollout import hf as hf_rollout
 from ema_pg.rollout.hf import GrowingLayer
 from ema_pg.scores import ScoreRequest
 from ema_pg.tasks import build_task
+from helpers import per_row
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def _multi_turn(m, tok, max_new_tokens: int):
         calls["n"] += 1
         return " 1 2 3" if calls["n"] < 4 else None
 
-    return HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, on_stop=observation, temperature=1.0,
+    return HFSampler(tok).generate(m, ["1+2=", "12+345="], 3, on_stop=per_row(observation), temperature=1.0,
                                    max_new_tokens=max_new_tokens, seed=5, stop=["+"],
                                    score=ScoreRequest(topk=3, entropy=True))
 

@@ -129,7 +129,7 @@ def test_search_r1_rows_are_checked_on_load_with_their_index(tmp_path):
             "reward_model": {"ground_truth": {"target": ["x"]}}}
     empty = {**good, "prompt": [{"role": "user", "content": "  "}]}
     pd.DataFrame([good, empty]).to_parquet(tmp_path / "train.parquet")
-    with pytest.raises(ValueError, match=r"train.parquet:1: the prompt is empty"):
+    with pytest.raises(ValueError, match=r"train.parquet: row 2: the prompt is empty"):  # rows count from 1
         load_search_r1(str(tmp_path))
 
 

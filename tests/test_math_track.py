@@ -166,8 +166,8 @@ def test_deepscaler_style_files_load_as_train_and_eval_splits(tmp_path):
 
 
 @pytest.mark.parametrize("rows,match", [
-    ([{"answer": "3"}], "train.jsonl:1: the row has no problem text"),
-    ([{"problem": "p", "answer": "1"}, {"problem": "q", "answer": ""}], "train.jsonl:2: the row has no gold answer"),
+    ([{"answer": "3"}], "train.jsonl: row 1: the row has no problem text"),
+    ([{"problem": "p", "answer": "1"}, {"problem": "q", "answer": ""}], "train.jsonl: row 2: the row has no gold answer"),
     ([{"problem": "p"}], "no gold answer"),
 ])
 def test_malformed_rows_name_their_file_and_line(tmp_path, rows, match):
@@ -180,13 +180,13 @@ def test_malformed_rows_name_their_file_and_line(tmp_path, rows, match):
 def test_missing_or_unreadable_files_say_what_to_add(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         build_task({"name": "math", "data_dir": str(tmp_path / "nope")})
-    with pytest.raises(ValueError, match="exactly one train"):
+    with pytest.raises(ValueError, match="no training file"):
         build_task({"name": "math", "data_dir": str(tmp_path)})
     write_jsonl(tmp_path / "train.jsonl", [{"problem": "p", "answer": "1"}])
     with pytest.raises(ValueError, match="no eval files"):
         build_task({"name": "math", "data_dir": str(tmp_path)})
     (tmp_path / "aime24.jsonl").write_text("{not json\n")
-    with pytest.raises(ValueError, match="aime24.jsonl:1: not a JSON object"):
+    with pytest.raises(ValueError, match="aime24.jsonl: row 1: not a JSON object"):
         build_task({"name": "math", "data_dir": str(tmp_path)})
     write_jsonl(tmp_path / "aime24.jsonl", [{"problem": "p", "answer": "1"}])
     t = build_task({"name": "math", "data_dir": str(tmp_path)})

@@ -9,6 +9,7 @@ from ema_pg.rollout import HFSampler, sample_token
 from ema_pg.rollout.hf import draw
 from ema_pg.scores import ScoreRequest
 from ema_pg.tasks import build_task
+from helpers import per_row
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_multi_turn_observations_have_loss_mask_zero(policy):
         return " <obs>42</obs> " if calls[row] <= 2 else None
 
     ro = HFSampler(tok).generate(m, ["1+1=", "22+3="], 2, temperature=1.0, max_new_tokens=10, stop=[""],
-                                 on_stop=on_stop, seed=3, score=ScoreRequest())
+                                 on_stop=per_row(on_stop), seed=3, score=ScoreRequest())
     obs_ids = tok(" <obs>42</obs> ", add_special_tokens=False)["input_ids"]
     T = ro.input_ids.shape[1] - ro.prompt_len
     for r in range(len(ro)):
@@ -138,7 +139,7 @@ def test_ragged_observations_are_packed_and_scored_exactly(policy):
         return None if calls[row] >= 5 else ""  # "" = continue without text
 
     ro = HFSampler(tok).generate(m, ["1+1=", "22+3=", "4="], 2, temperature=1.0, max_new_tokens=8, stop=[""],
-                                 on_stop=on_stop, seed=6,
+                                 on_stop=per_row(on_stop), seed=6,
                                  score=ScoreRequest())
     am = ro.attention_mask[:, ro.prompt_len:]
     lengths = am.sum(1)

@@ -4,7 +4,7 @@ import pytest
 
 from ema_pg.tasks import build_task
 from ema_pg.tasks.search import exact_match, normalize_answer
-from ema_pg.tasks.search.retriever import BM25Retriever, HTTPRetriever, serve
+from ema_pg.tasks.search.retriever import HTTPRetriever, RetrieverError, serve
 from ema_pg.tasks.search.task import DIAGNOSTICS, INVALID, SPLITS, question_entity
 from ema_pg.tasks.search.world import build_world, questions
 
@@ -43,12 +43,14 @@ def test_bm25_finds_the_entity_and_http_server_agrees(task):
     assert len(docs) == 3 and any(d["contents"].startswith(name + "\n") for d in docs)
     srv, url = serve(task.retriever)
     try:
-        remote = HTTPRetriever(url).retrieve([name, "no such thing"], 3)
-        assert [d["contents"] for d in remote[0]] == [d["contents"] for d in docs] and len(remote) == 2
+        assert url.endswith("/retrieve")
+        for given in (url, url.removesuffix("/retrieve"), url + "/"):  # as users write it, or the bare base URL
+            remote = HTTPRetriever(given).retrieve([name, "no such thing"], 3)
+            assert [d["contents"] for d in remote[0]] == [d["contents"] for d in docs] and len(remote) == 2
     finally:
         srv.shutdown()
-    with pytest.raises(ConnectionError, match="did not answer"):
-        HTTPRetriever("http://127.0.0.1:9", timeout=2).retrieve(["x"])
+    with pytest.raises(RetrieverError, match=r"^retrieval server http://127.0.0.1:9/retrieve did not answer"):
+        HTTPRetriever("http://127.0.0.1:9", timeout=2, retries=0).retrieve(["x"])
 
 
 def test_squad_normalization_and_em():
@@ -57,23 +59,36 @@ def test_squad_normalization_and_em():
 
 
 def test_environment_turns(task):
+    """Search-R1's environment: a turn's first <search>/<answer> is its action, one batched retrieval per turn,
+    the observation block byte for byte as its generation loop writes it, its invalid-action message."""
     p = task.eval_splits()["nq"][0]
     name = p.meta["question"][len("Where was "):-len(" born?")]
     env = task.on_stop_fn([p], 1)
-    obs = env(0, f"<search> {name} </search>")
-    assert obs.startswith("\n<information>Doc 1(Title: ") and obs.endswith("</information>\n") and "Doc 3(" in obs
-    text = f"<search> {name} </search>" + obs + "I think </search>"  # closes a search it never opened
-    assert env(0, text) == INVALID
-    text += INVALID + f"<search> {name} </search>"  # the INVALID message's own tags are not parsed as an action
-    assert env(0, text).startswith("\n<information>")
-    assert env(0, text + "<answer> x </answer>") is None
-    # the sampler truncates long observations (rollout.max_obs_tokens): the next turn is still read right
-    env3 = task.on_stop_fn([p], 1)
-    cut = f"<search> {name} </search>" + env3(0, f"<search> {name} </search>")[:40]
-    assert env3(0, cut + f" <search> {name} </search>").startswith("\n<information>")
-    assert env3(0, cut + f" <search> {name} </search>" + "x </search>") == INVALID  # closes without opening
+    obs, = env([0], [f"<search> {name} </search>"])
+    docs = task.retriever.retrieve([name], task.topk)[0]
+    lines = "".join(f"Doc {i}(Title: {d['contents'].split(chr(10))[0]}) {chr(10).join(d['contents'].split(chr(10))[1:])}\n"
+                    for i, d in enumerate(docs, 1))
+    assert obs == f"\n\n<information>{lines.strip()}</information>\n\n" and "Doc 3(" in obs
+    assert env([0], ["I think </search>"]) == [INVALID]  # closes a search it never opened
+    assert INVALID.startswith("\nMy previous action is invalid. If I want to search, I should put the query between")
+    assert env([0], ["<answer> x </answer>"]) == [None]  # an answer ends the episode
     env2 = build_task({"name": "search_qa", "seed": 0, "n_people": 50, "n_orgs": 10, "max_turns": 1, "per_split": 5}).on_stop_fn([p], 1)
-    assert env2(0, "<search> a </search>").startswith("\n<information>") and env2(0, "... <search> b </search>") is None
+    assert env2([0], ["<search> a </search>"])[0].startswith("\n\n<information>") and env2([0], ["<search> b </search>"]) == [None]
+
+    class Counting:  # the environment asks the retriever once per turn, for every row that searched
+        def __init__(self, inner):
+            self.inner, self.calls = inner, []
+
+        def retrieve(self, queries, topk):
+            self.calls.append(list(queries))
+            return self.inner.retrieve(queries, topk)
+
+    t = build_task({"name": "search_qa", "seed": 0, "n_people": 50, "n_orgs": 10, "per_split": 5})
+    t.retriever = Counting(t.retriever)
+    out = t.on_stop_fn([p] * 4, 1)([0, 1, 2, 3], ["<search> a </search>", "<answer> b </answer>", "no action </search>",
+                                                  "<search>  c d </search>"])
+    assert t.retriever.calls == [["a", "c d"]]
+    assert out[0].startswith("\n\n<information>") and out[1] is None and out[2] == INVALID and out[3].startswith("\n\n<inf")
 
 
 def test_reward_is_last_answer_em_and_never_raises(task):
@@ -91,32 +106,11 @@ def test_sft_masks_the_observations(task):
     tok.padding_side = "right"
     (prompt, resp), = task.demonstrations(1, 0)
     assert "<information>" in resp and resp.endswith("</answer>")
-    full, labels = _sft_batch(tok, [(prompt, resp)], tok.eos_token, task.masked_spans)
+    full, labels = _sft_batch(tok, [(prompt, resp)], None, task.masked_spans)
     ids, lab = full["input_ids"][0], labels[0]
     trained = tok.decode(ids[lab != -100])
     assert "<search>" in trained and "<answer>" in trained and "Doc 1" not in trained and "Question" not in trained
     assert "Doc 1" in tok.decode(ids)
-
-
-def test_search_r1_parquet_path(tmp_path):
-    pd = pytest.importorskip("pandas")
-    row = lambda src, q, a: {"data_source": src, "prompt": [{"role": "user", "content": f"Answer: {q}"}],
-                             "reward_model": {"ground_truth": {"target": a}}, "extra_info": {"split": "x", "index": 0}}
-    pd.DataFrame([row("nq", "who?", ["Ann"]), row("hotpotqa", "where?", ["Paris", "paris, fr"])]).to_parquet(tmp_path / "train.parquet")
-    pd.DataFrame([row("nq", "q1", ["A"]), row("bamboogle", "q2", ["B"])]).to_parquet(tmp_path / "test.parquet")
-    srv, url = serve(BM25Retriever([("T", "text")]))
-    try:
-        t = build_task({"name": "search_qa", "data_dir": str(tmp_path), "retriever": "http", "retriever_url": url})
-    finally:
-        srv.shutdown()
-    assert len(t.train_set) == 2 and t.train_set[0].text == "Answer: who?"
-    assert set(t.eval_splits()) == {"nq", "bamboogle"}
-    assert t.reward(t.train_set[1], "<answer> Paris, FR </answer>") == 1.0
-    pd.DataFrame([{"data_source": "nq", "prompt": "x"}]).to_parquet(tmp_path / "bad.parquet")
-    with pytest.raises(ValueError, match="malformed Search-R1 row"):
-        build_task({"name": "search_qa", "data_dir": str(tmp_path), "retriever": "http", "retriever_url": "http://127.0.0.1:9"})
-    with pytest.raises(ValueError, match="use task.retriever=http"):
-        build_task({"name": "search_qa", "data_dir": str(tmp_path)})
 
 
 def test_observations_from_the_environment_have_loss_mask_zero():
@@ -242,7 +236,7 @@ def test_diagnostics_tell_reading_from_recall(task):
     p = task.eval_splits()["nq"][0]
     name, gold = p.meta["question"][len("Where was "):-len(" born?")], p.answer
     env = task.on_stop_fn([p], 1)
-    obs = env(0, f"<search> {name} </search>")
+    obs, = env([0], [f"<search> {name} </search>"])
     assert gold in obs
     other = next(c for c in task.world.city_country if c not in obs)  # a real city the passages do not name
     wrong_read = next(c for c in task.world.city_country if c in obs and c != gold)  # named there, but not the answer
@@ -273,7 +267,7 @@ def test_evaluation_averages_the_tasks_diagnostics_per_split_and_logs_them_apart
             for r, text in enumerate(prompts):
                 q = text.removeprefix("Question: ").strip()
                 name = q[len("Where was "):-len(" born?")] if q.startswith("Where was ") else q
-                obs = on_stop(r, f"<search> {name} </search>")
+                obs, = on_stop([r], [f"<search> {name} </search>"])
                 gold = next(p.answer for p in splits["nq"] if p.text == text) if q.startswith("Where was ") else "x"
                 texts.append(f"<search> {name} </search>{obs}<answer> {gold} </answer>")
             return SimpleNamespace(prompt_index=list(range(len(prompts))), responses=texts)
@@ -289,7 +283,7 @@ def test_evaluation_averages_the_tasks_diagnostics_per_split_and_logs_them_apart
     m = eval_metrics("eval", res)
     assert m["eval_diag/nq/grounded"] == 1.0 and m["eval_diag/avg/recalled"] == 0.5 and "eval_diag/nq/read_em_n" not in m
     assert not any(k.startswith("eval/") and "grounded" in k for k in m)  # scores and diagnostics kept apart
-    assert "(grounded)" in format_table(res) and [p for p in Prompt.__dataclass_fields__] == ["text", "answer", "meta"]
+    assert "(grounded)" in format_table(res) and [p for p in Prompt.__dataclass_fields__] == ["text", "answer", "meta", "messages"]
 
 
 def test_demo_people_are_disjoint_from_rl_prompts_and_the_eval_splits_stay_put():

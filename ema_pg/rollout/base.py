@@ -16,9 +16,11 @@ from torch import Tensor
 
 from ..scores import ScoreRequest, TokenScores
 
-#: Called when a row's text matches a stop string: (row, response_text_so_far) -> observation
-#: text to append (generation then continues), or None to end the row.
-OnStop = Callable[[int, str], "str | None"]
+#: The environment's turn: called once for every row that ended its turn at a stop string, all together
+#: (one batched call per turn, as Search-R1's generation loop makes one batched search request), with
+#: (rows, each row's turn text: its policy text since its last observation or the prompt). Returns per
+#: row the observation to append (generation then continues) or None (the row ends).
+OnStop = Callable[[list[int], list[str]], "list[str | None]"]
 
 
 @dataclass
@@ -107,12 +109,39 @@ def prompt_seeds(seed: int | list[int], n_prompts: int) -> list[int]:
 class Sampler(Protocol):
     """Draws ``n`` responses per prompt from ``model``.
 
+    ``prompts``: token ids (:class:`ema_pg.prompts.PromptEncoder` makes them), or plain strings
+    (:func:`ema_pg.prompts.prompt_ids` encodes them). Row ``r`` answers prompt ``r // n``.
+    Rows pause at a stop string until every row of the batch has ended its turn, then the
+    environment answers them in one call (``on_stop``); a row's samples do not depend on that
+    pausing (:class:`RowUniforms`).
     ``seed``: an int, or one seed per prompt (:func:`prompt_seeds`).
     ``score``: what to return of pi_old (the sampling policy) in ``Rollouts.old``. A sampler that
     cannot score with the trainer's numerics (an inference engine with its own kernels) returns
     ``old=None`` and the trainer scores pi_old itself.
     """
 
-    def generate(self, model, prompts: list[str], n: int, *, temperature: float, top_p: float,
+    def generate(self, model, prompts: list[str] | list[list[int]], n: int, *, temperature: float, top_p: float,
                  max_new_tokens: int, stop: list[str] | None = None, on_stop: OnStop | None = None,
                  seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts: ...
+
+
+class RowUniforms:
+    """The uniforms of a batch's sampled tokens: row r's j-th policy token is drawn at u[r, j], the r % n-th of
+    the j-th draw of n uniforms from its prompt's generator (``gens[r // n]``). Draws are made in order as the
+    rows need them, so a row's uniforms depend on its prompt's seed and its own position only: not on when
+    it samples (rows paused for the environment, other processes' rows). Without pauses this is exactly one
+    draw of n uniforms per prompt per step."""
+
+    def __init__(self, gens: list[torch.Generator], n: int, device):
+        self.gens, self.n, self.device = gens, n, device
+        self.buf = torch.empty((len(gens), 0, n), dtype=torch.float64, device=device)  # (prompts, positions, n)
+
+    def __call__(self, pos: Tensor) -> Tensor:
+        """(N, 1) uniforms of the rows at policy-token positions ``pos`` (N,)."""
+        need = int(pos.max()) + 1 if pos.numel() else 0
+        while self.buf.shape[1] < need:
+            new = torch.stack([torch.rand(self.n, 1, generator=g, device=self.device, dtype=torch.float64)[:, 0]
+                               for g in self.gens])  # (prompts, n)
+            self.buf = torch.cat([self.buf, new[:, None]], 1)
+        r = torch.arange(pos.shape[0], device=self.device)
+        return self.buf[r // self.n, pos, r % self.n][:, None]

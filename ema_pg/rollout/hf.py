@@ -17,7 +17,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from ..scores import ScoreRequest, TokenScores
-from .base import OnStop, Rollouts, prompt_seeds
+from ..prompts import prompt_ids
+from .base import OnStop, RowUniforms, Rollouts, prompt_seeds
 
 
 def draw(probs: Tensor, u: Tensor) -> Tensor:
@@ -32,11 +33,11 @@ def draw(probs: Tensor, u: Tensor) -> Tensor:
 
 
 def sample_token(logits: Tensor, temperature: float, top_p: float,
-                 generator: torch.Generator | list[torch.Generator] | None) -> Tensor:
+                 generator: torch.Generator | list[torch.Generator] | None = None, u: Tensor | None = None) -> Tensor:
     """(N,) tokens from (N, V) logits: greedy at temperature 0, else temperature + nucleus.
 
-    ``generator``: one for the whole batch, or a list of G generators, each drawing the uniforms of
-    its N / G consecutive rows (one prompt's group)."""
+    ``u``: the rows' (N, 1) uniforms (:class:`~ema_pg.rollout.base.RowUniforms`); else drawn from ``generator``:
+    one for the whole batch, or a list of G generators, each drawing the uniforms of its N / G consecutive rows."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, -1)
@@ -46,6 +47,8 @@ def sample_token(logits: Tensor, temperature: float, top_p: float,
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, si, sp)
     N, dev = probs.shape[0], probs.device
+    if u is not None:
+        return draw(probs, u)
     if isinstance(generator, list):
         n = N // len(generator)
         u = torch.cat([torch.rand(n, 1, generator=g, device=dev, dtype=torch.float64) for g in generator])
@@ -164,21 +167,31 @@ class HFSampler:
         return n if self.lockstep is None else self.lockstep.max(n)
 
     @torch.no_grad()
-    def generate(self, model, prompts: list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
-                 max_new_tokens: int = 32, stop: list[str] | None = None, on_stop: OnStop | None = None,
-                 seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts:
+    def generate(self, model, prompts: list[str] | list[list[int]], n: int = 1, *, temperature: float = 1.0,
+                 top_p: float = 1.0, max_new_tokens: int = 32, stop: list[str] | None = None,
+                 on_stop: OnStop | None = None, seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts:
         """Sample ``n`` responses per prompt. The sampler sees pi_old's whole next-token distribution
         at every step, so with ``score`` it also returns pi_old's scores in ``Rollouts.old``: log
         pi_old(y_n), and as asked its top-k (index set and log-probs) and entropy. The training step
-        then needs no second pass of the policy."""
+        then needs no second pass of the policy.
+
+        Multi-turn (``stop``): a row whose text ends with a stop string waits; once no row of the batch is
+        mid-turn, ``on_stop`` answers every waiting row in one call, their observations go through the
+        cache with loss mask 0 and the rows go on (a row answered None ends)."""
         topk, entropy = (score.topk, score.entropy) if score is not None else (0, False)
         tok, dev = self.tok, next(model.parameters()).device
-        gen = [torch.Generator(device=dev).manual_seed(s) for s in prompt_seeds(seed, len(prompts))]
+        eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         rows = [i for i in range(len(prompts)) for _ in range(n)]
-        enc = tok([prompts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=False)
-        ids, am = enc["input_ids"].to(dev), enc["attention_mask"].to(dev)  # (N, P)
-        N, P = ids.shape
-        eos, pad = tok.eos_token_id, tok.pad_token_id
+        p_ids = prompt_ids(tok, prompts)
+        N, P = len(rows), max(len(p_ids[i]) for i in rows)
+        ids = torch.full((N, P), pad, dtype=torch.long)
+        am = torch.zeros((N, P), dtype=torch.long)
+        for r, i in enumerate(rows):  # left-padded
+            if p_ids[i]:
+                ids[r, P - len(p_ids[i]):], am[r, P - len(p_ids[i]):] = torch.tensor(p_ids[i]), 1
+        ids, am = ids.to(dev), am.to(dev)
+        uniforms = RowUniforms([torch.Generator(device=dev).manual_seed(s) for s in prompt_seeds(seed, len(prompts))],
+                               n, dev)
         stop = list(stop or [])
 
         was_training = model.training
@@ -200,9 +213,11 @@ class HFSampler:
         cols_ids, cols_am, cols_lm, cols_lp = [], [], [], []
         cols_ti, cols_tl, cols_en = [], [], []
         active = torch.ones(N, dtype=torch.bool, device=dev)
+        waiting = torch.zeros(N, dtype=torch.bool, device=dev)  # at a stop string, for the environment's turn
         truncated = torch.zeros(N, dtype=torch.bool, device=dev)  # (N,) ran out of policy tokens
         n_policy = torch.zeros(N, dtype=torch.long, device=dev)
         resp_ids: list[list[int]] = [[] for _ in range(N)]
+        turn_start = [0] * N  # where each row's current turn begins in resp_ids
         last_pos = pos[:, -1].clone()
 
         def feed(block: Tensor, block_am: Tensor) -> None:
@@ -222,11 +237,58 @@ class HFSampler:
             next_logits = torch.where(real_last[:, None], o.logits[:, -1].float(), next_logits)
             last_pos = last_pos + block_am.sum(-1)
 
+        def add_columns(block: Tensor, block_am: Tensor) -> None:
+            """Observation columns: attended, loss mask 0, no scores."""
+            W = block.shape[1]
+            cols_ids.append(block)
+            cols_am.append(block_am)
+            cols_lm.append(torch.zeros_like(block_am))
+            cols_lp.append(torch.zeros((N, W), device=dev))
+            if cols_ti:
+                cols_ti.append(torch.zeros((N, W, topk), dtype=torch.long, device=dev))
+                cols_tl.append(torch.zeros((N, W, topk), device=dev))
+            if cols_en:
+                cols_en.append(torch.zeros((N, W), device=dev))
+
         while self._any(bool(active.any())):
+            # the environment's turn: once no row is mid-turn, every waiting row is answered in one call
+            observations: dict[int, str] = {}
+            if bool(waiting.any()) and not bool((active & ~waiting).any()):
+                wrows = waiting.nonzero().flatten().tolist()
+                turns = [tok.decode(resp_ids[r][turn_start[r]:], skip_special_tokens=False) for r in wrows]
+                answers = on_stop(wrows, turns) if on_stop else [None] * len(wrows)
+                if len(answers) != len(wrows):
+                    raise ValueError(f"on_stop answered {len(answers)} observations for {len(wrows)} rows")
+                counts = n_policy.tolist()
+                for r, obs in zip(wrows, answers):
+                    waiting[r] = False
+                    if obs is None:
+                        active[r] = False
+                    elif counts[r] >= max_new_tokens:  # no policy tokens left to read it with
+                        active[r], truncated[r] = False, True
+                    else:
+                        observations[r] = obs
+            enc_obs = {r: tok(o, add_special_tokens=False)["input_ids"][: self.max_obs_tokens] for r, o in observations.items()}
+            W = self._max(max((len(v) for v in enc_obs.values()), default=0))
+            if W > 0:  # an empty observation just lets the row continue
+                block = torch.full((N, W), pad, dtype=torch.long, device=dev)
+                block_am = torch.zeros((N, W), dtype=torch.long, device=dev)
+                for r, v in enc_obs.items():  # left-pad inside the block: each row's last column is real
+                    if v:
+                        block[r, W - len(v):] = torch.tensor(v, device=dev)
+                        block_am[r, W - len(v):] = 1
+                add_columns(block, block_am)
+                feed(block, block_am)
+            for r, v in enc_obs.items():
+                resp_ids[r].extend(v)
+                turn_start[r] = len(resp_ids[r])
+
+            sampling = active & ~waiting
             logp_all = torch.log_softmax(next_logits / temperature, -1) if temperature > 0 and score else None
-            nxt = sample_token(next_logits, temperature, top_p, gen)
-            nxt = torch.where(active, nxt, torch.full_like(nxt, pad))
-            a = active.long()
+            u = uniforms(torch.where(sampling, n_policy, 0)) if temperature > 0 else None
+            nxt = sample_token(next_logits, temperature, top_p, u=u)
+            nxt = torch.where(sampling, nxt, torch.full_like(nxt, pad))
+            a = sampling.long()
             cols_ids.append(nxt[:, None])
             cols_am.append(a[:, None])
             cols_lm.append(a[:, None])
@@ -238,48 +300,23 @@ class HFSampler:
             if entropy and logp_all is not None:
                 cols_en.append(-(logp_all.exp() * logp_all).sum(-1, keepdim=True))
             n_policy += a
-            observations: dict[int, str] = {}
             toks, counts = nxt.tolist(), n_policy.tolist()
-            for r in active.nonzero().flatten().tolist():
+            for r in sampling.nonzero().flatten().tolist():
                 t = toks[r]
                 resp_ids[r].append(t)
                 if t == eos:
                     active[r] = False
                     continue
                 if stop:
-                    tail = tok.decode(resp_ids[r][-16:], skip_special_tokens=False)
+                    tail = tok.decode(resp_ids[r][max(turn_start[r], len(resp_ids[r]) - 16):], skip_special_tokens=False)
                     if any(tail.endswith(s) for s in stop):
-                        obs = on_stop(r, tok.decode(resp_ids[r], skip_special_tokens=False)) if on_stop else None
-                        if obs is None:
-                            active[r] = False
-                            continue
-                        observations[r] = obs
+                        waiting[r] = True  # the environment answers it with the others, at the end of the turn
+                        continue
                 if counts[r] >= max_new_tokens:
                     active[r] = False
                     truncated[r] = True  # it wanted to go on: no EOS, not ended by the environment
-            if not self._any(bool(active.any())):
-                break  # every row has ended: nothing left to feed
-            feed(nxt[:, None], a[:, None])
-            enc_obs = {r: tok(o, add_special_tokens=False)["input_ids"][: self.max_obs_tokens] for r, o in observations.items()}
-            W = self._max(max((len(v) for v in enc_obs.values()), default=0))
-            if W > 0:  # an empty observation just lets the row continue
-                block = torch.full((N, W), pad, dtype=torch.long, device=dev)
-                block_am = torch.zeros((N, W), dtype=torch.long, device=dev)
-                for r, v in enc_obs.items():  # left-pad inside the block: each row's last column is real
-                    if v:
-                        block[r, W - len(v):] = torch.tensor(v, device=dev)
-                        block_am[r, W - len(v):] = 1
-                    resp_ids[r].extend(v)
-                cols_ids.append(block)
-                cols_am.append(block_am)
-                cols_lm.append(torch.zeros_like(block_am))
-                cols_lp.append(torch.zeros((N, W), device=dev))
-                if cols_ti:
-                    cols_ti.append(torch.zeros((N, W, topk), dtype=torch.long, device=dev))
-                    cols_tl.append(torch.zeros((N, W, topk), device=dev))
-                if cols_en:
-                    cols_en.append(torch.zeros((N, W), device=dev))
-                feed(block, block_am)
+            if self._any(bool((sampling & active).any())):  # a token some row goes on from (or waits after)
+                feed(nxt[:, None], a[:, None])
         model.train(was_training)
         # Pack each row's real response tokens to the left. Holes (columns where a row had nothing:
         # other rows' observations, finished rows) are masked and do not advance positions, so

@@ -30,6 +30,7 @@ import tempfile
 
 import torch
 
+from ..prompts import prompt_ids
 from .base import OnStop, Rollouts, prompt_seeds
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class VLLMSampler:
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
-    def generate(self, model, prompts: list[str], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
+    def generate(self, model, prompts: list[str] | list[list[int]], n: int = 1, *, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 32, stop: list[str] | None = None, on_stop: OnStop | None = None,
                  seed: int | list[int] = 0, score=None) -> Rollouts:
         """Sample ``n`` responses per prompt on the engine (``score`` is ignored: pi_old is scored by the trainer)."""
@@ -166,7 +167,7 @@ class VLLMSampler:
         eos, pad = tok.eos_token_id, tok.pad_token_id
         rows = [i for i in range(len(prompts)) for _ in range(n)]
         seeds = prompt_seeds(seed, len(prompts))
-        prompt_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        p_ids = prompt_ids(tok, prompts)
         N = len(rows)
         resp: list[list[int]] = [[] for _ in range(N)]  # response tokens (policy and observation)
         policy: list[list[int]] = [[] for _ in range(N)]  # 1 = policy token, 0 = observation token
@@ -177,13 +178,13 @@ class VLLMSampler:
         while active:
             reqs, params = [], []
             for r in active:
-                reqs.append(TokensPrompt(prompt_token_ids=prompt_ids[rows[r]] + resp[r]))
+                reqs.append(TokensPrompt(prompt_token_ids=p_ids[rows[r]] + resp[r]))
                 params.append(SamplingParams(
                     n=1, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens - n_policy[r],
                     stop=list(stop or []) or None, include_stop_str_in_output=True, logprobs=0 if temperature > 0 else None,
                     seed=_row_seed(seeds[rows[r]], r % n, turn), skip_special_tokens=False))
             outs = self.llm.generate(reqs, params, use_tqdm=False)
-            still = []
+            still, stopped, turns = [], [], []
             for r, out in zip(active, outs):
                 c = out.outputs[0]
                 ids = list(c.token_ids)
@@ -194,27 +195,30 @@ class VLLMSampler:
                 if not isinstance(c.stop_reason, str) or (ids and ids[-1] == eos):
                     truncated[r] = c.finish_reason == "length"
                     continue  # EOS or the length budget: the row is done
-                obs = on_stop(r, tok.decode(resp[r], skip_special_tokens=False)) if on_stop else None
+                stopped.append(r)
+                turns.append(tok.decode(ids, skip_special_tokens=False))
+            answers = on_stop(stopped, turns) if on_stop and stopped else [None] * len(stopped)
+            for r, obs in zip(stopped, answers):  # the environment's turn: one call for every row that stopped
                 if obs is None:
+                    continue
+                if n_policy[r] >= max_new_tokens:  # no policy tokens left to read it with
+                    truncated[r] = True
                     continue
                 obs_ids = tok(obs, add_special_tokens=False)["input_ids"][: self.cfg.max_obs_tokens]
                 resp[r] += obs_ids
                 policy[r] += [0] * len(obs_ids)
                 logp[r] += [0.0] * len(obs_ids)
-                if n_policy[r] < max_new_tokens:
-                    still.append(r)
-                else:
-                    truncated[r] = True
+                still.append(r)
             active, turn = still, turn + 1
 
-        P = max(len(p) for p in prompt_ids)
+        P = max(len(p_ids[i]) for i in rows)
         T = max(len(x) for x in resp)
         ids = torch.full((N, P + T), pad, dtype=torch.long)
         am = torch.zeros((N, P + T), dtype=torch.long)
         lm = torch.zeros((N, P + T), dtype=torch.long)
         elp = torch.zeros((N, T), dtype=torch.float32)
         for r in range(N):
-            p = prompt_ids[rows[r]]
+            p = p_ids[rows[r]]
             ids[r, P - len(p):P] = torch.tensor(p, dtype=torch.long)
             am[r, P - len(p):P] = 1
             t = len(resp[r])

@@ -13,11 +13,20 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Prompt:
-    """One prompt: the text the policy sees and what its reward needs (``answer``, ``meta``)."""
+    """One prompt: what the policy is asked and what its reward needs (``answer``, ``meta``).
+
+    ``text`` is the prompt as plain text; ``messages`` (optional) the same prompt as chat messages
+    (``[{"role", "content"}, ...]``, a system message included), as real data stores it.
+    :class:`ema_pg.prompts.PromptEncoder` renders either for the model's tokenizer."""
 
     text: str
     answer: str
     meta: dict = field(default_factory=dict)
+    messages: list[dict] | None = None
+
+
+class ServiceError(RuntimeError):
+    """A service a task depends on (a retrieval server) failed; the message is one line naming it."""
 
 
 class Task:
@@ -41,13 +50,14 @@ class Task:
         """Text to train a tokenizer on."""
         raise NotImplementedError
 
-    def demonstrations(self, n: int, seed: int) -> list[tuple[str, str]]:
-        """(prompt, response) pairs for the supervised cold start."""
+    def demonstrations(self, n: int, seed: int) -> list[tuple[str | Prompt, str]]:
+        """(prompt, response) pairs for the supervised cold start; a ValueError says why there are none."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- optional
-    def on_stop_fn(self, prompts: list[Prompt], n: int) -> Callable[[int, str], str | None] | None:
-        """Multi-turn tasks: the sampler's ``on_stop`` for rows answering ``prompts`` (``n`` each); None = single-turn."""
+    def on_stop_fn(self, prompts: list[Prompt], n: int) -> Callable[[list[int], list[str]], list[str | None]] | None:
+        """Multi-turn tasks: the sampler's batched ``on_stop`` (:data:`ema_pg.rollout.base.OnStop`) for rows
+        answering ``prompts`` (``n`` each, row r answers prompt r // n); None = single-turn."""
         return None
 
     def answer_key(self, prompt: Prompt, response: str) -> str | None:

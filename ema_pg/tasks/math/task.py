@@ -32,10 +32,10 @@ an imperfect teacher ("distilled" from a model that slips): at each step of a de
 teacher writes a wrong result with probability ``demo_error_rate`` and carries it on, and SFT
 stops once the greedy reward on training prompts reaches ``sft.stop_at_reward``.
 
-**Real data** (``task.data_dir=DIR``): DeepScaleR-style files, ``train.{parquet,jsonl}`` for
-training and every other ``*.parquet``/``*.jsonl`` an eval split named by its file's stem
-(``aime24.jsonl`` is split ``aime24``). Rows need ``problem`` and ``answer`` (text); ``solution``
-(optional) gives cold-start demonstrations. Rewards use the same math-verify check.
+**Real data** (``task.data_dir=DIR``, ``task.splits`` to name files): DeepScaleR's raw JSON, DeepScaleR's and
+verl's parquet, the authors' rLLM registry layout (:mod:`ema_pg.tasks.math.data`). A row with a list of gold
+answers is right when any is; verl's GSM8K rows are scored as verl scores them (``#### number``); rows with a
+``solution`` give cold-start demonstrations. Rewards use the same math-verify check.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import hashlib
 import random
 
 from ..base import Prompt, Task
-from .verify import answer_key, is_correct
+from .verify import answer_key, gsm8k_answer, is_correct
 
 #: eval split -> (steps, phrasing); the paper's benchmark each stands in for is in the module docstring
 SPLITS = {"math500": (2, "plain"), "amc": (3, "plain"), "olympiad": (4, "plain"), "aime24": (5, "plain"),
@@ -99,7 +99,7 @@ class MathTask(Task):
     metric = "acc"
 
     def __init__(self, *, seed: int, max_steps: int, per_split: int, heldout_mod: int, story_share: float,
-                 demo_error_rate: float, data_dir: str | None, prompt_template: str):
+                 demo_error_rate: float, data_dir: str | None, splits: dict | None, prompt_template: str):
         if not 1 <= max_steps <= 8:
             raise ValueError(f"task.max_steps must be in [1, 8]; got {max_steps}")
         if per_split < 1:
@@ -116,7 +116,9 @@ class MathTask(Task):
         if data_dir:
             from .data import load_math_dir
 
-            self.train_set, self.eval_sets = load_math_dir(data_dir, prompt_template)
+            self.train_set, self.eval_sets = load_math_dir(data_dir, prompt_template, splits)
+        elif splits:
+            raise ValueError("task.splits names files inside task.data_dir; set task.data_dir=DIR too")
         else:
             self.train_set = None
             rng = random.Random(f"math-eval-{seed}")
@@ -154,7 +156,10 @@ class MathTask(Task):
         return self.eval_sets
 
     def reward(self, prompt: Prompt, response: str) -> float:
-        return float(is_correct(prompt.answer, response))
+        golds = prompt.meta.get("answers") or [prompt.answer]
+        if prompt.meta.get("answer_format") == "####":  # verl's GSM8K rows: its strict check
+            return float(gsm8k_answer(response) in golds)
+        return float(any(is_correct(g, response) for g in golds))
 
     def answer_key(self, prompt: Prompt, response: str) -> str | None:
         return answer_key(response)

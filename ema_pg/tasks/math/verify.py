@@ -60,3 +60,12 @@ def answer_key(response: str) -> str | None:
 
     x = pred[0]
     return str(sympy.nsimplify(x, rational=True) if isinstance(x, sympy.Number) else x)
+
+
+def gsm8k_answer(response: str) -> str | None:
+    """The answer of a GSM8K response as verl's strict check reads it: the last ``#### <number>`` in the final 300
+    characters, commas and dollar signs dropped (None: no such line)."""
+    import re
+
+    found = re.findall(r"#### (\-?[0-9\.\,]+)", response[-300:])
+    return found[-1].replace(",", "").replace("$", "") if found else None

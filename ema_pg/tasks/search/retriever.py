@@ -1,22 +1,43 @@
-"""Retrieval: BM25 in-process (``bm25s``) or a Search-R1-style HTTP server.
+"""Retrieval: BM25 in-process (``bm25s``) or a Search-R1 retrieval server over HTTP.
 
-Protocol (DESIGN.md): ``POST /retrieve`` with ``{"queries": [str], "topk": int, "return_scores": bool}``
-returns ``{"result": [[{"document": {"contents": "title\\ntext"}, "score": float}, ...], ...]}``
-(without scores each item is the document itself). ``serve()`` runs that protocol over a
-local corpus, for tests and for a corpus too big to load in every worker.
+Protocol (Search-R1's ``search_r1/search/retrieval_server.py``): ``POST <url>`` (its route is
+``/retrieve``) with ``{"queries": [str], "topk": int, "return_scores": bool}`` returns
+``{"result": [[{"document": {"id", "contents": "\\"Title\\"\\ntext"}, "score": float}, ...], ...]}``,
+one list per query (without scores each item is the document itself). Users write the full URL,
+``http://127.0.0.1:8000/retrieve``; the bare ``http://127.0.0.1:8000`` is accepted too.
+
+:class:`HTTPRetriever` sends one request per call (the environment calls it once per turn with
+every row that searched), with a timeout, retries with exponential backoff (``requests`` and
+urllib3's ``Retry``: connection errors, read time-outs, HTTP 500/502/503/504), and one line naming
+the URL and what came back when it still fails (:class:`RetrieverError`). ``check()`` is the
+start-up health check: one query before any model is built.
+
+``serve()`` runs the same protocol over a local corpus in a thread (tests, small corpora);
+``python -m ema_pg.tasks.search.retriever --corpus corpus.jsonl --port 8000`` serves a corpus in
+Search-R1's format (JSON lines with ``contents``: ``"Title"\\ntext``) with BM25.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import threading
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit, urlunsplit
 
 import bm25s
 
+from ..base import ServiceError
+
 logging.getLogger("bm25s").setLevel(logging.WARNING)  # an empty query is a policy action, not news
+logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # each retry's warning: the final error says it
+ROUTE = "/retrieve"  #: the server's route (Search-R1's retrieval_server.py)
+BACKOFF_S = 0.5  #: urllib3's backoff factor: waits of 0.5, 1, 2, ... s between tries
+
+
+class RetrieverError(ServiceError):
+    """The retrieval server failed (down, too slow, an HTTP error, an answer that is not the protocol's)."""
 
 
 class BM25Retriever:
@@ -26,38 +47,116 @@ class BM25Retriever:
         self.index.index(bm25s.tokenize(self.contents, show_progress=False), show_progress=False)
 
     def retrieve(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
-        """Per query, the top-k documents as ``{"contents": "title\\ntext"}``."""
+        """Per query, the top-k documents as ``{"contents": "title\\ntext", "score": float}``."""
+        if not queries:
+            return []
         k = min(topk, len(self.contents))
         idx, scores = self.index.retrieve(bm25s.tokenize(list(queries), show_progress=False), k=k, show_progress=False)
         return [[{"contents": self.contents[int(i)], "score": float(s)} for i, s in zip(row, srow)]
                 for row, srow in zip(idx, scores)]
 
+    def check(self) -> None:
+        pass
+
+
+def retrieve_url(url: str) -> str:
+    """The URL to post to: ``url`` as given when its path ends with ``/retrieve``, else ``url`` + ``/retrieve``."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"task.retriever_url={url!r} is not an http(s) URL; write it as Search-R1 users do: "
+                         "http://127.0.0.1:8000/retrieve")
+    path = parts.path.rstrip("/")
+    if not path.endswith(ROUTE):
+        path += ROUTE
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
 
 class HTTPRetriever:
-    """Client of a Search-R1-style retrieval server."""
+    """Client of a Search-R1 retrieval server (see the module docstring)."""
 
-    def __init__(self, url: str, timeout: float = 30.0):
-        self.url, self.timeout = url.rstrip("/"), timeout
+    def __init__(self, url: str, timeout: float = 30.0, retries: int = 3):
+        import requests
+        from requests.adapters import HTTPAdapter
+        from urllib3.util.retry import Retry
+
+        if timeout <= 0 or retries < 0:
+            raise ValueError(f"task.retriever_timeout must be > 0 s and task.retriever_retries >= 0; got {timeout}, {retries}")
+        self.url, self.timeout, self.retries = retrieve_url(url), float(timeout), int(retries)
+        retry = Retry(total=retries, connect=retries, read=retries, status=retries, other=0, backoff_factor=BACKOFF_S,
+                      status_forcelist=(500, 502, 503, 504), allowed_methods=None, raise_on_status=False)
+        self.session = requests.Session()
+        self.session.mount("http://", HTTPAdapter(max_retries=retry))
+        self.session.mount("https://", HTTPAdapter(max_retries=retry))
+        self.requests = 0  #: requests sent (one per call with queries)
+
+    def _fail(self, what: str, fix: str = "") -> RetrieverError:
+        tries = f" ({self.retries + 1} tries)" if self.retries else ""
+        return RetrieverError(f"retrieval server {self.url} {what}{tries}{'; ' + fix if fix else ''}")
 
     def retrieve(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
-        body = json.dumps({"queries": list(queries), "topk": topk, "return_scores": True}).encode()
-        req = urllib.request.Request(f"{self.url}/retrieve", data=body, headers={"Content-Type": "application/json"})
+        import requests
+
+        if not queries:
+            return []
+        body = {"queries": list(queries), "topk": int(topk), "return_scores": True}
+        self.requests += 1
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                res = json.loads(r.read())["result"]
-        except OSError as e:
-            raise ConnectionError(f"retrieval server {self.url} did not answer ({e}); start it or use "
-                                  "task.retriever=bm25") from None
-        return [[{"contents": (it["document"] if "document" in it else it)["contents"], "score": it.get("score")}
-                 for it in row] for row in res]
+            r = self.session.post(self.url, json=body, timeout=self.timeout)
+        except requests.exceptions.RetryError as e:  # the HTTP-status retries ran out
+            raise self._fail(f"kept answering an HTTP error ({_reason(e)})") from None
+        except (requests.exceptions.Timeout, requests.exceptions.ReadTimeout):
+            raise self._fail(f"did not answer within task.retriever_timeout={self.timeout:g} s",
+                             "raise task.retriever_timeout or check the server") from None
+        except requests.exceptions.ConnectionError as e:
+            raise self._fail(f"did not answer ({_reason(e)})", "start it, or fix task.retriever_url") from None
+        if r.status_code != 200:
+            raise self._fail(f"answered HTTP {r.status_code}: {_snippet(r.text)}") from None
+        try:
+            data = r.json()
+        except ValueError:
+            raise self._fail(f"answered something that is not JSON: {_snippet(r.text)}") from None
+        res = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(res, list) or len(res) != len(queries):
+            got = f"keys {sorted(data)}" if isinstance(data, dict) else type(data).__name__
+            raise self._fail(f"answered JSON without a 'result' list of {len(queries)} (got {got})",
+                             "is it a Search-R1 retrieval server?") from None
+        try:
+            return [[{"contents": (it["document"] if "document" in it else it)["contents"], "score": it.get("score")}
+                     for it in row] for row in res]
+        except (TypeError, KeyError, AttributeError):
+            raise self._fail(f"answered result items without document.contents: {_snippet(json.dumps(res))}") from None
+
+    def check(self) -> None:
+        """One query before anything expensive: raises :class:`RetrieverError` naming the URL if it fails."""
+        try:
+            self.retrieve(["health check"], 1)
+        except RetrieverError as e:
+            raise RetrieverError(f"start-up check: {e}") from None
+
+
+def _reason(e: Exception) -> str:
+    """The innermost reason of a requests error, in a few words (connection refused, name not resolved, ...)."""
+    text = str(e)
+    for key in ("Connection refused", "Name or service not known", "No route to host", "too many 500 error responses",
+                "too many 502 error responses", "too many 503 error responses", "too many 504 error responses",
+                "timed out"):
+        if key in text:
+            return key.lower()
+    return text.split(":")[-1].strip(" )'\"")[:120] or type(e).__name__
+
+
+def _snippet(text: str, n: int = 120) -> str:
+    text = " ".join(text.split())
+    return repr(text[:n] + ("..." if len(text) > n else ""))
 
 
 def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 0) -> tuple[ThreadingHTTPServer, str]:
-    """Serve ``retriever`` on loopback in a daemon thread; returns (server, base url). ``server.shutdown()`` stops it."""
+    """Serve ``retriever`` on ``host`` in a daemon thread; returns (server, its ``/retrieve`` URL).
+    ``server.shutdown()`` stops it."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
-            if self.path != "/retrieve":
+            if self.path != ROUTE:
                 self.send_error(404)
                 return
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -77,4 +176,45 @@ def serve(retriever: BM25Retriever, host: str = "127.0.0.1", port: int = 0) -> t
 
     srv = ThreadingHTTPServer((host, port), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, f"http://{host}:{srv.server_address[1]}"
+    return srv, f"http://{host}:{srv.server_address[1]}{ROUTE}"
+
+
+def load_corpus(path: str) -> list[tuple[str, str]]:
+    """(title, text) pairs from a Search-R1 corpus file: JSON lines with ``contents`` = ``"Title"\\ntext``."""
+    docs = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                title, _, text = str(row["contents"]).partition("\n")
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{i}: not a corpus row (a JSON object with 'contents'): {e}") from None
+            docs.append((title, text))
+    if not docs:
+        raise ValueError(f"{path}: no documents")
+    return docs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Serve a Search-R1-format corpus (JSON lines, 'contents') with BM25 "
+                                             "on Search-R1's /retrieve protocol.")
+    ap.add_argument("--corpus", required=True, help="JSON lines, each with 'contents': '\"Title\"\\ntext'")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args(argv)
+    try:
+        docs = load_corpus(args.corpus)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    srv, url = serve(BM25Retriever(docs), args.host, args.port)
+    print(f"serving {len(docs)} documents at {url} (Ctrl-C stops)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        srv.shutdown()
+
+
+if __name__ == "__main__":
+    main()

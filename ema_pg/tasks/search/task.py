@@ -1,17 +1,22 @@
 """Search-agent QA in the Search-R1 format, over the synthetic world or Search-R1 parquet files.
 
-A response interleaves policy text and environment observations::
+A response interleaves policy text and environment observations, laid out byte for byte as Search-R1's
+generation loop (``search_r1/llm_agent/generation.py``) lays them out::
 
     <search> query </search>
+
     <information>Doc 1(Title: t) text
     Doc 2(Title: t) text ...</information>        <- appended by the environment, loss mask 0
+
     <answer> answer </answer>
 
-Generation stops at ``</search>`` (the environment answers with the top-``topk`` passages and
-generation resumes) or ``</answer>`` (the episode ends), at most ``max_turns`` searches. A
-turn that closes ``</search>`` without a well-formed ``<search>`` gets an observation that
-says how to search or answer: it is not an error. The reward is exact match, after SQuAD
-normalization, of the last ``<answer>`` against any gold answer; a malformed response scores 0.
+Generation stops at ``</search>`` or ``</answer>``; the turn's action is its first
+``<search>...</search>`` or ``<answer>...</answer>`` (Search-R1's rule). An answer ends the episode;
+the searches of every row that searched in the turn go to the retriever in one batched request, and
+each row gets its top-``topk`` passages; a turn with neither gets Search-R1's "invalid action"
+message. After ``max_turns`` turns that did not answer, the episode ends. The reward is exact match,
+after SQuAD normalization, of the last ``<answer>`` against any gold answer; a malformed response
+scores 0.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from .world import build_world, comparison_question, questions
 
 SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-INVALID = ("\nMy previous action is invalid. To search, write <search> query </search>. "
-           "To answer, write <answer> answer </answer>.\n")
+ACTION_RE = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)  #: a turn's action: its first match (Search-R1)
+INVALID = ("\nMy previous action is invalid. If I want to search, I should put the query between <search> and "
+           "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
+           "Let me try again.\n")  #: Search-R1's answer to a turn with neither action
+OBSERVATION_RE = re.compile(r"\n\n<information>.*?</information>\n\n", re.DOTALL)  #: one observation block
 SPLITS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wiki", "musique", "bamboogle")
 #: what ``SearchTask.diagnostics`` measures of a response, and what each measure means
 DIAGNOSTICS = {
@@ -68,21 +76,33 @@ def question_entity(question: str) -> str:
 
 
 def format_passages(docs: list[dict]) -> str:
-    lines = []
+    """The observation block of one search, as Search-R1 writes it: ``Doc i(Title: <first line>) <the rest>``
+    per document, each ended by a newline, the whole stripped and wrapped in ``\\n\\n<information>...
+    </information>\\n\\n``."""
+    ref = ""
     for i, d in enumerate(docs, 1):
         title, _, text = d["contents"].partition("\n")
-        lines.append(f"Doc {i}(Title: {title}) {text}")
-    return "\n<information>" + "\n".join(lines) + "</information>\n"
+        ref += f"Doc {i}(Title: {title}) {text}\n"
+    return f"\n\n<information>{ref.strip()}</information>\n\n"
 
 
 class SearchQATask(Task):
     """``task=search_qa``: the synthetic world by default, Search-R1 parquet files with ``data_dir``."""
 
     name = "search_qa"
+    format_version = 2  #: the observation layout of its demonstrations (2: Search-R1's); part of the cold-start key
 
     def __init__(self, *, seed: int, topk: int, max_turns: int, per_split: int, retriever: str,
-                 retriever_url: str | None, data_dir: str | None, n_people: int, n_orgs: int, prompt_template: str,
-                 multihop_demos: float, demo_people: float, comparison_demos: float):
+                 retriever_url: str | None, retriever_timeout: float, retriever_retries: int, data_dir: str | None,
+                 n_people: int, n_orgs: int, prompt_template: str, multihop_demos: float, demo_people: float,
+                 comparison_demos: float):
+        if data_dir:  # every knob of the synthetic world's cold start at once, with the fix
+            synthetic = {k: v for k, v in (("task.multihop_demos", multihop_demos), ("task.demo_people", demo_people),
+                                           ("task.comparison_demos", comparison_demos)) if v}
+            if synthetic:
+                raise ValueError(f"task.data_dir reads Search-R1 data, but {', '.join(f'{k}={v}' for k, v in synthetic.items())} "
+                                 "shape the synthetic world's cold start (experiment=search sets them); use "
+                                 "experiment=search_r1 task.data_dir=DIR, or set them to 0")
         if topk < 1 or max_turns < 1:
             raise ValueError(f"task.topk and task.max_turns must be >= 1; got {topk}, {max_turns}")
         if not 0.0 <= multihop_demos <= 1.0:
@@ -97,27 +117,24 @@ class SearchQATask(Task):
         if comparison_demos > 0 and max_turns < 2:
             raise ValueError(f"task.comparison_demos={comparison_demos} demonstrates two searches, but task.max_turns="
                              f"{max_turns} allows one; raise task.max_turns or set task.comparison_demos=0")
-        if comparison_demos > 0 and data_dir:
-            raise ValueError("task.comparison_demos needs the synthetic world's birth years; with task.data_dir set "
-                             "task.comparison_demos=0")
         if not 0.0 <= demo_people < 1.0:
             raise ValueError(f"task.demo_people={demo_people} is the share of training people kept for the cold "
                              "start's demonstrations (the rest are RL's): give a number in [0, 1)")
-        if demo_people > 0 and data_dir:
-            raise ValueError("task.demo_people splits the synthetic world's people; with task.data_dir set task.demo_people=0")
         self.seed, self.topk, self.max_turns, self.template = seed, topk, max_turns, prompt_template
         self.multihop_demos, self.demo_people, self.comparison_demos = multihop_demos, demo_people, comparison_demos
         self.data_dir = data_dir
         if retriever not in ("bm25", "http"):
             raise ValueError(f"task.retriever={retriever!r}; choose bm25 or http")
         if retriever == "bm25" and data_dir:
-            raise ValueError("with task.data_dir (a real corpus) use task.retriever=http and a retrieval server")
+            raise ValueError("task.data_dir is Search-R1 data, whose passages live in a retrieval server: set "
+                             "task.retriever=http task.retriever_url=http://HOST:PORT/retrieve (experiment=search_r1 does; "
+                             "python -m ema_pg.tasks.search.retriever --corpus FILE serves a corpus file with BM25)")
         if retriever == "http" and not retriever_url:
-            raise ValueError("task.retriever=http needs task.retriever_url (e.g. http://127.0.0.1:8000)")
+            raise ValueError("task.retriever=http needs task.retriever_url, e.g. http://127.0.0.1:8000/retrieve")
         if data_dir:
             from .data import load_search_r1
 
-            self.train_set, self.eval_sets = load_search_r1(data_dir)
+            self.train_set, self.eval_sets = load_search_r1(data_dir, per_split)
             self.demo_set = self.train_set
             self.world = None
             docs = []
@@ -129,7 +146,9 @@ class SearchQATask(Task):
                 [self._prompt(q.question, q.answers, q.split, q.hops) for q in qs["demo"]]
             self.eval_sets = {s: [self._prompt(q.question, q.answers, s, q.hops) for q in qs[s]] for s in SPLITS}
             docs = self.world.docs
-        self.retriever = HTTPRetriever(retriever_url) if retriever == "http" else BM25Retriever(docs)
+        self.retriever = HTTPRetriever(retriever_url, retriever_timeout, retriever_retries) if retriever == "http" \
+            else BM25Retriever(docs)
+        self.retriever.check()  # a server that is down or speaks another protocol is named now, before any model
 
     def _prompt(self, question: str, answers: list[str], split: str, hops: int = 1) -> Prompt:
         return Prompt(text=self.template.format(question=question), answer=answers[0],
@@ -152,25 +171,27 @@ class SearchQATask(Task):
         return None if ans is None else normalize_answer(ans)
 
     def on_stop_fn(self, prompts: list[Prompt], n: int):
-        """The environment for one batch: called with (row, response so far) at every stop string."""
-        turns: dict[int, int] = {}
-        searches: dict[int, int] = {}  # well-formed searches already answered, per row
+        """The environment for one batch: called once per turn with every row that stopped and its turn text."""
+        turns: dict[int, int] = {}  # turns that did not answer, per row
 
-        def on_stop(row: int, text: str) -> str | None:
-            if text.rstrip().endswith("</answer>"):
-                return None
-            turns[row] = turns.get(row, 0) + 1
-            if turns[row] > self.max_turns:
-                return None
-            # A turn is a new search iff the response holds one more closed <search> than before.
-            # Counting (our own INVALID message, which shows the tags, removed) does not depend on
-            # how much of earlier observations the sampler kept (it truncates them).
-            found = SEARCH_RE.findall(text.replace(INVALID, ""))
-            is_new = len(found) > searches.get(row, 0) and found[-1].strip()
-            searches[row] = len(found)
-            if not is_new:
-                return INVALID
-            return format_passages(self.retriever.retrieve([found[-1].strip()], self.topk)[0])
+        def on_stop(rows: list[int], texts: list[str]) -> list[str | None]:
+            out: list[str | None] = [None] * len(rows)
+            searches: list[tuple[int, str]] = []
+            for j, (row, text) in enumerate(zip(rows, texts)):
+                m = ACTION_RE.search(text)
+                if m and m.group(1) == "answer":
+                    continue  # the episode ends
+                turns[row] = turns.get(row, 0) + 1
+                if turns[row] > self.max_turns:
+                    continue
+                if m:
+                    searches.append((j, m.group(2).strip()))
+                else:
+                    out[j] = INVALID
+            if searches:  # one request for every row that searched in this turn
+                for (j, _), docs in zip(searches, self.retriever.retrieve([q for _, q in searches], self.topk)):
+                    out[j] = format_passages(docs)
+            return out
 
         return on_stop
 
@@ -199,10 +220,14 @@ class SearchQATask(Task):
         demonstrated, so the cold start never teaches answering from memory.
         ``<information>`` spans are masked out of the SFT loss.
         """
+        if self.world is None:
+            raise ValueError(f"task.data_dir={self.data_dir!r}: Search-R1 data holds no demonstrations, so there is no "
+                             "cold start; start from a base model as Search-R1 does: model=local model.path=DIR sft.steps=0 "
+                             "(experiment=search_r1 sets sft.steps=0)")
         rng = random.Random(f"search-demo-{self.seed}-{seed}")
         singles = [p for p in self.demo_set if p.meta["hops"] == 1]
         bridges = [p for p in self.demo_set if p.meta["hops"] == 2]
-        if self.multihop_demos > 0 and (self.world is None or not bridges):
+        if self.multihop_demos > 0 and not bridges:
             raise ValueError(f"task.multihop_demos={self.multihop_demos} needs the synthetic world's bridge questions "
                              "(their intermediate city is known); with task.data_dir set task.multihop_demos=0")
         retrieve = lambda q: format_passages(self.retriever.retrieve([q], self.topk)[0])
@@ -264,21 +289,21 @@ class SearchQATask(Task):
     def baseline_prompts(self, prompts: list[Prompt], mode: str) -> list[Prompt]:
         """Table 2's baselines that need no RL, as prompts for the same policy.
 
-        ``cot``: answer without search (the prompt ends with ``<answer>``); ``rag``: retrieve with the
-        question itself, show the passages, then the policy answers.
+        ``cot``: answer without search (the response starts with ``<answer>``); ``rag``: retrieve with the
+        question itself (Search-R1 data: its ``question`` column, not the whole instruction), show the
+        passages, then the policy answers. The start of the response is ``meta["prefix"]``, which the
+        prompt encoder appends after the rendered prompt and the reward reads with the response.
         """
         if mode not in ("cot", "rag"):
             raise ValueError(f"unknown baseline {mode!r}; choose cot or rag")
+        docs = self.retriever.retrieve([p.meta["question"] for p in prompts], self.topk) if mode == "rag" else []
         out = []
-        for p in prompts:
-            if mode == "cot":
-                prefix = "<answer>"
-            else:
-                q = p.meta["question"]
-                prefix = f"<search> {q} </search>" + format_passages(self.retriever.retrieve([q], self.topk)[0]) + "<answer>"
-            out.append(Prompt(text=p.text + prefix, answer=p.answer, meta={**p.meta, "prefix": prefix}))
+        for j, p in enumerate(prompts):
+            prefix = "<answer>" if mode == "cot" else \
+                f"<search> {p.meta['question']} </search>" + format_passages(docs[j]) + "<answer>"
+            out.append(Prompt(text=p.text, answer=p.answer, meta={**p.meta, "prefix": prefix}, messages=p.messages))
         return out
 
     def masked_spans(self, response: str) -> list[tuple[int, int]]:
         """Character spans of environment text inside a demonstration (no SFT loss there)."""
-        return [(m.start(), m.end()) for m in re.finditer(r"\n<information>.*?</information>\n", response, re.DOTALL)]
+        return [(m.start(), m.end()) for m in OBSERVATION_RE.finditer(response)]

@@ -19,8 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from .config import ConfigError, fill_defaults, flatten
 
-#: settings a user may change when continuing a run (more iterations, another machine, quieter output)
-RESUMABLE_SETTINGS = ("algo.iterations", "trainer.progress_bar", "trainer.num_threads")
+#: settings a user may change when continuing a run (more iterations, another machine, quieter output, the
+#: retrieval server restarted elsewhere or given more patience: where the service lives, not what it serves)
+RESUMABLE_SETTINGS = ("algo.iterations", "trainer.progress_bar", "trainer.num_threads", "task.retriever_url",
+                      "task.retriever_timeout", "task.retriever_retries")
 #: keys that differ between a run and its continuation by construction, or by the user's leave
 RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", *RESUMABLE_SETTINGS)
 
@@ -148,8 +150,12 @@ def upgraded(saved: DictConfig) -> DictConfig:
     their defaults (which keep the old behaviour), as do the estimator's parameters (its registry)."""
     from .config import Config, fill_defaults
 
+    from .tasks import task_defaults
+
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
+        if "task" in saved and saved.task.get("name"):  # task knobs added later, at their defaults
+            merged.task = OmegaConf.merge(task_defaults(saved.task.name), saved.task)
         return fill_defaults(merged)
     except Exception:  # noqa: BLE001 - a config the schema cannot read is compared as it was saved
         return saved

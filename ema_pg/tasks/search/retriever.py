@@ -104,10 +104,10 @@ class HTTPRetriever:
             r = self.session.post(self.url, json=body, timeout=self.timeout)
         except requests.exceptions.RetryError as e:  # the HTTP-status retries ran out
             raise self._fail(f"kept answering an HTTP error ({_reason(e)})") from None
-        except (requests.exceptions.Timeout, requests.exceptions.ReadTimeout):
-            raise self._fail(f"did not answer within task.retriever_timeout={self.timeout:g} s",
-                             "raise task.retriever_timeout or check the server") from None
-        except requests.exceptions.ConnectionError as e:
+        except (requests.exceptions.Timeout, requests.exceptions.ConnectionError) as e:
+            if isinstance(e, requests.exceptions.Timeout) or _reason(e) == "timed out":  # read time-outs, retried
+                raise self._fail(f"did not answer within task.retriever_timeout={self.timeout:g} s",
+                                 "raise task.retriever_timeout or check the server") from None
             raise self._fail(f"did not answer ({_reason(e)})", "start it, or fix task.retriever_url") from None
         if r.status_code != 200:
             raise self._fail(f"answered HTTP {r.status_code}: {_snippet(r.text)}") from None

@@ -18,6 +18,9 @@ and with g_H the incoming gradient of the entropy H_n (the entropy bonus, when a
     d z_n += -g_H softmax(z_n) (log softmax(z_n) + H_n) / tau
 
 so neither the forward nor the backward ever holds an (N, V) tensor.
+
+Final-logit soft-capping (Gemma 2 and 3, ``softcap`` = c > 0) makes the logits z = c tanh(h W^T / c) / tau;
+the backward multiplies d z by its derivative, 1 - tanh(h W^T / c)^2, recomputed with the chunk.
 """
 
 from __future__ import annotations
@@ -50,8 +53,18 @@ class ChunkedOut:
 
 
 @torch.no_grad()
+def logits_chunk(h: Tensor, W: Tensor, f32: torch.dtype, temperature: float, softcap: float) -> Tensor:
+    """(C, V) logits of a chunk: h W^T, soft-capped (c tanh(. / c)) when ``softcap`` > 0, over the temperature."""
+    z = (h @ W.T).to(f32)
+    if softcap:
+        z = z.div_(softcap).tanh_().mul_(softcap)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
 def chunked_head_nograd(h: Tensor, W: Tensor, targets: Tensor, *, k: int = 0, index: Tensor | None = None,
-                        entropy: bool = False, temperature: float = 1.0, chunk: int = 0) -> ChunkedOut:
+                        entropy: bool = False, temperature: float = 1.0, chunk: int = 0, softcap: float = 0.0) -> ChunkedOut:
     """No-grad pass (pi_old, the anchor): O(N k) outputs, one (C, V) chunk at a time."""
     N, V = h.shape[0], W.shape[0]
     C = chunk or auto_chunk(N, V)
@@ -64,9 +77,7 @@ def chunked_head_nograd(h: Tensor, W: Tensor, targets: Tensor, *, k: int = 0, in
     ent = torch.empty(N, dtype=f32, device=h.device) if entropy else None
     for s in range(0, N, C):
         e = min(N, s + C)
-        z = (h[s:e] @ W.T).to(f32)  # (C, V)
-        if temperature != 1.0:
-            z.div_(temperature)
+        z = logits_chunk(h[s:e], W, f32, temperature, softcap)  # (C, V)
         lz = torch.logsumexp(z, -1)  # (C,)
         lse[s:e] = lz
         logp[s:e] = z.gather(-1, targets[s:e, None].long())[:, 0] - lz
@@ -88,11 +99,12 @@ class ChunkedLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: Tensor, W: Tensor, targets: Tensor, index: Tensor | None, temperature: float, chunk: int,
-                entropy: bool = False):
-        out = chunked_head_nograd(h, W, targets, index=index, entropy=entropy, temperature=temperature, chunk=chunk)
+                entropy: bool = False, softcap: float = 0.0):
+        out = chunked_head_nograd(h, W, targets, index=index, entropy=entropy, temperature=temperature, chunk=chunk,
+                                  softcap=softcap)
         ent = out.entropy if entropy else torch.empty(0, device=h.device)
         ctx.save_for_backward(h, W, targets, out.lse, ent, *([index] if index is not None else []))
-        ctx.has_index, ctx.temperature, ctx.chunk = index is not None, temperature, chunk
+        ctx.has_index, ctx.temperature, ctx.chunk, ctx.softcap = index is not None, temperature, chunk, softcap
         ix = out.index_logp if index is not None else torch.empty(0, device=h.device)
         return out.logp, ix, ent
 
@@ -113,9 +125,8 @@ class ChunkedLogProb(torch.autograd.Function):
         g_logp = g_logp.to(acc) if g_logp is not None else torch.zeros(N, dtype=acc, device=h.device)
         for s in range(0, N, C):
             e = min(N, s + C)
-            z = (h[s:e] @ W.T).to(acc)  # (C, V), recomputed
-            if tau != 1.0:
-                z.div_(tau)
+            z = logits_chunk(h[s:e], W, acc, tau, ctx.softcap)  # (C, V), recomputed
+            dcap = 1 - (z * (tau / ctx.softcap)).square() if ctx.softcap else None  # 1 - tanh^2: the cap's slope
             lp = z.sub_(lse[s:e, None])  # log softmax, in place
             ent_term = None
             if use_ent:  # -g_H p (log p + H), formed before lp becomes p
@@ -135,19 +146,21 @@ class ChunkedLogProb(torch.autograd.Function):
                 dz.scatter_add_(-1, index[s:e].long(), gi)
             if tau != 1.0:
                 dz.div_(tau)
+            if dcap is not None:
+                dz.mul_(dcap)
             dz = dz.to(h.dtype)
             if need_h:
                 torch.mm(dz, W, out=gh[s:e])  # (C, H), written in place
             if need_W:
                 gW.addmm_(dz.T.to(acc), h[s:e].to(acc))  # (V, H) accumulated in place: no per-chunk temporary
-        return gh, (gW.to(W.dtype) if need_W else None), None, None, None, None, None
+        return gh, (gW.to(W.dtype) if need_W else None), None, None, None, None, None, None
 
 
 def chunked_logprobs(h: Tensor, W: Tensor, targets: Tensor, index: Tensor | None = None, temperature: float = 1.0,
-                     chunk: int = 0, entropy: bool = False):
+                     chunk: int = 0, entropy: bool = False, softcap: float = 0.0):
     """Differentiable (log pi(y_n) (N,), log pi at index (N, k) or None) with O(N k) saved state;
     with ``entropy=True`` a third output, the differentiable entropy (N,)."""
-    logp, ix, ent = ChunkedLogProb.apply(h, W, targets, index, temperature, chunk, entropy)
+    logp, ix, ent = ChunkedLogProb.apply(h, W, targets, index, temperature, chunk, entropy, softcap)
     if entropy:
         return logp, (ix if index is not None else None), ent
     return logp, (ix if index is not None else None)

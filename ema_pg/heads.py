@@ -12,7 +12,8 @@ indices and ``index_logp`` the model's log-probs there, so a reader never has to
 
 All log-probs are of the temperature-scaled distribution softmax(logits / temperature), the
 distribution the sampler draws from (nucleus truncation aside). The output layer must be a
-plain linear map without bias or logit soft-capping (Qwen2, Llama, Mistral, ...). Under
+linear map without bias (Qwen2, Llama, Mistral, Gemma, Phi-3, GPT-2, ...); final-logit soft-capping
+(Gemma 2 and 3) is applied inside the chunked head, exactly; :func:`check_head` refuses the rest at start. Under
 DeepSpeed ZeRO-3 the output embedding alone is gathered for the head (for the gradient pass,
 by running the head as the output layer's forward, so its backward is gathered too).
 """
@@ -28,11 +29,28 @@ from .scores import TokenScores
 from .strategies import call_through, gathered, zero3_partitioned
 
 
+def softcap(model) -> float:
+    """The model's final-logit soft-cap c (logits = c tanh(logits / c)); 0 = none."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
+
+
+def check_head(model) -> None:
+    """Raise NotImplementedError, naming the model, if the chunked head cannot score it: its logits must be
+    hidden @ W^T (soft-capped or not) from a decoder body (``get_decoder``) and an output embedding."""
+    name = type(model).__name__
+    lm = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if lm is None or getattr(lm, "weight", None) is None or not hasattr(model, "get_decoder"):
+        raise NotImplementedError(f"{name}: the log-prob head needs a decoder body and an output embedding "
+                                  "(a causal LM from transformers' AutoModelForCausalLM)")
+    if getattr(lm, "bias", None) is not None:
+        raise NotImplementedError(f"{name}: its output layer has a bias; the chunked head computes logits = hidden @ "
+                                  "W^T (+ soft-capping) only")
+
+
 def output_layer(model) -> Tensor:
-    lm = model.get_output_embeddings()
-    if getattr(lm, "bias", None) is not None or getattr(model.config, "final_logit_softcapping", None):
-        raise NotImplementedError("the chunked head needs logits = hidden @ W^T (no bias, no soft-capping)")
-    return lm.weight  # (V, H)
+    check_head(model)
+    return model.get_output_embeddings().weight  # (V, H)
 
 
 def response_hidden(model, batch: Rollouts) -> Tensor:
@@ -50,6 +68,9 @@ def response_logits(model, batch: Rollouts, temperature: float = 1.0) -> Tensor:
         logits = call_through(model.get_output_embeddings(), lambda x: (x @ output_layer(model).T).float(), hid)
     else:
         logits = (hid @ W.T).float()
+    c = softcap(model)
+    if c:
+        logits = c * torch.tanh(logits / c)
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -78,6 +99,7 @@ def head(model, batch: Rollouts, *, topk: int = 0, index: Tensor | None = None, 
     hid = response_hidden(model, batch)  # (N, T, H)
     N, T, H = hid.shape
     h, W, t = hid.reshape(N * T, H), output_layer(model), targets.reshape(N * T)
+    cap = softcap(model)
     ix = None if index is None else index.reshape(N * T, -1)
     shape = lambda x: x.view(N, T, *x.shape[1:])
     if torch.is_grad_enabled() and (h.requires_grad or W.requires_grad):
@@ -85,14 +107,15 @@ def head(model, batch: Rollouts, *, topk: int = 0, index: Tensor | None = None, 
             raise ValueError("head: the gradient pass scores a given index set only (its own top-k is a no-grad stat)")
         if zero3_partitioned(W):  # the output layer's module gathers W for the head and for its backward
             outs = call_through(model.get_output_embeddings(),
-                                lambda x: chunked_logprobs(x, output_layer(model), t, ix, temperature, chunk, entropy), h)
+                                lambda x: chunked_logprobs(x, output_layer(model), t, ix, temperature, chunk, entropy, cap), h)
         else:
-            outs = chunked_logprobs(h, W, t, ix, temperature, chunk, entropy)
+            outs = chunked_logprobs(h, W, t, ix, temperature, chunk, entropy, cap)
         logp, ixl = outs[0], outs[1]
         return TokenScores(logp=shape(logp), index=index, index_logp=None if ixl is None else shape(ixl),
                            entropy=shape(outs[2]) if entropy else None)
     with gathered([W]):  # ZeRO-3: the output embedding only, not the whole model
-        r = chunked_head_nograd(h, W, t, k=topk, index=ix, entropy=entropy, temperature=temperature, chunk=chunk)
+        r = chunked_head_nograd(h, W, t, k=topk, index=ix, entropy=entropy, temperature=temperature, chunk=chunk,
+                                softcap=cap)
     out = TokenScores(logp=shape(r.logp), entropy=None if r.entropy is None else shape(r.entropy))
     if topk > 0:
         out.index, out.index_logp = shape(r.topk_idx.long()), shape(r.topk_logp)

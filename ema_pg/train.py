@@ -35,6 +35,7 @@ from .policy import build_policy, checkpoint_file, checkpoint_state, save_run_mo
 from .strategies import build_strategy
 from .runs import (claim_run_dir, config_differences, finished_metrics, git_commit, machine, make_loggers, resolve_resume,
                    upgraded)
+from .heads import check_head
 from .prompts import PromptEncoder
 from .sft import NoColdStart
 from .tasks import ServiceError, build_task
@@ -171,8 +172,9 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     try:
         task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
         policy, tok = build_policy(cfg, task)
+        check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step
         encode = PromptEncoder(tok, cfg.task.chat_template)
-    except (ValueError, NoColdStart) as e:
+    except (ValueError, NoColdStart, NotImplementedError) as e:
         raise ConfigError(str(e)) from None
     mc = policy.config
     validate(cfg, vocab_size=mc.vocab_size,

@@ -296,3 +296,21 @@ def test_chat_prompts_reach_the_sampler_as_rendered_ids(search_r1_dir, searching
         ids = ro.input_ids[r, : ro.prompt_len][ro.attention_mask[r, : ro.prompt_len].bool()].tolist()
         assert ids == enc.encode(p) and tok.decode(ids).startswith("<|im_start|>user\nAnswer the given question.")
     assert torch.equal(ro.loss_mask[:, : ro.prompt_len], torch.zeros_like(ro.loss_mask[:, : ro.prompt_len]))
+
+
+def test_the_pages_examples_load_in_every_format(tmp_path, server):
+    from ema_pg.byo import write_examples
+    from ema_pg.models import load_model_dir
+
+    out = write_examples(tmp_path)
+    t = search_task(out / "search_r1", server.url)
+    assert len(t.train_set) == 5 and t.train_set[0].meta["question"].endswith("?")
+    for d, splits in [("deepscaler_verl", {"aime", "amc"}), ("gsm8k_verl", {"test"}), ("math_verl", {"test"}),
+                      ("rllm_registry", {"aime2024", "math500"})]:
+        m = build_task({"name": "math", "data_dir": str(out / d)})
+        assert set(m.eval_splits()) == splits and len(m.train_set) == 5, d
+    raw = build_task({"name": "math", "data_dir": str(out / "deepscaler_raw"), "splits": {
+        "train": "train/math/deepscaler.json", "amc": "test/math/amc.json", "minerva": "test/math/minerva.json"}})
+    assert [p.answer for p in raw.eval_splits()["amc"]][:1] == ["14"] and raw.eval_splits()["minerva"][0].answer == "14"
+    model, tok = load_model_dir(out / "model")
+    assert PromptEncoder(tok).chat and json.loads((out / "search_r1" / "corpus.jsonl").read_text().splitlines()[0])["contents"].startswith('"')

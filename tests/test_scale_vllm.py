@@ -54,7 +54,7 @@ def test_weights_pushed_after_an_update_give_the_trainers_greedy_output(engine):
     before = sampler.generate(m, prompts, 1, temperature=0.0, max_new_tokens=12, seed=0)
     assert not sampler.sync(m)  # unchanged weights are not pushed again
     opt = torch.optim.AdamW(m.parameters(), lr=0.05)
-    loss = -head(m, before).logp.mean()  # one real update of every weight
+    loss = head(m, before).logp.mean()  # one real update of every weight, away from the current greedy output
     loss.backward()
     opt.step()
     pushes = sampler.syncs

@@ -128,7 +128,7 @@ class SearchQATask(Task):
         if retriever == "bm25" and data_dir:
             raise ValueError("task.data_dir is Search-R1 data, whose passages live in a retrieval server: set "
                              "task.retriever=http task.retriever_url=http://HOST:PORT/retrieve (experiment=search_r1 does; "
-                             "python -m ema_pg.tasks.search.retriever --corpus FILE serves a corpus file with BM25)")
+                             "python -m ema_pg.tasks.search.serve --corpus FILE serves a corpus file with BM25)")
         if retriever == "http" and not retriever_url:
             raise ValueError("task.retriever=http needs task.retriever_url, e.g. http://127.0.0.1:8000/retrieve")
         if data_dir:

@@ -170,7 +170,10 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     try:
-        task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
+        try:
+            task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
+        except ServiceError as e:
+            raise ConfigError(str(e)) from None
         policy, tok = build_policy(cfg, task)
         check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step
         encode = PromptEncoder(tok, cfg.task.chat_template)
@@ -278,8 +281,9 @@ def main(cfg: DictConfig) -> float:
         raise SystemExit(f"config error: {e}") from None
     except (NonFiniteUpdates, ServiceError) as e:
         log.error("stopped: %s", e)
-        raise SystemExit(f"stopped: {e}; the run folder keeps its last checkpoint: continue it with "
-                         f"resume=<run folder>") from None
+        run = os.environ.get(RUN_DIR_ENV, "<run folder>")
+        raise SystemExit(f"stopped: {e}; the run folder keeps its last checkpoint: continue with "
+                         f"python -m ema_pg.train resume={run}") from None
     metric_key = next(k for k in metrics if k.startswith("eval/avg/"))
     if not is_rank_zero():
         return float(metrics[metric_key])

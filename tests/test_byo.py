@@ -314,3 +314,15 @@ def test_the_pages_examples_load_in_every_format(tmp_path, server):
     assert [p.answer for p in raw.eval_splits()["amc"]][:1] == ["14"] and raw.eval_splits()["minerva"][0].answer == "14"
     model, tok = load_model_dir(out / "model")
     assert PromptEncoder(tok).chat and json.loads((out / "search_r1" / "corpus.jsonl").read_text().splitlines()[0])["contents"].startswith('"')
+
+
+def test_the_command_line_says_a_down_server_in_one_line(search_r1_dir, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=search_r1", f"task.data_dir={search_r1_dir}",
+                          "task.retriever_url=http://127.0.0.1:9", "task.retriever_retries=0", f"hydra.run.dir={tmp_path}/r"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr + out.stdout
+    assert out.stderr.strip().splitlines()[-1] == ("config error: start-up check: retrieval server http://127.0.0.1:9/retrieve "
+                                                   "did not answer (connection refused); start it, or fix task.retriever_url")

@@ -1,6 +1,7 @@
 """The models people use: tiny random models of each architecture, built from transformers' configs, saved and loaded
 the way a researcher's model is, with tokenizers that have a chat template, no pad token, or a BOS they add; one RL
-step each with a sampled (K3), a Top-k and an exact estimator, and the head's log-probs equal to the model's own."""
+step each with a sampled (K3), a Top-k and an exact estimator, and the head's log-probs equal to the model's own.
+Gemma 2 and 3 are given a small final-logit soft-cap (2.0) so that it bends these tiny models' logits."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ ARCHS = {
     "gemma": (lambda v: tf.GemmaConfig(vocab_size=v, head_dim=16, **SMALL), "bos"),
     "gemma2": (lambda v: tf.Gemma2Config(vocab_size=v, head_dim=16, final_logit_softcapping=2.0, sliding_window=4,
                                          **SMALL), "chat"),
+    "gemma3": (lambda v: tf.Gemma3TextConfig(vocab_size=v, head_dim=16, final_logit_softcapping=2.0, sliding_window=4,
+                                             **SMALL), "bos"),
     "phi3": (lambda v: tf.Phi3Config(vocab_size=v, pad_token_id=0, **SMALL), "nopad"),
     "gpt2": (lambda v: tf.GPT2Config(vocab_size=v, n_embd=32, n_layer=2, n_head=2, n_positions=128), "nopad"),
 }

@@ -313,6 +313,31 @@ def _check_known_keys(cfg) -> None:
                 raise ConfigError(f"unknown key {g}.{k}: {hint}remove it (the {g} keys: {', '.join(sorted(names))})")
 
 
+def pass_ks(n: int, ks: list[int] | tuple = ()) -> list[int]:
+    """The k of Pass@k reported for ``n`` samples: ``ks`` as given (each at most n), or 1, 2, 4, ... up to n and n."""
+    if ks:
+        bad = [k for k in ks if not 1 <= k <= n]
+        if bad:
+            raise ValueError(f"rollout.eval_pass_k={list(ks)}: each k must be in [1, rollout.eval_samples={n}]")
+        return sorted(set(int(k) for k in ks))
+    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
+def eval_settings_problem(ro) -> str | None:
+    """What is wrong with the evaluation settings of a rollout config (None: nothing), in words that say what to change."""
+    n, t, top_p = int(ro.eval_samples), float(ro.eval_temperature), float(ro.eval_top_p)
+    if n < 1 or not (0 < top_p <= 1):
+        return f"rollout.eval_samples must be >= 1 and rollout.eval_top_p in (0, 1]; got {n}, {top_p}"
+    if n > 1 and t == 0:
+        return (f"rollout.eval_samples={n} with rollout.eval_temperature=0 draws the same greedy response {n} times; "
+                "set rollout.eval_temperature > 0 (the math track uses 0.8) or rollout.eval_samples=1")
+    try:
+        pass_ks(n, list(ro.eval_pass_k))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) -> None:
     """Range and combination checks; raises ConfigError naming the knob and the fix.
 
@@ -443,8 +468,6 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         bad(f"rollout.temperature must be >= 0 and rollout.top_p in (0, 1]; got {cfg.rollout.temperature}, {cfg.rollout.top_p}")
     if cfg.rollout.temperature == 0:
         bad("rollout.temperature=0 (greedy) gives identical samples in a group and zero advantages; use > 0 for training")
-    from .evaluate import eval_settings_problem
-
     problem = eval_settings_problem(cfg.rollout)
     if problem:
         bad(problem)

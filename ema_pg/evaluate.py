@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .config import eval_settings_problem, pass_ks  # noqa: F401 - pass_ks is this module's too
 from .dist import World
 from .prompts import PromptEncoder, sampler_prompts
 
@@ -55,16 +56,6 @@ def majority_reward(keys: list, rewards: list[float]) -> float:
     return rewards[keys.index(winner)]
 
 
-def pass_ks(n: int, ks: list[int] | tuple = ()) -> list[int]:
-    """The k of Pass@k reported for ``n`` samples: ``ks`` as given (each at most n), or 1, 2, 4, ... up to n and n."""
-    if ks:
-        bad = [k for k in ks if not 1 <= k <= n]
-        if bad:
-            raise ValueError(f"rollout.eval_pass_k={list(ks)}: each k must be in [1, rollout.eval_samples={n}]")
-        return sorted(set(int(k) for k in ks))
-    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
-
-
 def sample_scores(rewards: list[list[float]], keys: list[list], ks: list[int] | tuple = ()) -> dict:
     """A split's sampled-evaluation scores from its problems' rewards and stated answers (N per problem):
     ``mean@N`` (the mean reward over all samples), ``pass@k`` (unbiased; a sample is correct at full
@@ -78,21 +69,6 @@ def sample_scores(rewards: list[list[float]], keys: list[list], ks: list[int] | 
         out[f"pass@{k}"] = sum(pass_at_k(n, sum(x >= 1.0 for x in r), k) for r in rewards) / P
     out[f"maj@{n}"] = sum(majority_reward(kk, r) for kk, r in zip(keys, rewards)) / P
     return out
-
-
-def eval_settings_problem(ro) -> str | None:
-    """What is wrong with the evaluation settings of a rollout config (None: nothing), in words that say what to change."""
-    n, t, top_p = int(ro.eval_samples), float(ro.eval_temperature), float(ro.eval_top_p)
-    if n < 1 or not (0 < top_p <= 1):
-        return f"rollout.eval_samples must be >= 1 and rollout.eval_top_p in (0, 1]; got {n}, {top_p}"
-    if n > 1 and t == 0:
-        return (f"rollout.eval_samples={n} with rollout.eval_temperature=0 draws the same greedy response {n} times; "
-                "set rollout.eval_temperature > 0 (the math track uses 0.8) or rollout.eval_samples=1")
-    try:
-        pass_ks(n, list(ro.eval_pass_k))
-    except ValueError as e:
-        return str(e)
-    return None
 
 
 def _prompt_seed(split: str, index: int) -> int:

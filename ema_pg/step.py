@@ -353,7 +353,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
                 sums[key] = sums.get(key, 0.0) + float(value)
     t3 = time.perf_counter()
 
-    # 4. metrics (namespaced; the README has the table)
+    # 4. metrics (namespaced; docs/training.md has the table)
     metrics = {f"train/{key}": total / max(n_updates, 1) for key, total in sums.items()}
     metrics.update({f"train/{key}": float(v) for key, v in diagnostics.items()})
     metrics["train/skipped_steps"] = sums.get("skipped_steps", 0.0)  # a count, not a mean

@@ -1,4 +1,4 @@
-"""Several processes on this CPU, through the README's command line: DDP, DeepSpeed ZeRO-2 and ZeRO-3 (gloo).
+"""Several processes on this CPU, through docs/scale.md's command lines: DDP, DeepSpeed ZeRO-2 and ZeRO-3 (gloo).
 
 Each 2-process run is compared with a 1-process run of the same global batch. Tolerances: the
 rewards are equal (each prompt samples from its own stream, so the split does not change the

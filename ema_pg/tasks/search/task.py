@@ -214,7 +214,7 @@ class SearchQATask(Task):
         first, A or B?", the ``2wiki`` question): search A, search B, answer the one whose passages
         give the earlier year. RL never asks this question (as in the paper, whose RL data are NQ and
         HotpotQA), so on ``2wiki`` the cold start must play the base model's prior (0.051 there); at the
-        tiny policy's size it does not yet (2wiki stays 0 at shares 0.1 and 0.3: README, Search-agent QA).
+        tiny policy's size it does not yet (2wiki stays 0 at shares 0.1 and 0.3: docs/tasks.md).
         Every demonstration reads its answer (and a bridge its city) from passages it was shown: a
         question whose search returns only other documents (distractors share the name) is not
         demonstrated, so the cold start never teaches answering from memory.

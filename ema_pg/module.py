@@ -81,13 +81,13 @@ class _StrategyUpdater:
 
 
 class GRPOModule(L.LightningModule):
-    def __init__(self, cfg, policy, tokenizer, task, anchor: EMAAnchor | None = None):
+    def __init__(self, cfg, policy, tokenizer, task, anchor: EMAAnchor | None = None, encode: PromptEncoder | None = None):
         super().__init__()
         self.cfg, self.policy, self.tokenizer, self.task, self.anchor = cfg, policy, tokenizer, task, anchor
         self.automatic_optimization = False
         self.estimator = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
         self.sampler = build_sampler(cfg.rollout, tokenizer)
-        self.encode = PromptEncoder(tokenizer, cfg.task.get("chat_template", "auto"))  # the one prompt -> ids
+        self.encode = encode or PromptEncoder(tokenizer, cfg.task.get("chat_template", "auto"))  # the one prompt -> ids
         self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps)
         self.critic = None
         if cfg.algo.advantage == "gae":  # PPO's value model: its own optimizer, saved in checkpoints

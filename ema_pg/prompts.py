@@ -36,6 +36,11 @@ def plain_text(prompt) -> str:
     return prompt.text
 
 
+def plain_render(prompt) -> str:
+    """What the model reads with the chat template off: the plain text, then the response's prefix if any."""
+    return plain_text(prompt) + (prompt.meta.get("prefix", "") if prompt.meta else "")
+
+
 def encode_plain(tokenizer, text: str) -> list[int]:
     """Plain text to ids with the tokenizer's own special tokens (its BOS, where it adds one)."""
     return tokenizer(text, add_special_tokens=True)["input_ids"]
@@ -55,10 +60,10 @@ class PromptEncoder:
 
     def render(self, prompt) -> str:
         """The text the model reads for ``prompt`` (the response starts right after it)."""
-        prefix = prompt.meta.get("prefix", "") if prompt.meta else ""
         if not self.chat:
-            return plain_text(prompt) + prefix
+            return plain_render(prompt)
         messages = prompt.messages or [{"role": "user", "content": prompt.text}]
+        prefix = prompt.meta.get("prefix", "") if prompt.meta else ""
         return self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False) + prefix
 
     def encode(self, prompt) -> list[int]:
@@ -78,7 +83,7 @@ def sampler_prompts(prompts: Sequence, encode: PromptEncoder | None = None) -> l
     text with its prefix (what :class:`PromptEncoder` renders with the chat template off)."""
     if encode is not None:
         return encode(prompts)
-    return [plain_text(p) + (p.meta.get("prefix", "") if p.meta else "") for p in prompts]
+    return [plain_render(p) for p in prompts]
 
 
 def prompt_ids(tokenizer, prompts: Sequence[str | Sequence[int]]) -> list[list[int]]:

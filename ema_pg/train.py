@@ -37,7 +37,6 @@ from .runs import (claim_run_dir, config_differences, finished_metrics, git_comm
                    upgraded)
 from .heads import check_head
 from .prompts import PromptEncoder
-from .sft import NoColdStart
 from .tasks import ServiceError, build_task
 
 log = logging.getLogger("ema_pg")
@@ -170,14 +169,11 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     try:
-        try:
-            task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
-        except ServiceError as e:
-            raise ConfigError(str(e)) from None
+        task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
         policy, tok = build_policy(cfg, task)
         check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step
         encode = PromptEncoder(tok, cfg.task.chat_template)
-    except (ValueError, NoColdStart, NotImplementedError) as e:
+    except (ValueError, ServiceError, NotImplementedError) as e:  # NoColdStart is a ValueError
         raise ConfigError(str(e)) from None
     mc = policy.config
     validate(cfg, vocab_size=mc.vocab_size,
@@ -195,7 +191,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
             anchor.attach(policy)
         except (ValueError, ModelPathError) as e:
             raise ConfigError(str(e)) from None
-    module = GRPOModule(cfg, policy, tok, task, anchor)
+    module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode)
     if is_rank_zero():  # what the model reads, once: the chat template (or not), the BOS, the instruction
         log.info("prompts as the model reads them (%s), e.g.:\n%s", encode.describe(),
                  tok.decode(encode.encode(task.sample(1, seed=cfg.seed)[0])))

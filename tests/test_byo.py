@@ -197,8 +197,7 @@ def test_a_short_run_on_search_r1_data_and_a_server_that_fails_mid_run(search_r1
         cfg = compose_cfg(over + [f"task.retriever_url={s.url}"], tmp_path, tiny=False)
         with pytest.raises(RetrieverError, match=f"retrieval server {s.url} answered HTTP 500"):
             train(cfg, callbacks=[BreakServer()])
-        searched = [r for r in s.requests if r["queries"] != ["health check"]]
-        assert searched and all(len(r["queries"]) >= 1 for r in searched)  # the policy searched; batched per turn
+        assert any(r["queries"] != ["health check"] for r in s.requests)  # the policy searched before the failure
     finally:
         s.close()
     run = tmp_path / "run"

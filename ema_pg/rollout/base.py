@@ -134,14 +134,17 @@ class RowUniforms:
 
     def __init__(self, gens: list[torch.Generator], n: int, device):
         self.gens, self.n, self.device = gens, n, device
-        self.buf = torch.empty((len(gens), 0, n), dtype=torch.float64, device=device)  # (prompts, positions, n)
+        self.buf = torch.empty((len(gens), 64, n), dtype=torch.float64, device=device)  # (prompts, positions, n)
+        self.drawn = 0  # positions drawn so far (the buffer doubles when full: one copy per doubling)
 
     def __call__(self, pos: Tensor) -> Tensor:
         """(N, 1) uniforms of the rows at policy-token positions ``pos`` (N,)."""
         need = int(pos.max()) + 1 if pos.numel() else 0
-        while self.buf.shape[1] < need:
-            new = torch.stack([torch.rand(self.n, 1, generator=g, device=self.device, dtype=torch.float64)[:, 0]
-                               for g in self.gens])  # (prompts, n)
-            self.buf = torch.cat([self.buf, new[:, None]], 1)
+        while self.drawn < need:
+            if self.drawn == self.buf.shape[1]:
+                self.buf = torch.cat([self.buf, torch.empty_like(self.buf)], 1)
+            self.buf[:, self.drawn] = torch.stack([torch.rand(self.n, 1, generator=g, device=self.device,
+                                                              dtype=torch.float64)[:, 0] for g in self.gens])
+            self.drawn += 1
         r = torch.arange(pos.shape[0], device=self.device)
         return self.buf[r // self.n, pos, r % self.n][:, None]

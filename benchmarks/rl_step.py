@@ -55,7 +55,7 @@ SIZES = {"1M": (128, 4, 4, 2), "10M": (320, 8, 8, 2), "50M": (512, 16, 8, 2)}
 
 
 def make_model_dir(root: Path, hidden: int, layers: int, heads: int = 4, kv_heads: int = 2) -> Path:
-    from ema_pg.models import build_tiny_model, save_model_dir, train_bpe_tokenizer
+    from ema_pg.engine.models import build_tiny_model, save_model_dir, train_bpe_tokenizer
     from ema_pg.tasks import build_task
 
     tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
@@ -281,7 +281,7 @@ def main() -> None:
             sys.exit("TRL is not installed: pip install -e '.[bench]' (or run with --no-trl)")
     root = Path(tempfile.mkdtemp(prefix="rl_step_"))
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo | cut -d: -f2"], capture_output=True, text=True)
-    from ema_pg.runs import git_commit
+    from ema_pg.engine.runs import git_commit
 
     out = {"benchmark": "rl_step_curve" if a.curve else "rl_step", "commit": git_commit(),
            "device": torch.cuda.get_device_name() if a.device == "cuda" else cpu.stdout.strip() or platform.machine(),

@@ -27,7 +27,7 @@ SIZES = {  # name -> Qwen2 shape (head size 32 or 64: vLLM's CPU attention takes
 
 
 def build(size: str):
-    from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+    from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
     from ema_pg.tasks import build_task
 
     s = SIZES[size]

@@ -47,7 +47,7 @@ class ModelConfig:
     dtype: str = "float32"  #: float32 | bfloat16 | float16 (the anchor's master copy stays fp32)
     head_chunk_tokens: int = 0  #: tokens per chunk of the log-prob head (0 = sized by head_chunk_mb)
     head_chunk_mb: float = 256.0  #: memory budget of one chunk of logits (and its softmax/grad buffers)
-    compile: bool = False  #: torch.compile the decoder body of the policy and the anchor (ema_pg.models.compile_body)
+    compile: bool = False  #: torch.compile the decoder body of the policy and the anchor (ema_pg.engine.models.compile_body)
 
 
 @dataclass
@@ -99,7 +99,7 @@ class KLConfig:
 
 @dataclass
 class AnchorConfig:
-    """The anchor (reference) policy (ema_pg/anchor.py has the schemes). ``anchor=fixed`` is the preset
+    """The anchor (reference) policy (ema_pg/engine/anchor.py has the schemes). ``anchor=fixed`` is the preset
     ``eta: 1.0`` (standard GRPO), ``anchor=reset`` the preset ``eta: 0.0`` (a hard reset every update_every)."""
 
     name: str = "ema"  #: ema (EMA of the policy; eta 1 = fixed, 0 = hard reset) | sync (peers' soft sync) | teacher | none
@@ -197,7 +197,7 @@ class Config:
     name: str = "${kl.name}-${anchor.name}"  #: a short label for the run (experiments set it)
 
 
-ANCHORS = ("ema", "sync", "teacher", "none")  #: anchor.name choices (ema_pg.anchor.SCHEMES + none)
+ANCHORS = ("ema", "sync", "teacher", "none")  #: anchor.name choices (ema_pg.engine.anchor.SCHEMES + none)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -15,6 +15,7 @@ DeepSpeed) set up. How a batch is split, once for all the step's readers:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +94,37 @@ class World:
 
 def _kind(key: str) -> str:
     return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
+
+
+# ---------------------------------------------------------------------- ZeRO-3 partitioned parameters
+def zero3_partitioned(p: torch.Tensor) -> bool:
+    """True for a parameter partitioned by DeepSpeed ZeRO-3 (its local tensor is empty)."""
+    return hasattr(p, "ds_tensor")
+
+
+def full_shape(p: torch.Tensor) -> torch.Size:
+    return p.ds_shape if zero3_partitioned(p) else p.shape
+
+
+@contextmanager
+def gathered(params, modifier_rank=None):
+    """Full tensors of ZeRO-3 partitioned ``params`` inside the block (no-op for ordinary ones)."""
+    params = [p for p in params if zero3_partitioned(p)]
+    if not params:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+        yield
+
+
+def call_through(module: torch.nn.Module, fn, *inputs):
+    """``fn(*inputs)`` run as ``module``'s forward, so ZeRO-3's hooks gather ``module``'s parameters for
+    it and again for its backward (a function that uses a parameter outside its module's forward sees
+    an empty tensor under ZeRO-3)."""
+    module.forward = fn
+    try:
+        return module(*inputs)
+    finally:
+        del module.forward

@@ -26,7 +26,7 @@ from torch import Tensor
 from .chunked import chunked_head_nograd, chunked_logprobs
 from .rollout.base import Rollouts
 from .scores import TokenScores
-from .strategies import call_through, gathered, zero3_partitioned
+from .dist import call_through, gathered, zero3_partitioned
 
 
 def softcap(model) -> float:

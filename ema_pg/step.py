@@ -12,7 +12,7 @@
         critic.update(minibatch, values, returns)               # PPO only
 
 The EMA update of the anchor is not part of the step: the caller applies it after the step
-(:class:`ema_pg.anchor.EMAAnchor`). Departures from the paper's Algorithm 3, all deliberate:
+(:class:`ema_pg.engine.anchor.EMAAnchor`). Departures from the paper's Algorithm 3, all deliberate:
 
 - prompts, sampling and minibatch order are seeded by (seed, iteration), so a resumed run
   repeats an uninterrupted one exactly; each prompt samples from its own stream, so several

@@ -1,6 +1,6 @@
 import torch
 
-from ema_pg.anchor import EMAAnchor
+from ema_pg.engine.anchor import EMAAnchor
 
 
 def net(dtype=torch.float32):
@@ -72,8 +72,8 @@ def test_state_round_trip():
 
 def test_fisher_trace_is_the_mean_squared_score_norm():
     """Eq. 28 on a tiny LM: equals the mean of per-sequence ||grad log pi(y|x)||^2 computed by hand."""
-    from ema_pg.models import build_tiny_model, train_bpe_tokenizer
-    from ema_pg.monitor import StabilityMonitor, fisher_trace
+    from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
+    from ema_pg.engine.monitor import StabilityMonitor, fisher_trace
     from ema_pg.rollout import HFSampler
     from ema_pg.tasks import build_task
 

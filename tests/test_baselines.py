@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from ema_pg.config import ConfigError
 from ema_pg.critic import Critic, gae, last_token_rewards, value_loss, whiten
-from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler
 from ema_pg.rollout.base import Rollouts
 from ema_pg.step import overlong_penalty
@@ -146,7 +146,7 @@ def test_sync_anchor_counts_optimizer_steps_in_a_run(tmp_path):
 
 def test_reset_anchor_equals_the_policy_after_each_update(tmp_path):
     _, objs = train(compose_cfg(["anchor=reset", "anchor.update_every=2", *LEARNABLE], tmp_path))
-    from ema_pg.policy import load_run_model
+    from ema_pg.engine.policy import load_run_model
 
     df = metrics_of(objs)
     assert df["anchor/updates"].dropna().tolist() == [0, 0, 1, 1]  # logged before the reset after iterations 2 and 4
@@ -159,7 +159,7 @@ def test_reset_anchor_equals_the_policy_after_each_update(tmp_path):
 
 def test_teacher_anchor_of_another_architecture_and_a_bad_anchor_path(tmp_path):
     _, objs = train(compose_cfg(["algo.iterations=2"], tmp_path / "student"))
-    from ema_pg.models import load_model_dir
+    from ema_pg.engine.models import load_model_dir
 
     student, tok = load_model_dir(objs["run_dir"] / "model")
     teacher = build_tiny_model(len(tok), hidden_size=48, num_layers=3, num_heads=2, num_kv_heads=1,
@@ -216,7 +216,7 @@ def test_masking_truncated_responses_removes_their_loss(tmp_path):
 
 def test_a_run_saved_before_a_knob_existed_still_resumes_at_its_default():
     from ema_pg.config import fill_defaults
-    from ema_pg.runs import config_differences
+    from ema_pg.engine.runs import config_differences
 
     cfg = fill_defaults(compose_cfg([]))
     cfg.run_dir = "runs/x"  # as a run saves it, resolved

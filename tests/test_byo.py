@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from ema_pg.models import build_tiny_model, save_model_dir, train_bpe_tokenizer
+from ema_pg.engine.models import build_tiny_model, save_model_dir, train_bpe_tokenizer
 from ema_pg.prompts import PromptEncoder
 from ema_pg.tasks import Prompt, build_task
 from ema_pg.tasks.search.retriever import HTTPRetriever, RetrieverError
@@ -161,7 +161,7 @@ def test_prompts_are_rendered_with_the_chat_template_and_the_tokenizers_bos():
 @pytest.fixture(scope="module")
 def searching_model(tmp_path_factory, search_r1_dir):
     """A tiny model with a chat template, taught (a few SFT steps) to search, then answer: the policy searches."""
-    from ema_pg.sft import sft_train
+    from ema_pg.engine.sft import sft_train
 
     rows = pd.read_parquet(search_r1_dir / "train.parquet").to_dict("records")
     texts = [r["prompt"][0]["content"] for r in rows] + [d["contents"] for d in DOCS]
@@ -283,7 +283,7 @@ def test_verl_and_deepscaler_parquet_and_the_rllm_registry(tmp_path):
 
 
 def test_chat_prompts_reach_the_sampler_as_rendered_ids(search_r1_dir, searching_model, server):
-    from ema_pg.models import load_model_dir
+    from ema_pg.engine.models import load_model_dir
     from ema_pg.rollout import HFSampler
 
     model, tok = load_model_dir(searching_model)
@@ -298,8 +298,8 @@ def test_chat_prompts_reach_the_sampler_as_rendered_ids(search_r1_dir, searching
 
 
 def test_the_pages_examples_load_in_every_format(tmp_path, server):
-    from ema_pg.byo import write_examples
-    from ema_pg.models import load_model_dir
+    from ema_pg.workbench.byo import write_examples
+    from ema_pg.engine.models import load_model_dir
 
     out = write_examples(tmp_path)
     t = search_task(out / "search_r1", server.url)

@@ -11,8 +11,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ema_pg.attention import NAME, use_fast_attention
-from ema_pg.models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
+from ema_pg.engine.attention import NAME, use_fast_attention
+from ema_pg.engine.models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler
 from ema_pg.rollout import hf as hf_rollout
 from ema_pg.rollout.hf import GrowingLayer
@@ -115,7 +115,7 @@ def test_a_compiled_body_computes_what_the_eager_one_does(gqa_policy):
     (prefill, one-token decode steps and an observation block all through the one compiled body)."""
     import copy
 
-    from ema_pg.models import compile_body
+    from ema_pg.engine.models import compile_body
 
     eager, tok = gqa_policy
     m = compile_body(copy.deepcopy(eager))

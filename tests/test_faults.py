@@ -135,7 +135,7 @@ def test_search_r1_rows_are_checked_on_load_with_their_index(tmp_path):
 
 # ---------------------------------------------------------------------- run folders
 def _claim(run_dir, barrier, out):
-    from ema_pg.runs import claim_run_dir
+    from ema_pg.engine.runs import claim_run_dir
 
     barrier.wait()
     out.put(str(claim_run_dir(Path(run_dir))))
@@ -157,7 +157,7 @@ def test_runs_started_at_the_same_moment_get_different_folders(tmp_path):
 def test_a_dead_runs_claim_is_taken_over_and_a_live_ones_is_not(tmp_path):
     import socket
 
-    from ema_pg.runs import CLAIM, claim_run_dir
+    from ema_pg.engine.runs import CLAIM, claim_run_dir
 
     run = tmp_path / "run"
     run.mkdir()
@@ -170,7 +170,7 @@ def test_a_dead_runs_claim_is_taken_over_and_a_live_ones_is_not(tmp_path):
 def test_a_truncated_last_checkpoint_falls_back_to_the_intact_one(tmp_path, caplog):
     import shutil
 
-    from ema_pg.train import readable_checkpoint
+    from ema_pg.engine.runs import readable_checkpoint
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -190,7 +190,7 @@ def test_a_truncated_last_checkpoint_falls_back_to_the_intact_one(tmp_path, capl
 def test_a_restarted_worker_does_not_propose_a_point_already_run(tmp_path):
     import optuna
 
-    from ema_pg.search import StudySpec, open_study
+    from ema_pg.workbench.search import StudySpec, open_study
 
     spec = StudySpec(study_name="s", params={"x": {"type": "float", "low": 0.0, "high": 1.0}},
                      storage=f"sqlite:///{tmp_path}/s.db", sampler={"name": "random", "seed": 0})
@@ -271,7 +271,7 @@ def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrup
     import sys
     import time
 
-    from ema_pg.policy import load_run_model
+    from ema_pg.engine.policy import load_run_model
 
     root = Path(__file__).resolve().parent.parent
     tiny = cli_tiny(tmp_path) + ["algo.iterations=8", "if_exists=resume", *extra]
@@ -302,7 +302,7 @@ def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrup
 def test_a_collapsed_policy_is_warned_once(caplog):
     from types import SimpleNamespace
 
-    from ema_pg.module import GRPOModule
+    from ema_pg.engine.module import GRPOModule
 
     me = SimpleNamespace(policy=SimpleNamespace(config=SimpleNamespace(vocab_size=300)), _collapse_warned=False, _was_peaked=False,
                          iteration=7, cfg=SimpleNamespace(optim=SimpleNamespace(lr=1e3)))

@@ -1,4 +1,4 @@
-"""LoRA policies and the EMA anchor over their adapters (ema_pg.lora): no second copy of the base."""
+"""LoRA policies and the EMA anchor over their adapters (ema_pg.engine.lora): no second copy of the base."""
 
 import copy
 
@@ -8,10 +8,10 @@ from helpers import compose_cfg
 
 pytest.importorskip("peft")
 
-from ema_pg.anchor import EMAAnchor  # noqa: E402
+from ema_pg.engine.anchor import EMAAnchor  # noqa: E402
 from ema_pg.heads import head  # noqa: E402
-from ema_pg.lora import ANCHOR, POLICY, adapter_params, wrap_lora  # noqa: E402
-from ema_pg.models import build_tiny_model, train_bpe_tokenizer  # noqa: E402
+from ema_pg.engine.lora import ANCHOR, POLICY, adapter_params, wrap_lora  # noqa: E402
+from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer  # noqa: E402
 from ema_pg.rollout import HFSampler  # noqa: E402
 from ema_pg.tasks import build_task  # noqa: E402
 
@@ -79,7 +79,7 @@ def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports_merged(tmp_p
     import pandas as pd
     from omegaconf import OmegaConf
 
-    from ema_pg.policy import load_run_model
+    from ema_pg.engine.policy import load_run_model
     from ema_pg.train import train
 
     base = ["model.lora_rank=4", "task.digits=1", "sft.steps=100", "sft.stop_at_reward=0", "optim.lr=1e-2",

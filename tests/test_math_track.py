@@ -11,7 +11,7 @@ from helpers import compose_cfg
 from omegaconf import OmegaConf
 
 from ema_pg.config import ConfigError, validate
-from ema_pg.evaluate import majority_reward, pass_at_k, pass_ks, sample_scores
+from ema_pg.engine.evaluate import majority_reward, pass_at_k, pass_ks, sample_scores
 from ema_pg.tasks import build_task
 from ema_pg.tasks.math.task import SPLITS, solution_text
 from ema_pg.train import train
@@ -197,7 +197,7 @@ def test_missing_or_unreadable_files_say_what_to_add(tmp_path):
 # ---------------------------------------------------------------- sampled evaluation, real sampler
 @pytest.fixture(scope="module")
 def tiny_policy(tmp_path_factory):
-    from ema_pg.policy import build_policy
+    from ema_pg.engine.policy import build_policy
 
     cfg = compose_cfg(["task=math", "rollout.max_new_tokens=12"], tmp_path_factory.mktemp("mp"))
     task = build_task(cfg.task)
@@ -206,7 +206,7 @@ def tiny_policy(tmp_path_factory):
 
 
 def test_sampled_evaluation_reports_pass_at_k_from_its_own_samples(tiny_policy):
-    from ema_pg.evaluate import evaluate_policy
+    from ema_pg.engine.evaluate import evaluate_policy
     from ema_pg.rollout import HFSampler
 
     cfg, task, model, tok = tiny_policy
@@ -309,7 +309,7 @@ def fake_math_run(root, method, seed, base: float, final: float, base16: float, 
 
 
 def test_table3_report_gives_the_papers_column_and_decides_the_claims(tmp_path):
-    from ema_pg import table3
+    from ema_pg.workbench import table3
 
     for seed in range(5):  # EMA beats GRPO on every seed in Pass@1 and loses in Pass@16
         fake_math_run(tmp_path / "runs", "grpo", seed, 0.2, 0.4 + 0.01 * seed, 0.6, 0.5)
@@ -332,7 +332,7 @@ def test_table3_report_gives_the_papers_column_and_decides_the_claims(tmp_path):
 
 
 def test_table3_report_refuses_runs_of_other_methods(tmp_path):
-    from ema_pg import table3
+    from ema_pg.workbench import table3
 
     fake_math_run(tmp_path / "runs", "ema_topk_reverse", 0, 0.2, 0.4, 0.6, 0.5)
     with pytest.raises(SystemExit, match="Table 3 compares grpo, ema"):
@@ -340,7 +340,7 @@ def test_table3_report_refuses_runs_of_other_methods(tmp_path):
 
 
 def test_a_run_saved_before_sampled_evaluation_existed_evaluates_and_resumes(tmp_path):
-    from ema_pg.evaluate import main as evaluate_main
+    from ema_pg.engine.evaluate import main as evaluate_main
 
     cfg = compose_cfg(["algo.iterations=2"], tmp_path)
     train(cfg)
@@ -364,7 +364,7 @@ def test_a_process_records_the_commit_its_code_was_loaded_from(monkeypatch):
     while the sweep ran (git is not asked again)."""
     import subprocess
 
-    from ema_pg.runs import git_commit
+    from ema_pg.engine.runs import git_commit
 
     git_commit.cache_clear()
     first = git_commit()

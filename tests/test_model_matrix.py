@@ -13,7 +13,7 @@ import transformers as tf
 
 from ema_pg.heads import check_head, head
 from ema_pg.kl import get_estimator
-from ema_pg.models import load_model_dir, save_model_dir, train_bpe_tokenizer
+from ema_pg.engine.models import load_model_dir, save_model_dir, train_bpe_tokenizer
 from ema_pg.prompts import PromptEncoder
 from ema_pg.rollout import HFSampler
 from ema_pg.scores import ScoreRequest

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from ema_pg.models import ModelPathError, build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
+from ema_pg.engine.models import ModelPathError, build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ema_pg.tasks import build_task
 
 

@@ -14,7 +14,7 @@ from helpers import TINY
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
-from ema_pg.search import StudyFileError, _requeue, load_study_spec, open_study, run_worker
+from ema_pg.workbench.search import StudyFileError, _requeue, load_study_spec, open_study, run_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_RUN = [o for o in TINY if not o.startswith(("kl.k=", "algo.iterations", "algo.eval_every"))] + [

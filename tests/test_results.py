@@ -12,12 +12,12 @@ import pytest
 from helpers import compose_cfg
 from omegaconf import OmegaConf
 
-from ema_pg import table2
+from ema_pg.workbench import table2
 from ema_pg.config import fill_defaults
-from ema_pg.results import (ablation_report, derived_columns, format_seeds, load_curves, load_runs, method_label,
+from ema_pg.workbench.results import (ablation_report, derived_columns, format_seeds, load_curves, load_runs, method_label,
                             min_detectable, paired_differences, seed_tally, seeds_to_detect, sign_flip_p, summarize,
                             unpaired_seeds)
-from ema_pg.runs import machine
+from ema_pg.engine.runs import machine
 
 SPLITS = table2.SPLITS
 METHOD_OVERRIDES = {"grpo": "GRPO", "ema": "EMA-PG: w/ EMA anchor", "ema_topk_forward": "+ Top-k forward KL",

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ema_pg.heads import head
-from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler, sample_token
 from ema_pg.rollout.hf import draw
 from ema_pg.scores import ScoreRequest

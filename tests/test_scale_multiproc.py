@@ -47,7 +47,7 @@ def run(run_dir: Path, extra=(), cache: Path | None = None, background: bool = F
 
 
 def weights(run_dir, which):
-    from ema_pg.policy import load_run_model
+    from ema_pg.engine.policy import load_run_model
 
     return load_run_model(run_dir, which=which)[0].state_dict()
 

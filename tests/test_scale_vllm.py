@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from ema_pg.config import RolloutConfig
 from ema_pg.heads import head
-from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler
 from ema_pg.tasks import build_task
 

@@ -99,8 +99,8 @@ def test_reward_is_last_answer_em_and_never_raises(task):
 
 
 def test_sft_masks_the_observations(task):
-    from ema_pg.models import train_bpe_tokenizer
-    from ema_pg.sft import _sft_batch
+    from ema_pg.engine.models import train_bpe_tokenizer
+    from ema_pg.engine.sft import _sft_batch
 
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=600)
     tok.padding_side = "right"
@@ -116,7 +116,7 @@ def test_sft_masks_the_observations(task):
 def test_observations_from_the_environment_have_loss_mask_zero():
     """Real sampler + search environment: every observation token is attended to with loss mask 0."""
 
-    from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+    from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
     from ema_pg.rollout import HFSampler
 
     t = build_task({"name": "search_qa", "seed": 0, "n_people": 40, "n_orgs": 10, "per_split": 4, "max_turns": 2})
@@ -157,8 +157,8 @@ def test_sampled_evaluation_runs_the_environment_for_every_sample(task):
     """rollout.eval_samples > 1 on a multi-turn task: N responses per question, each with its own searches."""
     from omegaconf import OmegaConf
 
-    from ema_pg.evaluate import evaluate_policy
-    from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+    from ema_pg.engine.evaluate import evaluate_policy
+    from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
     from ema_pg.rollout import HFSampler
 
     tok = train_bpe_tokenizer(task.corpus()[:400], vocab_size=400)
@@ -255,7 +255,7 @@ def test_diagnostics_tell_reading_from_recall(task):
 def test_evaluation_averages_the_tasks_diagnostics_per_split_and_logs_them_apart(task):
     from omegaconf import OmegaConf
 
-    from ema_pg.evaluate import diagnostic_means, eval_metrics, evaluate_policy, format_table
+    from ema_pg.engine.evaluate import diagnostic_means, eval_metrics, evaluate_policy, format_table
     from ema_pg.tasks.base import Prompt
 
     assert diagnostic_means([{"a": 1.0, "c": 1.0}, {"a": 0.0}, {"a": 0.5}]) == {"a": 0.5, "a_n": 3.0, "c": 1.0, "c_n": 1.0}

@@ -16,7 +16,7 @@ from helpers import compose_cfg
 
 from ema_pg.heads import response_logits
 from ema_pg.kl import KLInputs, get_estimator
-from ema_pg.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler
 from ema_pg.step import OldAndAnchorScorer, rl_step
 from ema_pg.tasks import build_task

@@ -1,4 +1,4 @@
-"""Every sweep of sweeps/ runs end to end (tiny scale, one seed), its report (ema_pg.reports) and
+"""Every sweep of sweeps/ runs end to end (tiny scale, one seed), its report (ema_pg.workbench.reports) and
 the generic notebook turn the runs into the report; the sweep files keep their documented shape.
 The end-to-end tests are slow (make test-full); the shape checks are fast."""
 
@@ -15,9 +15,9 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from ema_pg.reports import REPORTS
-from ema_pg.reproduce import TABLES
-from ema_pg.results import load_runs
+from ema_pg.workbench.reports import REPORTS
+from ema_pg.workbench.reproduce import TABLES
+from ema_pg.workbench.results import load_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEPS = sorted(p.stem for p in (ROOT / "sweeps").glob("*.yaml"))
@@ -129,7 +129,7 @@ def test_sweep_through_submitit_launcher(tmp_path):
 @pytest.mark.parametrize("name", SWEEPS)
 def test_reproduce_composes_the_sweep_and_its_report(name, tmp_path):
     """`make reproduce NAME=<sweep>` runs the sweep with its scale overlay into a fixed folder, then its report."""
-    from ema_pg.reproduce import commands
+    from ema_pg.workbench.reproduce import commands
 
     for scale in ("smoke", "mini"):
         sweep, analysis, runs, out = commands(name, scale, ["seed=0"], runs=tmp_path / "runs")
@@ -143,7 +143,7 @@ def test_reproduce_composes_the_sweep_and_its_report(name, tmp_path):
 def test_decide_scale_is_the_demo_collapse_edge_and_refused_for_the_tables(tmp_path):
     """SCALE=decide: the demo sweeps at the beta = 0 study's learning rate with a beta that keeps them learning,
     five paired seeds that leave out the pilot's seed 0; Table 2 / 3 run other tasks and need their own overlay."""
-    from ema_pg.reproduce import TABLES, commands
+    from ema_pg.workbench.reproduce import TABLES, commands
 
     over = OmegaConf.load(ROOT / "sweeps" / "scale" / "decide.yaml")
     edge = OmegaConf.load(ROOT / "sweeps" / "beta0_collapse.yaml")
@@ -185,7 +185,7 @@ def test_table2_decide_reading_is_table2_decide_in_the_2000_people_world_at_beta
     logged; nothing else differs, its five seeds are ones no pilot ran (6-10), and its pre-registration is
     committed beside where its results go. Other sweeps have no such overlay and say so."""
     from ema_pg.config import compose
-    from ema_pg.reproduce import commands
+    from ema_pg.workbench.reproduce import commands
 
     def run_cfg(scale):
         return compose([f"hydra.searchpath=[file://{ROOT / 'sweeps'}]", "experiment=search", "seed=1", "method=grpo",
@@ -209,7 +209,7 @@ def test_table2_decide_reading_is_table2_decide_in_the_2000_people_world_at_beta
 def test_decide_strong_is_decide_from_a_stronger_cold_start():
     """SCALE=decide_strong: everything decide sets, and SFT runs on to a training reward of 0.3."""
     from ema_pg.config import compose
-    from ema_pg.reproduce import TABLES, commands
+    from ema_pg.workbench.reproduce import TABLES, commands
 
     def run_cfg(scale):
         return compose([f"hydra.searchpath=[file://{ROOT / 'sweeps'}]", "experiment=demo", "+scale=" + scale, "seed=1",

@@ -12,7 +12,7 @@
 # # One ablation's report
 #
 # Reads a folder of runs of one sweep and draws its report from the table in
-# `ema_pg/reports.py` (the code `make reproduce NAME=...` runs). Set `EMA_PG_REPORT` to the
+# `ema_pg/workbench/reports.py` (the code `make reproduce NAME=...` runs). Set `EMA_PG_REPORT` to the
 # sweep's name (`fig5_methods`, `fig6_k`, ..., `table2`), `EMA_PG_RUNS` to its runs folder
 # (default: that reproduction's mini runs) and `EMA_PG_OUT` to where the files go.
 # Open it with `jupytext --to notebook analysis/notebooks/ablation.py` or run it as a script.
@@ -21,7 +21,7 @@
 import os
 from pathlib import Path
 
-from ema_pg.reports import REPORTS, Report, run_report
+from ema_pg.workbench.reports import REPORTS, Report, run_report
 
 NAME = os.environ.get("EMA_PG_REPORT", "fig6_k")
 RUNS = os.environ.get("EMA_PG_RUNS", f"runs/reproduce/{NAME}-mini")

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from .heads import head
-from .rollout.base import Rollouts
+from ..heads import head
+from ..rollout.base import Rollouts
 
 log = logging.getLogger(__name__)
 REGIMES = ("non-oscillatory", "oscillation possible", "instability possible")

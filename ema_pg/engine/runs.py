@@ -1,7 +1,8 @@
-"""The run folder's lifecycle: what a run writes, how it is resumed, and when it is refused.
+"""The run folder's lifecycle: what a run writes, how it is resumed or continued as a stage, and when it is
+refused. :func:`open_run` is the one place a run decides where it writes and from which checkpoint it starts.
 
 A run folder holds ``config.yaml`` (resolved, every default filled in), ``model/`` (tokenizer,
-model config, initial weights: see :mod:`ema_pg.policy`), ``checkpoints/``, ``metrics.csv``,
+model config, initial weights: see :mod:`ema_pg.engine.policy`), ``checkpoints/``, ``metrics.csv``,
 ``eval.json`` (written only when the run finished its iterations), ``curves.png`` and
 ``git.txt`` (the commit it ran from) and ``machine.txt`` (the machine it ran on, :func:`machine`).
 """
@@ -9,15 +10,21 @@ model config, initial weights: see :mod:`ema_pg.policy`), ``checkpoints/``, ``me
 from __future__ import annotations
 
 import functools
-
 import json
+import logging
 import os
+import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from .config import ConfigError, fill_defaults, flatten
+from ..config import ConfigError, fill_defaults, flatten, validate
+from .policy import checkpoint_file, checkpoint_state, save_run_model
+
+log = logging.getLogger("ema_pg")
+RUN_DIR_ENV = "EMA_PG_RUN_DIR"  #: the run folder rank 0 claimed, for the processes it launches
 
 #: settings a user may change when continuing a run (more iterations, another machine, quieter output, the
 #: retrieval server restarted elsewhere or given more patience: where the service lives, not what it serves)
@@ -33,7 +40,7 @@ def machine() -> str:
 
     Runs repeat bit for bit on one machine; on another kind of CPU (say AMX against AVX2) the matrix kernels
     can round differently, a 500-step cold start then ends elsewhere, and two runs of one seed no longer start from one
-    base policy. Reports print the machines their runs ran on (``ema_pg.results.provenance_lines``)."""
+    base policy. Reports print the machines their runs ran on (``ema_pg.workbench.results.provenance_lines``)."""
     import platform
 
     import torch
@@ -61,7 +68,7 @@ def git_commit() -> str:
     modules are loaded), so every run of a multirun records the code it ran even when the repository moves on
     during the sweep (its later runs once recorded the newer HEAD). ``-dirty`` marks uncommitted changes."""
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
                                text=True, timeout=5).stdout.strip()
@@ -148,9 +155,9 @@ def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
 def upgraded(saved: DictConfig) -> DictConfig:
     """A saved config as the current code reads it: knobs added to the schema after the run was saved take
     their defaults (which keep the old behaviour), as do the estimator's parameters (its registry)."""
-    from .config import Config, fill_defaults
+    from ..config import Config, fill_defaults
 
-    from .tasks import task_defaults
+    from ..tasks import task_defaults
 
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
@@ -177,6 +184,166 @@ def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
 
     a, b = flat(saved), flat(cfg)
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+# ---------------------------------------------------------------------- opening a run
+def is_rank_zero() -> bool:
+    """True in the first process of a run (the only one, unless Lightning launched several)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
+def adopt_hydra_output(run_dir: Path) -> None:
+    """A resume writes its log into the run folder it resumes: Hydra opened a fresh output folder for this
+    invocation (``runs/<name>/<time>``); its log handler is moved to ``run_dir`` and the folder, which
+    then holds nothing of the run, removed."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    out = Path(HydraConfig.get().runtime.output_dir).resolve()
+    if out == run_dir.resolve() or run_dir.resolve() in out.parents:
+        return
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == out:
+            new = logging.FileHandler(run_dir / Path(h.baseFilename).name, mode="a")
+            new.setFormatter(h.formatter)
+            new.setLevel(h.level)
+            root.removeHandler(h)
+            h.close()
+            root.addHandler(new)
+    if {p.name for p in out.iterdir()} <= {".hydra", f"{HydraConfig.get().job.name}.log"}:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def readable_checkpoint(run_dir: Path) -> tuple[Path, dict]:
+    """The newest checkpoint of ``run_dir`` that can be read, and its state; says so when it is not last.ckpt."""
+    folder = run_dir / "checkpoints"
+    last = folder / "last.ckpt"
+    others = sorted((p for p in folder.glob("*.ckpt") if p.name != "last.ckpt"), key=lambda p: p.stat().st_mtime,
+                    reverse=True)
+    errors = []
+    for ckpt in [last, *others]:
+        try:
+            state = checkpoint_state(ckpt)
+        except Exception as e:  # noqa: BLE001 - a truncated or corrupted file: try the next one
+            errors.append(f"{ckpt.name}: {type(e).__name__}: {e}")
+            continue
+        if ckpt != last:
+            log.warning("resume: %s is unreadable (%s); resuming from %s (iteration %d) instead", last.name,
+                        errors[0], ckpt.name, state["ema_pg"]["iteration"])
+        return ckpt, state
+    raise ConfigError(f"resume: no readable checkpoint in {folder} ({'; '.join(errors)}); start the run again")
+
+
+#: what a stage (init_from) must share with the run it continues: the same network, tokenizer and task
+STAGE_FIXED = ("model.name", "model.path", "model.hidden_size", "model.num_layers", "model.num_heads",
+               "model.num_kv_heads", "model.max_positions", "model.tokenizer_vocab", "model.lora_rank", "task.name",
+               "anchor.name", "algo.advantage", "seed")
+
+
+def stage_start(cfg: DictConfig, run_dir: Path) -> tuple[Path, int]:
+    """The checkpoint a stage (``init_from=RUN``) starts from, and its iteration, after checking that the
+    stage can continue that run: same network and task, more iterations, another folder."""
+    src = Path(cfg.init_from)
+    if not (src / "config.yaml").is_file():
+        raise ConfigError(f"init_from={cfg.init_from!r} is not a run folder (no config.yaml there)")
+    if src.resolve() == run_dir.resolve():
+        raise ConfigError(f"init_from={src} is this run's own folder; a stage writes a new run folder (or use resume=)")
+    prev = upgraded(OmegaConf.load(src / "config.yaml"))  # a run saved before a knob existed: at its default
+    differ = [k for k in STAGE_FIXED if OmegaConf.select(prev, k) != OmegaConf.select(cfg, k)]
+    if differ:
+        raise ConfigError(f"init_from={src}: a stage continues the same network and task, but {', '.join(differ)} "
+                          "differ from that run's; set them as that run had them")
+    if checkpoint_file(src) is None:
+        raise ConfigError(f"init_from={src} holds no checkpoint yet; let that stage write one first")
+    ckpt, state = readable_checkpoint(src)
+    it = int(state["ema_pg"]["iteration"])
+    if cfg.algo.iterations <= it:
+        raise ConfigError(f"init_from={src} ends at iteration {it}; this stage's algo.iterations={cfg.algo.iterations} "
+                          f"must be larger (it counts from the first stage's start)")
+    return ckpt, it
+
+
+@dataclass
+class OpenedRun:
+    """Where a run writes and where it starts: ``ckpt_path`` None = from scratch; ``skipped`` holds the final
+    metrics of a finished run that ``if_exists=resume`` leaves as it is."""
+
+    cfg: DictConfig
+    run_dir: Path
+    ckpt_path: str | None = None
+    resume_step: int | None = None
+    skipped: dict | None = None
+
+
+def open_run(cfg: DictConfig) -> OpenedRun:
+    """Decide, before any model is built, where the run writes and which checkpoint it starts from.
+
+    ``if_exists=resume``: a folder with a finished run is skipped, one with a checkpoint resumed (a killed
+    sweep continues by running the same command); ``resume=RUN`` continues RUN with its saved config;
+    ``init_from=RUN`` starts a new run (a stage) where RUN's last checkpoint ends. The config is validated
+    and its defaults filled in here; rank 0 claims the folder (another process that started into the
+    same folder at the same moment gets a fresh one) and tells the processes it launches.
+    """
+    composed = False  # True: this command composed the run's own config (a sweep continuing a killed run)
+    if not cfg.get("resume") and cfg.get("if_exists", "error") == "resume":
+        run_dir = Path(cfg.run_dir)
+        if (run_dir / "config.yaml").is_file():
+            diff = config_differences(OmegaConf.load(run_dir / "config.yaml"), fill_defaults(cfg.copy()))
+            if diff:
+                raise ConfigError(f"{run_dir} holds a run with another config (differs in: {', '.join(diff[:6])}); "
+                                  "give this run another run_dir (or sweep dir), or delete that folder")
+        done = finished_metrics(run_dir, cfg.algo.iterations)
+        if done is not None:
+            log.info("%s already finished %d iterations: skipped", run_dir, done["iteration"])
+            return OpenedRun(cfg, run_dir, skipped=done)
+        if checkpoint_file(run_dir) is not None:
+            cfg.resume, composed = str(run_dir), True
+    if cfg.get("resume"):
+        cfg = resolve_resume(cfg, composed=composed)
+    validate(cfg)
+    fill_defaults(cfg)
+    run_dir = Path(cfg.run_dir)
+    if cfg.get("resume"):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if is_rank_zero():
+            adopt_hydra_output(run_dir)
+        if checkpoint_file(run_dir) is None:
+            raise ConfigError(f"resume: {run_dir / 'checkpoints' / 'last.ckpt'} does not exist; the run wrote no "
+                              "checkpoint yet (start it again instead)")
+        ckpt, state = readable_checkpoint(run_dir)
+        log.info("resuming %s from iteration %d", run_dir, int(state["ema_pg"]["iteration"]))
+        return OpenedRun(cfg, run_dir, str(ckpt), int(state["ema_pg"]["iteration"]))
+    if is_rank_zero():
+        claimed = claim_run_dir(run_dir)
+        if claimed != run_dir:
+            log.warning("%s is taken by another run started at the same time: this run writes to %s", run_dir, claimed)
+            cfg.run_dir = run_dir = claimed
+        os.environ[RUN_DIR_ENV] = str(run_dir)  # the processes Lightning launches next write here too
+    elif os.environ.get(RUN_DIR_ENV):
+        cfg.run_dir = run_dir = Path(os.environ[RUN_DIR_ENV])
+    if (run_dir / "checkpoints" / "last.ckpt").exists():
+        raise ConfigError(f"{run_dir} already holds a run; pass resume={run_dir} to continue it, or another run_dir")
+    if cfg.get("init_from"):
+        ckpt, it = stage_start(cfg, run_dir)
+        log.info("stage: starting from %s at iteration %d", ckpt, it)
+        return OpenedRun(cfg, run_dir, str(ckpt))
+    return OpenedRun(cfg, run_dir)
+
+
+def record_run(opened: OpenedRun, policy, tokenizer) -> None:
+    """Rank 0 writes what the run is: its config and initial model (a new run only), the commit and the machine."""
+    if not is_rank_zero():
+        return
+    cfg, run_dir = opened.cfg, opened.run_dir
+    if not cfg.get("resume"):
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        save_run_model(run_dir, policy, tokenizer, cfg.model.path)
+    (run_dir / "git.txt").write_text(git_commit() + "\n")
+    (run_dir / "machine.txt").write_text(machine() + "\n")
 
 
 CLAIM = ".ema_pg_run"  #: the file whose exclusive creation makes a folder one run's own

@@ -1,6 +1,6 @@
 """Runs -> tables and figures: the loader and the report every analysis script uses.
 
-    from ema_pg.results import load_runs, load_curves
+    from ema_pg.workbench.results import load_runs, load_curves
     runs = load_runs("multirun/fig6_k")       # one row per run: config columns + final metrics
     curves = load_curves(runs)                # long form: one row per (run, step, metric)
 
@@ -25,7 +25,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
-from .config import flatten
+from ..config import flatten
 
 #: Display labels of the named methods (conf/method/<id>.yaml), in Table 2's row order; the run
 #: table holds the ids, and reports map them to these labels only when they print.
@@ -65,7 +65,7 @@ def find_runs(root: str | Path) -> list[Path]:
 def derived_columns(cfg: dict) -> dict:
     """Columns computed from a run's (nested) config values: method id, KL direction, IW clip, tail variant,
     anchor scheme (fixed / ema / reset / sync / teacher / none: ``anchor_scheme``)."""
-    from .kl import get_estimator
+    from ..kl import get_estimator
 
     kl = dict(cfg.get("kl", {}))
     params = {k: v for k, v in kl.items() if k != "name" and v is not None}
@@ -377,11 +377,11 @@ def unpaired_seeds(runs: pd.DataFrame) -> list[str]:
     """Seeds whose runs should share one base policy but do not: a sentence each, empty when pairing holds.
 
     Runs with the same seed and the same cold-start knobs (``task.*``, ``sft.*``, the model's architecture:
-    what :func:`ema_pg.sft.cold_start_key` hashes) start from one cached base policy, which is what makes a
+    what :func:`ema_pg.engine.sft.cold_start_key` hashes) start from one cached base policy, which is what makes a
     difference between them paired. Their evaluations at iteration 0 must then agree exactly. They do not
     when the base policy was made again on another kind of machine (its float kernels round differently),
     or by other code: the seed's differences compare two starting points, not two methods."""
-    from .sft import ARCH_KEYS
+    from ..engine.sft import ARCH_KEYS
 
     base = [c for c in runs.columns if c.startswith("base/")]
     if not base or "seed" not in runs or not len(runs):
@@ -426,7 +426,7 @@ def provenance_lines(runs: pd.DataFrame, scale: str, command: str, knobs: list[s
 
 
 def table_args(name: str, doc: str, argv=None):
-    """The command line of a table's writer (``ema_pg.table2``, ``ema_pg.table3``): runs, out, scale, command, all."""
+    """The command line of a table's writer (``ema_pg.workbench.table2``, ``ema_pg.workbench.table3``): runs, out, scale, command, all."""
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -4,7 +4,7 @@ The algorithm lives in :mod:`ema_pg.step`; this module only connects it to Light
 one ``training_step`` = one RL iteration (the dataloader yields iteration numbers), the
 optimizer update goes through the strategy (``manual_backward``, ``clip_gradients``), metrics
 go to the loggers, evaluations run at epoch ends, and the iteration counter and evaluation
-history travel in checkpoints. The EMA anchor is a callback (:class:`ema_pg.anchor.EMAAnchor`).
+history travel in checkpoints. The EMA anchor is a callback (:class:`ema_pg.engine.anchor.EMAAnchor`).
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ import lightning as L
 import torch
 
 from .anchor import EMAAnchor
-from .chunked import auto_chunk
-from .config import ConfigError, kl_params
-from .dist import World
+from ..chunked import auto_chunk
+from ..config import ConfigError, kl_params
+from ..dist import World
 from .evaluate import eval_metrics, evaluate_policy
-from .kl import get_estimator
+from ..kl import get_estimator
 from .models import compile_body
 from .monitor import StabilityMonitor
-from .prompts import PromptEncoder
-from .rollout import build_sampler
-from .step import FiniteGuard, NonFiniteUpdates, rl_step
-from .strategies import full_shape, zero3_partitioned
+from ..prompts import PromptEncoder
+from ..rollout import build_sampler
+from ..step import FiniteGuard, NonFiniteUpdates, rl_step
+from ..dist import full_shape, zero3_partitioned
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class GRPOModule(L.LightningModule):
         self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps)
         self.critic = None
         if cfg.algo.advantage == "gae":  # PPO's value model: its own optimizer, saved in checkpoints
-            from .critic import Critic
+            from ..critic import Critic
 
             self.critic = Critic(policy, cfg.algo.critic_lr, cfg.algo.cliprange_value, cfg.algo.grad_clip)
             self.value_model = self.critic.model  # a submodule: it moves with the module

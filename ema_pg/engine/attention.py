@@ -9,7 +9,7 @@ unrepeated tensors. The result is the same computation (the kernel indexes head
 sampler's time by 13% (``benchmarks/rl_step.py``). Other devices keep transformers' path.
 
 :func:`use_fast_attention` switches a loaded model to it; models built or loaded by
-:mod:`ema_pg.models` get it there. The choice is not saved with a model (it is set after
+:mod:`ema_pg.engine.models` get it there. The choice is not saved with a model (it is set after
 loading), so saved folders load anywhere.
 """
 

@@ -14,7 +14,7 @@ Any scheme but ``teacher`` starts from the policy, or from ``anchor.path`` when 
 authors' ``ref.model.path``: a separate initial anchor with the policy's architecture).
 
 A LoRA policy (``model.lora_rank`` > 0) gets an anchor *adapter* beside its own in the same model
-(:mod:`ema_pg.lora`): the schemes then act on the adapter weights, the base is shared, not copied.
+(:mod:`ema_pg.engine.lora`): the schemes then act on the adapter weights, the base is shared, not copied.
 
 The EMA is accumulated in an fp32 master copy, so it stays exact when the model runs in
 bf16/fp16 (an EMA step of (1 - eta) * 1e-6 vanishes in bf16); the anchor model used for
@@ -79,7 +79,7 @@ class EMAAnchor(L.Callback):
         self.optimizer_steps = 0  # counted for scheme sync
         self._pending: dict | None = None
         self.sharded = False  # ZeRO-3: model and master hold this rank's shards
-        self.lora = False  # a LoRA policy: the anchor is an adapter of the policy model (ema_pg.lora)
+        self.lora = False  # a LoRA policy: the anchor is an adapter of the policy model (ema_pg.engine.lora)
         self._engine = None  # the anchor's inference-only DeepSpeed engine (keeps its partitioning hooks alive)
         self._shard_dir: Path | None = None
         self._iteration = 0
@@ -144,7 +144,7 @@ class EMAAnchor(L.Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """Under ZeRO-3 (the policy is partitioned by now) partition the anchor the same way."""
-        from .strategies import zero3_partitioned
+        from ..dist import zero3_partitioned
 
         if self.sharded or not any(zero3_partitioned(p) for p in pl_module.policy.parameters()):
             return

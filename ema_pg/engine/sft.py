@@ -23,8 +23,8 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
-from .rollout import HFSampler
-from .tasks.base import Prompt
+from ..rollout import HFSampler
+from ..tasks.base import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _sft_batch(tokenizer, batch, encode=None, mask_fn=None):
     from ``encode`` (a :class:`~ema_pg.prompts.PromptEncoder`: the ids the sampler starts from; a string prompt
     is plain text), then the response's ids and EOS. Labels are -100 on padding, the prompt, and the response's
     ``mask_fn(response)`` character spans (environment text)."""
-    from .prompts import PromptEncoder
+    from ..prompts import PromptEncoder
 
     encode = encode or PromptEncoder(tokenizer, "off")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -116,7 +116,7 @@ class NoColdStart(ValueError):
 
 def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int = 16, stop: tuple = ()):
     """(model, tokenizer, model_dir) of the cached base policy, built on first use."""
-    from .prompts import PromptEncoder
+    from ..prompts import PromptEncoder
 
     key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop),
                          task_format=getattr(task, "format_version", 0))

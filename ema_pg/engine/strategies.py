@@ -8,48 +8,14 @@ strategy minus three CUDA-only steps of Lightning 2.6 (the accelerator check in
 it hands DeepSpeed, which is None on CPU). It exists for tests and CPU runs of the scale path
 (``DS_ACCELERATOR=cpu``, gloo); on a GPU node the stock strategy runs.
 
-Helpers here let the rest of the code ask about ZeRO-3 partitioning without importing DeepSpeed.
+The helpers that ask about ZeRO-3 partitioning without importing DeepSpeed are in :mod:`ema_pg.dist`.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 
 import torch
-
-
-def zero3_partitioned(p: torch.Tensor) -> bool:
-    """True for a parameter partitioned by DeepSpeed ZeRO-3 (its local tensor is empty)."""
-    return hasattr(p, "ds_tensor")
-
-
-def full_shape(p: torch.Tensor) -> torch.Size:
-    return p.ds_shape if zero3_partitioned(p) else p.shape
-
-
-@contextmanager
-def gathered(params, modifier_rank=None):
-    """Full tensors of ZeRO-3 partitioned ``params`` inside the block (no-op for ordinary ones)."""
-    params = [p for p in params if zero3_partitioned(p)]
-    if not params:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
-        yield
-
-
-def call_through(module: torch.nn.Module, fn, *inputs):
-    """``fn(*inputs)`` run as ``module``'s forward, so ZeRO-3's hooks gather ``module``'s parameters for
-    it and again for its backward (a function that uses a parameter outside its module's forward sees
-    an empty tensor under ZeRO-3)."""
-    module.forward = fn
-    try:
-        return module(*inputs)
-    finally:
-        del module.forward
 
 
 def deepspeed_config(cfg) -> dict:

@@ -1,0 +1,303 @@
+"""Evaluate a policy on a task's eval splits, and the ``python -m ema_pg.evaluate`` command.
+
+    python -m ema_pg.evaluate runs/<run>            # the run's final policy (last checkpoint)
+    python -m ema_pg.evaluate runs/<run> --which anchor   # its EMA anchor (or --initial: its base policy)
+    python -m ema_pg.evaluate path/to/model_dir task=toy_add
+    python -m ema_pg.evaluate base experiment=search  # the cold-start base policy of a config
+    python -m ema_pg.evaluate base experiment=search --baseline rag   # Table 2's RAG baseline
+
+    python -m ema_pg.evaluate runs/<run> rollout.eval_samples=32 rollout.eval_temperature=0.8 rollout.eval_top_p=0.9
+                                                    # sampled: mean@32, pass@k, maj@32 per split
+    python -m ema_pg.evaluate --initial --train 200 runs/<run>   # also 200 training questions, apart
+
+Writes ``{"splits": {name: {metric: float, "n": int, ...}}, "avg": float, ...}`` and prints a table:
+for a run folder into ``<run>/evaluations/<which>[_<overrides>].json`` (the run's own
+``eval.json`` is its record of the final result and is never overwritten), else beside the
+model. A run folder needs nothing but itself: no cold-start cache, any working directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import zlib
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import eval_settings_problem, pass_ks  # noqa: F401 - pass_ks is this module's too
+from ..dist import World
+from ..prompts import PromptEncoder, sampler_prompts
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased Pass@k from ``n`` samples of which ``c`` are correct: 1 - C(n - c, k) / C(n, k), the chance
+    that k of the n samples drawn without replacement hold at least one correct one (Chen et al., 2021)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_reward(keys: list, rewards: list[float]) -> float:
+    """maj@N of one problem: the reward of the answer stated most often (a tie goes to the answer stated
+    first); 0 when no sample states an answer (every key None)."""
+    counts: dict = {}
+    for key in keys:
+        if key is not None:
+            counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return 0.0
+    best = max(counts.values())
+    winner = next(key for key in keys if key is not None and counts[key] == best)
+    return rewards[keys.index(winner)]
+
+
+def sample_scores(rewards: list[list[float]], keys: list[list], ks: list[int] | tuple = ()) -> dict:
+    """A split's sampled-evaluation scores from its problems' rewards and stated answers (N per problem):
+    ``mean@N`` (the mean reward over all samples), ``pass@k`` (unbiased; a sample is correct at full
+    reward, >= 1) and ``maj@N`` (majority vote), each the mean over problems."""
+    n = len(rewards[0]) if rewards else 1
+    if any(len(r) != n for r in rewards):
+        raise ValueError("every problem needs the same number of samples")
+    P = max(len(rewards), 1)
+    out = {f"mean@{n}": sum(sum(r) for r in rewards) / (P * n)}
+    for k in pass_ks(n, ks):
+        out[f"pass@{k}"] = sum(pass_at_k(n, sum(x >= 1.0 for x in r), k) for r in rewards) / P
+    out[f"maj@{n}"] = sum(majority_reward(kk, r) for kk, r in zip(keys, rewards)) / P
+    return out
+
+
+def _prompt_seed(split: str, index: int) -> int:
+    """The sampling seed of one eval problem: the same whatever the batch size or number of processes."""
+    return (zlib.crc32(split.encode()) * 1_000_003 + index) % 2**62
+
+
+@torch.no_grad()
+def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, progress: bool = True,
+                    splits: dict | None = None, desc: str = "eval", show: int = 0, world: World = World(),
+                    encode=None) -> dict:
+    """Score the policy on the task's eval splits.
+
+    Returns ``{"splits": {name: {metric: mean reward, "n": problems, ...}}, "avg": mean of metric over
+    splits, "metric": metric, "avg_scores": {...}}``. With ``rollout.eval_samples`` = 1 (the default)
+    one response per problem is decoded at ``rollout.eval_temperature`` (0 = greedy). With N > 1, N
+    responses per problem are sampled at ``eval_temperature`` / ``eval_top_p`` (each problem from its
+    own seeded stream) and every split also gets ``mean@N``, ``pass@k`` (k from ``eval_pass_k``,
+    default 1, 2, 4, ... N) and ``maj@N``; ``avg_scores`` holds their means over splits. ``metric`` is
+    the mean reward over all samples (mean@N, the paper's Pass@1).
+    ``show`` > 0 also keeps that many (prompt, response, reward) samples per split under "samples".
+    ``world``: on several processes each rank evaluates every ``world.size``-th prompt and the
+    scores are gathered, so every rank returns the result of the whole set.
+    ``encode``: the run's :class:`ema_pg.prompts.PromptEncoder` (None: prompts as plain text).
+    """
+    metric = task.metric
+    problem = eval_settings_problem(rollout_cfg)
+    if problem:  # before any sampling
+        raise ValueError(problem)
+    n_samples, ks = int(rollout_cfg.eval_samples), list(rollout_cfg.eval_pass_k)
+    top_p = float(rollout_cfg.eval_top_p) if n_samples > 1 else 1.0
+    per_call = max(1, batch_size // n_samples)  # prompts per generate call
+    splits = splits if splits is not None else task.eval_splits()
+    out, samples = {}, {}
+    total = sum(math.ceil(math.ceil(len(v) / world.size) / per_call) for v in splits.values())
+    bar = tqdm(total=total, desc=desc, disable=not progress, leave=False)
+    for name, prompts in splits.items():
+        rewards, keys = [], []  # per problem: its samples' rewards and stated answers
+        diags = []  # per problem: its samples' diagnostics (Task.diagnostics)
+        all_prompts = prompts
+        index = list(range(world.rank, len(all_prompts), world.size))
+        n_mine = len(index)
+        if world.size > 1:  # same number of prompts on every rank (forwards may be collective): repeat one
+            index += [0] * (-(-len(all_prompts) // world.size) - n_mine)
+        for i in range(0, len(index), per_call):
+            idx = index[i : i + per_call]
+            chunk = [all_prompts[j] for j in idx]
+            ro = sampler.generate(model, sampler_prompts(chunk, encode), n_samples, temperature=rollout_cfg.eval_temperature,
+                                  top_p=top_p, max_new_tokens=rollout_cfg.max_new_tokens, stop=list(rollout_cfg.stop),
+                                  on_stop=task.on_stop_fn(chunk, n_samples), seed=[_prompt_seed(name, j) for j in idx])
+            rs = [[] for _ in chunk]
+            ks_ = [[] for _ in chunk]
+            ds_ = [[] for _ in chunk]
+            for j, text in zip(ro.prompt_index, ro.responses):
+                rs[j].append(task.reward(chunk[j], text))
+                ks_[j].append(task.answer_key(chunk[j], text) if n_samples > 1 else None)
+                ds_[j].append(task.diagnostics(chunk[j], text))
+            rewards += rs
+            keys += ks_
+            diags += ds_
+            if show and name not in samples:
+                samples[name] = [{"prompt": chunk[j].text if encode is None else encode.render(chunk[j]), "gold": chunk[j].answer, "response": text,
+                                  "reward": task.reward(chunk[j], text)}
+                                 for j, text in list(zip(ro.prompt_index, ro.responses))[:show]]
+            bar.update(1)
+        if world.size > 1:  # back in the prompts' own order: rank r scored prompts r, r + size, ...
+            parts = world.gather_objects((rewards[:n_mine], keys[:n_mine], diags[:n_mine]))
+            rewards = [parts[i % world.size][0][i // world.size] for i in range(len(all_prompts))]
+            keys = [parts[i % world.size][1][i // world.size] for i in range(len(all_prompts))]
+            diags = [parts[i % world.size][2][i // world.size] for i in range(len(all_prompts))]
+        mean = sum(sum(r) for r in rewards) / max(sum(len(r) for r in rewards), 1)
+        out[name] = {metric: mean, "n": len(rewards)}
+        d = diagnostic_means([x for ds in diags for x in ds])
+        if d:
+            out[name]["diagnostics"] = d
+        if n_samples > 1:
+            out[name].update(samples=n_samples, **sample_scores(rewards, keys, ks))
+    bar.close()
+    avg = sum(v[metric] for v in out.values()) / max(len(out), 1)
+    res = {"splits": out, "avg": avg, "metric": metric}
+    if n_samples > 1:
+        names = [k for k in next(iter(out.values())) if "@" in k] if out else []
+        res["avg_scores"] = {k: sum(v[k] for v in out.values()) / len(out) for k in names}
+        res["eval_settings"] = {"samples": n_samples, "temperature": float(rollout_cfg.eval_temperature), "top_p": top_p}
+    names = sorted({k for v in out.values() for k in v.get("diagnostics", {})})
+    if names:  # the mean over splits of each diagnostic (over the splits that have it)
+        res["avg_diagnostics"] = {k: sum(v["diagnostics"][k] for v in out.values() if k in v.get("diagnostics", {}))
+                                  / sum(k in v.get("diagnostics", {}) for v in out.values()) for k in names}
+    if show:
+        res["samples"] = samples
+    return res
+
+
+def training_prompts(task, n: int, seed: int = 0) -> list:
+    """Up to ``n`` distinct prompts (by text) from the task's training distribution, in draw order: a fixed
+    sample (``task.sample`` at ``seed``) for comparing a policy before and after RL on what RL trained on."""
+    seen: dict[str, object] = {}
+    for p in task.sample(4 * n, seed):
+        seen.setdefault(p.text, p)
+    return list(seen.values())[:n]
+
+
+def diagnostic_means(rows: list[dict]) -> dict[str, float]:
+    """The mean of each diagnostic over the responses that report it (a conditional one, like ``read_em``,
+    is reported only by the responses it applies to), plus ``<name>_n``: how many did."""
+    out = {}
+    for k in sorted({k for r in rows for k in r}):
+        xs = [r[k] for r in rows if k in r]
+        out[k], out[f"{k}_n"] = sum(xs) / len(xs), float(len(xs))
+    return out
+
+
+def score_names(result: dict) -> list[str]:
+    """The per-split scores of an evaluation result: its metric, then mean@N / pass@k / maj@N when sampled."""
+    return [result.get("metric", "em")] + list(result.get("avg_scores", {}))
+
+
+def eval_metrics(prefix: str, result: dict) -> dict:
+    """An evaluation result as logged metrics: ``<prefix>/<split>/<score>`` and ``<prefix>/avg/<score>``; the
+    task's diagnostics as ``<prefix>_diag/<split>/<name>`` (kept out of ``<prefix>/``, where the scores are)."""
+    metric = result["metric"]
+    m = {}
+    for key in score_names(result):
+        m.update({f"{prefix}/{name}/{key}": v[key] for name, v in result["splits"].items()})
+        m[f"{prefix}/avg/{key}"] = result["avg"] if key == metric else result["avg_scores"][key]
+    for name, v in result["splits"].items():
+        m.update({f"{prefix}_diag/{name}/{k}": x for k, x in v.get("diagnostics", {}).items() if not k.endswith("_n")})
+    m.update({f"{prefix}_diag/avg/{k}": x for k, x in result.get("avg_diagnostics", {}).items() if not k.endswith("_n")})
+    return m
+
+
+def format_table(result: dict) -> str:
+    names = list(result["splits"])
+    head = "| " + " | ".join(["split"] + names + ["avg"]) + " |"
+    sep = "|" + "---|" * (len(names) + 2)
+    rows = []
+    for key in score_names(result):
+        avg = result["avg"] if key == result.get("metric", "em") else result["avg_scores"][key]
+        rows.append("| " + " | ".join([key] + [f"{result['splits'][n][key]:.3f}" for n in names] + [f"{avg:.3f}"]) + " |")
+    fmt = lambda x: "—" if x is None else f"{x:.3f}"
+    for key in (k for k in result.get("avg_diagnostics", {}) if not k.endswith("_n")):
+        cells = [result["splits"][n].get("diagnostics", {}).get(key) for n in names]
+        rows.append("| " + " | ".join([f"({key})"] + [fmt(x) for x in cells] + [fmt(result["avg_diagnostics"][key])]) + " |")
+    return "\n".join([head, sep, *rows])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from omegaconf import OmegaConf
+
+    from ..config import compose
+    from .models import load_model_dir
+    from .policy import WHICH, build_policy, load_run_model
+    from ..rollout import build_sampler
+    from .runs import upgraded
+    from ..tasks import build_task
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", help="a run folder (its last checkpoint), a saved model directory, or 'base' "
+                    "(the cold-start base policy of the config given by the overrides)")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. task=toy_add rollout.max_new_tokens=8")
+    ap.add_argument("--out", default=None, help="where to write the JSON (default: inside target)")
+    ap.add_argument("--baseline", choices=["none", "cot", "rag"], default="none",
+                    help="Table 2 baselines for search tasks: cot = answer without search, rag = retrieve with the question")
+    ap.add_argument("--which", choices=WHICH, default="policy",
+                    help="of a run folder: the last checkpoint's policy or EMA anchor, or the initial policy")
+    ap.add_argument("--initial", action="store_const", const="initial", dest="which", help="= --which initial")
+    ap.add_argument("--show", type=int, default=0, help="print this many sample rollouts per split")
+    ap.add_argument("--train", type=int, default=0, metavar="N",
+                    help="also score N distinct prompts of the RL training distribution (kept apart from the eval "
+                         "splits and their avg, under 'train'): a gain there that the eval splits do not share is "
+                         "specific to what RL trained on, not a skill")
+    a = ap.parse_args(argv)
+    if a.train < 0:
+        raise SystemExit(f"--train {a.train}: give a number of training prompts >= 0")
+    target = Path(a.target)
+    is_run = (target / "config.yaml").is_file()
+    if is_run:
+        cfg = OmegaConf.merge(upgraded(OmegaConf.load(target / "config.yaml")), OmegaConf.from_dotlist(a.overrides))
+        model, tok = load_run_model(target, a.which)
+    else:
+        cfg = compose(a.overrides)
+        if a.target == "base":
+            model, tok = build_policy(cfg, build_task(cfg.task))
+            target = Path("runs") / "eval" / f"{cfg.name}-s{cfg.seed}"
+            if not a.out:
+                target.mkdir(parents=True, exist_ok=True)
+        else:
+            model, tok = load_model_dir(target)
+    task = build_task(cfg.task)
+    splits = None
+    if a.baseline != "none":
+        splits = {k: task.baseline_prompts(v, a.baseline) for k, v in task.eval_splits().items()}
+    problem = eval_settings_problem(cfg.rollout)
+    if problem:
+        raise SystemExit(f"config error: {problem}")
+    sampler = build_sampler(cfg.rollout, tok)
+    try:
+        encode = PromptEncoder(tok, cfg.task.get("chat_template", "auto"))
+    except ValueError as e:
+        raise SystemExit(f"config error: {e}") from None
+    result = evaluate_policy(model.eval(), sampler, task, cfg.rollout, splits=splits, show=a.show, encode=encode)
+    if a.train:
+        prompts = training_prompts(task, a.train)
+        if a.baseline != "none":
+            prompts = task.baseline_prompts(prompts, a.baseline)
+        result["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
+                                          desc="train", encode=encode)["splits"]["train"]
+    result.update(baseline=a.baseline, which=a.which, overrides=list(a.overrides))
+    if is_run:  # never over the run's own eval.json (its record of the final result)
+        label = "_".join([a.which] + ([a.baseline] if a.baseline != "none" else [])
+                         + [o.replace("/", "-").replace("=", "-") for o in a.overrides])
+        out = Path(a.out) if a.out else target / "evaluations" / f"{label}.json"
+    else:
+        initial = a.target == "base"
+        name = "eval.json" if a.baseline == "none" and not initial else f"eval_{'base_' if initial else ''}{a.baseline}.json"
+        out = Path(a.out) if a.out else target / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    for name, xs in result.get("samples", {}).items():
+        for x in xs:
+            print(f"--- [{name}] {x['prompt'].strip()}   (gold: {x['gold']}, reward {x['reward']:.0f})\n{x['response']}")
+    print(format_table(result))
+    if "train" in result:
+        t = result["train"]
+        train = {"splits": {"train": t}, "avg": t[result["metric"]], "metric": result["metric"],
+                 "avg_diagnostics": t.get("diagnostics", {})}
+        print(f"\ntraining questions ({t['n']} distinct; not in avg):\n" + format_table(train))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""One training run assembled from its config: :func:`train`.
+
+The run folder is opened first (:func:`ema_pg.engine.runs.open_run`: resume, stage, ``if_exists``),
+then the task (a retrieval server is checked here), the policy and its tokenizer, the anchor, the
+Lightning module around :func:`ema_pg.step.rl_step` and the Trainer. ``python -m ema_pg.train`` is
+the command (:mod:`ema_pg.train`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import lightning as L
+import torch
+from omegaconf import DictConfig
+
+from ..config import ConfigError, validate
+from ..heads import check_head
+from ..prompts import PromptEncoder
+from ..tasks import ServiceError, build_task
+from .anchor import EMAAnchor
+from .models import ModelPathError
+from .module import GRPOModule
+from .plotting import plot_run
+from .policy import build_policy
+from .runs import is_rank_zero, make_loggers, open_run, record_run
+from .strategies import build_strategy
+
+log = logging.getLogger("ema_pg")
+
+
+def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
+    """Run (or resume) one training run; returns (final metrics, objects).
+
+    ``callbacks``: extra Lightning callbacks (an Optuna pruning callback, for instance).
+    With ``if_exists=resume`` a run folder that holds a finished run is skipped (its final
+    metrics are returned) and one that holds a checkpoint is resumed, so a killed sweep is
+    continued by running the same command again.
+    """
+    opened = open_run(cfg)
+    cfg, run_dir = opened.cfg, opened.run_dir
+    if opened.skipped is not None:
+        return opened.skipped, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True}
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    try:
+        task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
+        policy, tok = build_policy(cfg, task)
+        check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step
+        encode = PromptEncoder(tok, cfg.task.chat_template)
+    except (ValueError, ServiceError, NotImplementedError) as e:  # NoColdStart is a ValueError
+        raise ConfigError(str(e)) from None
+    mc = policy.config
+    validate(cfg, vocab_size=mc.vocab_size,
+             head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
+    if cfg.model.lora_rank:  # the base is frozen; only the adapters train (and the anchor is an adapter too)
+        from .lora import wrap_lora
+
+        policy = wrap_lora(policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+    anchor = None
+    if cfg.anchor.name != "none":
+        an = cfg.anchor
+        anchor = EMAAnchor(eta=an.eta, update_every=an.update_every, eval_every=an.eval_every, scheme=an.name,
+                           sync_alpha=an.sync_alpha, sync_steps=an.sync_steps, path=an.path)
+        try:
+            anchor.attach(policy)
+        except (ValueError, ModelPathError) as e:
+            raise ConfigError(str(e)) from None
+    module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode)
+    if is_rank_zero():  # what the model reads, once: the chat template (or not), the BOS, the instruction
+        log.info("prompts as the model reads them (%s), e.g.:\n%s", encode.describe(),
+                 tok.decode(encode.encode(task.sample(1, seed=cfg.seed)[0])))
+
+    record_run(opened, policy, tok)
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpt_cb = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="iter{epoch}", save_last=True,
+                              save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
+    callbacks = [ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
+    tc = cfg.trainer
+    with warnings.catch_warnings():
+        # the run folder holds config.yaml before the CSV logger starts: its "not empty" warning is expected
+        warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+        trainer = L.Trainer(
+            accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(cfg), precision=tc.precision,
+            max_epochs=-1, logger=make_loggers(cfg, run_dir, opened.resume_step), callbacks=callbacks,
+            enable_progress_bar=tc.progress_bar, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
+            num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),
+            deterministic=False, use_distributed_sampler=False,  # every rank runs every iteration number
+        )
+        try:
+            trainer.fit(module, ckpt_path=opened.ckpt_path)
+        finally:
+            for lg in trainer.loggers:
+                try:
+                    lg.finalize("success")
+                except Exception:  # noqa: BLE001 - closing must not mask the real error
+                    pass
+    final = dict(module.eval_history[-1]) if module.eval_history else {}
+    plot = run_dir / "curves.png"
+    if is_rank_zero():
+        if module.eval_history and module.iteration >= cfg.algo.iterations:  # a finished run (not a pruned one)
+            final["base_avg"] = module.eval_history[0]["avg"]
+            (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+        plot = plot_run(run_dir)
+    metric = final.get("metric", "em")
+    metrics = {f"eval/avg/{metric}": final.get("avg", float("nan")), "iteration": module.iteration,
+               "base/avg": module.eval_history[0]["avg"] if module.eval_history else float("nan"),
+               **getattr(module, "last_metrics", {})}
+    return metrics, {"module": module, "trainer": trainer, "run_dir": run_dir, "plot": plot, "cfg": cfg}
+
+
+class _StopAtIterations(L.Callback):
+    """Ends fit once ``algo.iterations`` RL iterations are done (epochs are evaluation periods)."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if pl_module.iteration >= pl_module.cfg.algo.iterations:
+            trainer.should_stop = True
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if pl_module.iteration >= pl_module.cfg.algo.iterations:
+            trainer.should_stop = True

@@ -1,0 +1,115 @@
+"""One command per reproduction: run a sweep at a scale, then its report (``ema_pg.workbench.reports``).
+
+    python -m ema_pg.reproduce table2 --scale smoke          # = make reproduce-table2 SCALE=smoke
+    python -m ema_pg.reproduce table3 --scale mini           # = make reproduce-table3 SCALE=mini
+    python -m ema_pg.reproduce fig6_k --scale mini           # = make reproduce NAME=fig6_k SCALE=mini
+    python -m ema_pg.reproduce table2 --scale mini --dry-run # print the commands only
+    python -m ema_pg.reproduce fig5_methods --scale decide   # the demo task where the KL decides (5 paired seeds)
+
+The sweep is ``sweeps/<name>.yaml`` with the scale overlay ``sweeps/scale/<name>_<scale>.yaml``
+(or ``sweeps/scale/<scale>.yaml``); its runs go to ``runs/reproduce/<name>-<scale>/``, a fixed
+folder, so running the same command again after an interruption resumes the killed run from its
+last checkpoint and skips the finished ones. Results: ``reproductions/<name>/`` for ``mini``
+(the committed CPU-scale reproduction), ``reproductions/<name>/<scale>/`` for ``decide`` (the demo
+task at the collapse edge, ``sweeps/scale/decide.yaml``), ``decide_strong`` (the same from a stronger
+cold start), ``decide_reading`` (Table 2 in the world where RL's gain is reading) and ``full``, and
+``runs/reproduce/<name>-smoke/report/`` for ``smoke`` (a pipeline check, not a result).
+Extra arguments are Hydra overrides passed to every run of the sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .reports import REPORTS
+
+ROOT = Path(__file__).resolve().parents[2]
+SWEEPS = ROOT / "sweeps"
+SCALES = ("smoke", "mini", "decide", "decide_strong", "decide_reading", "full")
+#: what a full-scale reproduction needs in the environment (beside a GPU)
+FULL_SCALE_ENV = {"table2": ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER"),
+                  "table3": ("EMA_PG_MODEL", "EMA_PG_MATH_DATA")}
+TABLES = ("table2", "table3")  #: reproductions with their own make target and a provenance line
+
+
+def scale_file(name: str, scale: str) -> str:
+    if name in TABLES and scale.startswith("decide") and not (SWEEPS / "scale" / f"{name}_{scale}.yaml").is_file():
+        raise SystemExit(f"scale {scale!r} (sweeps/scale/{scale}.yaml) is the demo task's decisive regime; {name} runs "
+                         f"another task: add sweeps/scale/{name}_{scale}.yaml for it")
+    for cand in (f"{name}_{scale}", scale):
+        if (SWEEPS / "scale" / f"{cand}.yaml").is_file():
+            return cand
+    have = sorted(p.stem for p in (SWEEPS / "scale").glob("*.yaml"))
+    raise SystemExit(f"no scale {scale!r} for {name}: add sweeps/scale/{name}_{scale}.yaml (there are: {', '.join(have)})")
+
+
+def overlay_choices(overlay: str) -> list[str]:
+    """Group choices a scale overlay asks for on its ``# choices:`` line (``experiment=search_paper``):
+    an overlay cannot re-choose a group the sweep file already chose, the command line can."""
+    for line in (SWEEPS / "scale" / f"{overlay}.yaml").read_text().splitlines():
+        if line.startswith("# choices:"):
+            return line.split(":", 1)[1].split()
+    return []
+
+
+def commands(name: str, scale: str, overrides: list[str], runs: Path | None = None, out: Path | None = None):
+    if name not in REPORTS:
+        raise SystemExit(f"unknown reproduction {name!r}; choose one of: {', '.join(REPORTS)}")
+    if scale not in SCALES:
+        raise SystemExit(f"--scale {scale!r}; choose one of: {', '.join(SCALES)}")
+    runs = runs or ROOT / "runs" / "reproduce" / f"{name}-{scale}"
+    out = out or (ROOT / "reproductions" / name if scale == "mini" else
+                  runs / "report" if scale == "smoke" else ROOT / "reproductions" / name / scale)
+    overlay = scale_file(name, scale)
+    sweep = [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", str(SWEEPS), "--config-name", name,
+             *overlay_choices(overlay), f"+scale={overlay}", f"hydra.sweep.dir={runs}", *overrides]
+    analysis = [sys.executable, "-m", "ema_pg.reports", name, "--runs", str(runs), "--out", str(out)]
+    return sweep, analysis, runs, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=sorted(REPORTS), help="the sweep (sweeps/<name>.yaml)")
+    ap.add_argument("--scale", default="smoke", choices=SCALES)
+    ap.add_argument("--runs", type=Path, help="where the runs go (default runs/reproduce/<name>-<scale>)")
+    ap.add_argument("--out", type=Path, help="where the results go")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--analysis-only", action="store_true", help="skip the sweep; analyse the runs already there")
+    a, overrides = ap.parse_known_args(argv)
+    sweep, analysis, runs, out = commands(a.name, a.scale, overrides, a.runs, a.out)
+    print("sweep:    " + shlex.join(sweep), "analysis: " + shlex.join(analysis), sep="\n", flush=True)
+    if a.dry_run:
+        return 0
+    if a.scale == "full" and a.name in FULL_SCALE_ENV:
+        import os
+
+        import torch
+
+        need = [v for v in FULL_SCALE_ENV[a.name] if not os.environ.get(v)]
+        if need or not torch.cuda.is_available():
+            raise SystemExit(f"{a.name} at full scale needs a GPU machine and, set in the environment: "
+                             + ", ".join(need or ["(all set)"]) + f" -- see sweeps/scale/{a.name}_full.yaml")
+    t0 = time.time()
+    if not a.analysis_only:
+        rc = subprocess.run(sweep, cwd=ROOT).returncode
+        if rc:
+            print(f"the sweep failed (exit {rc}); fix the cause and run the same command again: finished runs are "
+                  f"kept and skipped, a killed one resumes from its checkpoint", file=sys.stderr)
+            return rc
+    sweep_s = time.time() - t0
+    plain = not overrides and a.runs is None and a.out is None
+    invoked = (["make", f"reproduce-{a.name}", f"SCALE={a.scale}"] if plain and a.name in TABLES else
+               ["python", "-m", "ema_pg.reproduce", *(sys.argv[1:] if argv is None else argv)])
+    extra = ["--scale", a.scale, "--command", shlex.join(invoked)] if a.name in TABLES else []
+    rc = subprocess.run(analysis + extra, cwd=ROOT).returncode
+    print(f"{a.name} at scale {a.scale}: sweep {sweep_s / 60:.1f} min; runs in {runs}; results in {out}")
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

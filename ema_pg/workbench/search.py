@@ -1,0 +1,375 @@
+"""Optuna hyper-parameter search over training runs (SQLite storage, several workers, resumable).
+
+    python -m ema_pg.search conf/hparams_search/ema_topk.yaml                 # one worker
+    python -m ema_pg.search conf/hparams_search/ema_topk.yaml --workers 2     # two processes, one study
+    python -m ema_pg.search conf/hparams_search/ema_topk.yaml algo.iterations=100   # extra Hydra overrides
+    optuna-dashboard sqlite:///runs/optuna/ema_topk.db                        # watch it (make dashboard)
+
+A study file (``conf/hparams_search/*.yaml``) names the study, its storage, the direction,
+the total number of trials, the sampler and pruner, the Hydra overrides every trial starts
+from and the search space (``params``: a config key -> ``{type: float|int|categorical, ...}``).
+
+Each trial is one training run (``runs/optuna/<study>/trial_<n>/``, a normal run folder); its
+objective is the run's final ``eval/avg/<metric>``. After every evaluation the run reports the
+average to Optuna, and the study's pruner may stop it early (the trial is then PRUNED).
+
+Workers: any number of processes (on one machine or sharing a file system) may run this
+command on the same storage. A lock beside the database makes "count the trials, then start
+one" atomic, so together they run exactly ``n_trials`` trials, none twice. Resuming: run the
+same command again. Finished trials are kept; a trial interrupted by Ctrl-C / SIGTERM is put
+back in the queue with its parameters and resumes its run folder from the last checkpoint; a
+worker killed outright stops sending heartbeats and its trial is re-queued the same way once
+``grace_period`` seconds have passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+from omegaconf import OmegaConf
+from optuna.trial import TrialState
+
+from ..engine.module import EvalCallback
+
+log = logging.getLogger("ema_pg.search")
+# heartbeats are driven here (ask/tell under a lock), not by Study.optimize: Optuna's notes about that are expected
+warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+ROOT = Path(__file__).resolve().parents[2]
+PARAM_TYPES = ("float", "int", "categorical")
+SAMPLERS = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler,
+            "gp": optuna.samplers.GPSampler, "cmaes": optuna.samplers.CmaEsSampler}
+PRUNERS = {"median": optuna.pruners.MedianPruner, "percentile": optuna.pruners.PercentilePruner,
+           "hyperband": optuna.pruners.HyperbandPruner, "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
+           "threshold": optuna.pruners.ThresholdPruner, "none": optuna.pruners.NopPruner}
+
+
+class StudyFileError(ValueError):
+    """A malformed study file; the message says which key and what to change."""
+
+
+@dataclass
+class StudySpec:
+    study_name: str
+    params: dict
+    storage: str = ""
+    direction: str = "maximize"
+    n_trials: int = 20
+    sampler: dict = field(default_factory=lambda: {"name": "tpe", "seed": 0})
+    pruner: dict = field(default_factory=lambda: {"name": "median", "n_startup_trials": 3, "n_warmup_steps": 1})
+    overrides: list = field(default_factory=list)
+    runs_dir: str = ""
+    heartbeat_interval: int = 30
+    grace_period: int = 120
+
+    def __post_init__(self):
+        self.storage = self.storage or f"sqlite:///runs/optuna/{self.study_name}.db"
+
+    @property
+    def trials_dir(self) -> Path:
+        """Where the trials' run folders go: ``runs_dir``, else beside a SQLite file (``<db dir>/<study>/``)."""
+        if self.runs_dir:
+            return Path(self.runs_dir)
+        if self.storage.startswith("sqlite:///"):
+            return Path(self.storage.removeprefix("sqlite:///")).parent / self.study_name
+        return Path("runs/optuna") / self.study_name
+
+
+def load_study_spec(path: str | Path) -> StudySpec:
+    path = Path(path)
+    if not path.is_file():
+        have = ", ".join(sorted(p.name for p in (ROOT / "conf" / "hparams_search").glob("*.yaml")))
+        raise StudyFileError(f"study file {path} does not exist (conf/hparams_search/ has: {have})")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    known = set(StudySpec.__dataclass_fields__)
+    unknown = set(raw) - known
+    if unknown:
+        raise StudyFileError(f"{path}: unknown key(s) {sorted(unknown)}; a study file has: {', '.join(sorted(known))}")
+    for req in ("study_name", "params"):
+        if req not in raw:
+            raise StudyFileError(f"{path}: missing {req!r}")
+    spec = StudySpec(**raw)
+    if spec.direction not in ("maximize", "minimize"):
+        raise StudyFileError(f"{path}: direction={spec.direction!r}; choose maximize or minimize")
+    if spec.n_trials < 1:
+        raise StudyFileError(f"{path}: n_trials must be >= 1; got {spec.n_trials}")
+    for key, name, table in (("sampler", spec.sampler.get("name"), SAMPLERS), ("pruner", spec.pruner.get("name"), PRUNERS)):
+        if name not in table:
+            raise StudyFileError(f"{path}: {key}.name={name!r}; choose one of: {', '.join(table)}")
+    if not spec.params:
+        raise StudyFileError(f"{path}: params is empty; give at least one config key to search over")
+    for key, p in spec.params.items():
+        if not isinstance(p, dict) or p.get("type") not in PARAM_TYPES:
+            raise StudyFileError(f"{path}: params.{key} needs type: one of {', '.join(PARAM_TYPES)}; got {p!r}")
+        need = ("choices",) if p["type"] == "categorical" else ("low", "high")
+        missing = [k for k in need if k not in p]
+        if missing:
+            raise StudyFileError(f"{path}: params.{key} ({p['type']}) needs {', '.join(missing)}")
+        if p["type"] != "categorical" and not p["low"] < p["high"]:
+            raise StudyFileError(f"{path}: params.{key}: low ({p['low']}) must be < high ({p['high']})")
+    return spec
+
+
+def suggest(trial: optuna.Trial, params: dict) -> dict:
+    out = {}
+    for key, p in params.items():
+        kw = {k: v for k, v in p.items() if k in ("log", "step")}
+        if p["type"] == "float":
+            out[key] = trial.suggest_float(key, float(p["low"]), float(p["high"]), **kw)
+        elif p["type"] == "int":
+            out[key] = trial.suggest_int(key, int(p["low"]), int(p["high"]), **kw)
+        else:
+            out[key] = trial.suggest_categorical(key, list(p["choices"]))
+    return out
+
+
+def _value(v) -> str:
+    return "null" if v is None else str(v)
+
+
+def compose_trial_cfg(spec: StudySpec, params: dict, run_dir: Path, extra: list[str] = ()):
+    """The run config of a trial: the study's overrides, the command line's, then the trial's values."""
+    from ..config import compose
+
+    overrides = list(spec.overrides) + list(extra) + [f"{k}={_value(v)}" for k, v in params.items()]
+    overrides += [f"run_dir={run_dir}", "if_exists=resume"]
+    try:
+        cfg = compose(overrides)
+    except Exception as e:  # noqa: BLE001 - Hydra's composition errors
+        unknown = [k for k in params if k.split(".")[-1] in str(e)]
+        hint = f"params.{unknown[0]} is not a config key" if unknown else "the study's overrides do not compose"
+        raise StudyFileError(f"{hint}: {e}".splitlines()[0] + "; see `python -m ema_pg.train --cfg job`") from None
+    for key in params:
+        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
+            raise StudyFileError(f"params.{key} is not a config key; see `python -m ema_pg.train --cfg job`")
+    return cfg
+
+
+class OptunaPruning(EvalCallback):
+    """Reports each evaluation's average to the trial and stops the run when the pruner says so."""
+
+    def __init__(self, trial: optuna.Trial):
+        self.trial, self.pruned = trial, False
+
+    def on_ema_pg_eval(self, trainer, module, result: dict) -> None:
+        step = int(result["iteration"])
+        self.trial.report(float(result["avg"]), step)
+        if step > 0 and self.trial.should_prune():
+            self.pruned = True
+            trainer.should_stop = True
+            log.info("trial %d pruned at iteration %d (avg %.3f)", self.trial.number, step, result["avg"])
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _heartbeat(storage, trial_id: int, interval: int):
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(interval):
+            storage.record_heartbeat(trial_id)
+
+    storage.record_heartbeat(trial_id)
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    return stop
+
+
+def open_study(spec: StudySpec, worker_index: int = 0) -> optuna.Study:
+    """Create or load the study. The sampler's seed is offset by ``worker_index`` and by the number
+    of trials already in storage, so neither two workers sharing a study nor a worker restarted on
+    a study that has run trials replays another's proposals (worker 0 of a new study keeps the
+    file's seed)."""
+    url = spec.storage
+    if url.startswith("sqlite:///"):
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    s, p = dict(spec.sampler), dict(spec.pruner)
+    name = s.pop("name")
+    pruner = PRUNERS[p.pop("name")](**p)
+    # workers starting together must not race to create the tables (SQLAlchemy: "alembic_version already exists")
+    with _file_lock(spec.trials_dir / ".create.lock"):
+        storage = optuna.storages.RDBStorage(
+            url, heartbeat_interval=spec.heartbeat_interval, grace_period=spec.grace_period,
+            heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
+            engine_kwargs={"connect_args": {"timeout": 120}} if url.startswith("sqlite") else None)
+        study = optuna.create_study(study_name=spec.study_name, storage=storage, direction=spec.direction,
+                                    sampler=SAMPLERS[name](**s), pruner=pruner, load_if_exists=True)
+        if s.get("seed") is not None:
+            n_before = len(study.get_trials(deepcopy=False))
+            study.sampler = SAMPLERS[name](**{**s, "seed": int(s["seed"]) + worker_index + 1_000 * n_before})
+        return study
+
+
+def _already_run(study: optuna.Study, trial, params: dict) -> bool:
+    """True when a COMPLETE or PRUNED trial (not this one) ran exactly ``params``."""
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        if t.number != trial.number and t.params == params:
+            trial.set_user_attr("duplicate_of", t.number)
+            return True
+    return False
+
+
+def _requeue(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Put an interrupted trial back in the queue (same parameters and run folder)."""
+    study.add_trial(optuna.trial.create_trial(
+        state=TrialState.WAITING, params=trial.params, distributions=trial.distributions,
+        user_attrs=trial.user_attrs, system_attrs={"failed_trial": trial.number}))
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = None, worker_index: int = 0) -> list[int]:
+    """Run trials until the study holds ``n_trials`` finished or running ones; returns their numbers."""
+    from ..config import ConfigError
+    from ..engine.models import ModelPathError
+    from ..engine.fit import train
+
+    n_trials = n_trials or spec.n_trials
+    failures, max_failures, duplicates = 0, 3, 0
+    study = open_study(spec, worker_index)
+    lock = spec.trials_dir / ".study.lock"
+    done = []
+
+    def on_term(signum, frame):
+        raise _Interrupted(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        while True:
+            with _file_lock(lock):
+                optuna.storages.fail_stale_trials(study)  # a killed worker's trial -> FAIL + re-queued
+                counted = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
+                                                                   TrialState.RUNNING))
+                if len(counted) >= n_trials:
+                    if not any(t.state == TrialState.RUNNING for t in counted):
+                        break
+                    trial = None  # others still run: wait, so a dead worker's trial is re-queued and run here
+                else:
+                    trial = study.ask()
+            if trial is None:
+                time.sleep(spec.heartbeat_interval)
+                continue
+            stop = _heartbeat(study._storage, trial._trial_id, spec.heartbeat_interval)
+            params = suggest(trial, spec.params)
+            if _already_run(study, trial, params):  # never run a finished point twice (FAIL is not counted)
+                stop.set()
+                study.tell(trial, state=TrialState.FAIL)
+                duplicates += 1
+                if duplicates >= 20:
+                    raise RuntimeError("the sampler proposed 20 points that had already run: the search space is "
+                                       "exhausted; lower n_trials or widen the space")
+                continue
+            done.append(trial.number)
+            try:
+                run_dir = Path(trial.user_attrs.get("run_dir") or spec.trials_dir / f"trial_{trial.number:04d}")
+                trial.set_user_attr("run_dir", str(run_dir))
+                trial.set_user_attr("worker", f"{os.uname().nodename}:{os.getpid()}")
+                cfg = compose_trial_cfg(spec, params, run_dir, extra)
+                pruning = OptunaPruning(trial)
+                metrics, _ = train(cfg, callbacks=[pruning])
+                if pruning.pruned:
+                    study.tell(trial, state=TrialState.PRUNED)
+                    continue
+                key = next(k for k in metrics if k.startswith("eval/avg/"))
+                study.tell(trial, float(metrics[key]))
+                log.info("trial %d: %s = %.4f %s", trial.number, key, metrics[key], params)
+            except (KeyboardInterrupt, _Interrupted):
+                frozen = study._storage.get_trial(trial._trial_id)
+                study.tell(trial, state=TrialState.FAIL)
+                _requeue(study, frozen)
+                log.warning("trial %d interrupted: re-queued; run the same command to resume it", trial.number)
+                raise
+            except (StudyFileError, ConfigError, ModelPathError):  # every trial would fail the same way
+                study.tell(trial, state=TrialState.FAIL)
+                raise
+            except Exception:
+                log.exception("trial %d failed", trial.number)
+                study.tell(trial, state=TrialState.FAIL)
+                failures += 1
+                if failures >= max_failures:
+                    raise RuntimeError(f"{failures} trials failed in this worker; see the log above") from None
+            finally:
+                stop.set()
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    return done
+
+
+def summary(spec: StudySpec) -> str:
+    study = open_study(spec)
+    states = {}
+    for t in study.get_trials(deepcopy=False):
+        states[t.state.name] = states.get(t.state.name, 0) + 1
+    lines = [f"study {spec.study_name} ({spec.storage}): " + ", ".join(f"{k.lower()} {v}" for k, v in sorted(states.items()))]
+    if states.get("COMPLETE"):
+        b = study.best_trial
+        lines.append(f"best: trial {b.number}, value {b.value:.4f}, params {b.params}, run {b.user_attrs.get('run_dir')}")
+    lines.append(f"dashboard: optuna-dashboard {spec.storage}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("study", help="a study file, e.g. conf/hparams_search/ema_topk.yaml")
+    ap.add_argument("--n-trials", type=int, help="total trials of the study (over all workers); default: the file's")
+    ap.add_argument("--workers", type=int, default=1, help="worker processes to start on this machine")
+    ap.add_argument("--storage", help="override the file's storage URL")
+    ap.add_argument("--worker-index", type=int, default=0,
+                    help="this worker's index when workers are started separately (SLURM array: $SLURM_ARRAY_TASK_ID); "
+                         "offsets the sampler seed")
+    a, extra = ap.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
+    try:
+        spec = load_study_spec(a.study)
+    except StudyFileError as e:
+        raise SystemExit(f"study file error: {e}") from None
+    if a.storage:
+        spec.storage = a.storage
+    n = a.n_trials or spec.n_trials
+    if a.workers > 1:
+        threads = max(1, (os.cpu_count() or 2) // a.workers)
+        cmd = [sys.executable, "-m", "ema_pg.search", a.study, "--n-trials", str(n), "--storage", spec.storage,
+               f"trainer.num_threads={threads}", *extra]
+        procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=os.getcwd()) for i in range(a.workers)]
+        rcs = [p.wait() for p in procs]
+        print(summary(spec))
+        return max(rcs)
+    try:
+        run_worker(spec, extra, n, a.worker_index)
+    except StudyFileError as e:
+        raise SystemExit(f"study file error: {e}") from None
+    except ValueError as e:  # ConfigError / ModelPathError: the overrides or the model path
+        raise SystemExit(f"config error: {e}") from None
+    except (KeyboardInterrupt, _Interrupted):
+        print("interrupted; run the same command again to resume the study", file=sys.stderr)
+        return 130
+    print(summary(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

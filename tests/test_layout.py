@@ -1,0 +1,37 @@
+"""The three floors (README, "Layout"): import-linter's contracts hold, and every module at the package's
+root is named in a contract or is a command entry a few lines long."""
+
+import pkgutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import ema_pg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def contracts() -> list[dict]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def test_the_import_contracts_hold():
+    out = subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--no-cache", "--no-logo"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert f"{len(contracts())} kept, 0 broken" in out.stdout
+
+
+def test_every_root_module_has_a_floor():
+    algorithm = set(next(c for c in contracts() if c["type"] == "forbidden")["source_modules"])
+    floors = {"ema_pg.engine", "ema_pg.workbench"}
+    for m in pkgutil.iter_modules(ema_pg.__path__):
+        name = f"ema_pg.{m.name}"
+        if name in algorithm or name in floors:
+            continue
+        assert not m.ispkg, f"the package {name} is in no import contract (pyproject.toml): give it a floor"
+        src = (ROOT / "ema_pg" / f"{m.name}.py").read_text()
+        entry = 'if __name__ == "__main__":' in src and len(src.splitlines()) < 60
+        assert entry, (f"{name} is neither in the algorithm's import contract (pyproject.toml) nor a command entry "
+                       "of a few lines; add it to the contract, or move it into ema_pg/engine or ema_pg/workbench")

@@ -99,16 +99,23 @@ class KLConfig:
 
 @dataclass
 class AnchorConfig:
-    """The anchor (reference) policy (ema_pg/engine/anchor.py has the schemes). ``anchor=fixed`` is the preset
-    ``eta: 1.0`` (standard GRPO), ``anchor=reset`` the preset ``eta: 0.0`` (a hard reset every update_every)."""
+    """The anchor (reference) policy: a scheme of the registry ``ema_pg.anchors.SCHEMES`` (or none). The
+    scheme parameters left None take the scheme's registry default (``fill_defaults`` writes them in);
+    a parameter of another scheme is left as written and unused (a sweep over schemes may set each one's)."""
 
-    name: str = "ema"  #: ema (EMA of the policy; eta 1 = fixed, 0 = hard reset) | sync (peers' soft sync) | teacher | none
-    eta: float = 0.9  #: EMA coefficient, theta_ema <- eta theta_ema + (1 - eta) theta (eq. 2); 1.0 = fixed
-    update_every: int = 10  #: T_ema: iterations between EMA updates (Alg 3, line 25)
+    name: str = "ema"  #: fixed | ema | reset | sync | bema | teacher (ema_pg.anchors) | none (no anchor, no KL)
     eval_every: int = 0  #: evaluate the anchor policy itself every N iterations (0 = never)
-    sync_alpha: float = 0.6  #: sync: theta_ref <- (1 - alpha) theta_ref + alpha theta (TRL ref_model_mixup_alpha)
-    sync_steps: int = 512  #: sync: optimizer steps between mixes (TRL ref_model_sync_steps)
     path: str | None = None  #: the anchor's initial weights from a local model folder (None = the initial policy)
+    eta: float | None = None  #: ema: theta_ema <- eta theta_ema + (1 - eta) theta (eq. 2); fixed pins 1, reset 0
+    update_every: int | None = None  #: ema, reset, bema: T_ema, iterations between updates (Alg 3, line 25)
+    sync_alpha: float | None = None  #: sync: theta_ref <- (1 - alpha) theta_ref + alpha theta (TRL ref_model_mixup_alpha)
+    sync_steps: int | None = None  #: sync: optimizer steps between mixes (TRL ref_model_sync_steps)
+    ema_power: float | None = None  #: bema: kappa, beta_t = (lag + multiplier t)^-kappa
+    bias_power: float | None = None  #: bema: the correction's power, alpha_t = (lag + multiplier t)^-bias_power
+    lag: float | None = None  #: bema: rho, the schedules' starting age
+    multiplier: float | None = None  #: bema: gamma, the schedules' rate
+    min_ema_multiplier: float | None = None  #: bema: the floor of beta_t
+    update_after: int | None = None  #: bema: tau, the iteration at which theta_0 and the EMA start from the policy
 
 
 @dataclass
@@ -197,7 +204,6 @@ class Config:
     name: str = "${kl.name}-${anchor.name}"  #: a short label for the run (experiments set it)
 
 
-ANCHORS = ("ema", "sync", "teacher", "none")  #: anchor.name choices (ema_pg.engine.anchor.SCHEMES + none)
 
 
 def flatten(d: dict, prefix: str = "") -> dict:
@@ -253,19 +259,48 @@ def kl_params(kl_cfg) -> dict:
     return out
 
 
-def fill_defaults(cfg: DictConfig) -> DictConfig:
+def fill_defaults(cfg: DictConfig, estimator=None) -> DictConfig:
     """Write the estimator parameters in force (registry defaults included) into ``cfg.kl``.
 
     The saved ``config.yaml`` then states every value the run used, and two configs that run the
     same estimator compare equal whether or not a default was spelled out.
     """
-    from .kl import get_estimator
-
-    est = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
+    est = estimator or build_estimator(cfg.kl)
+    scheme = build_scheme(cfg.anchor)
     with open_dict(cfg):
         for key, v in est.params.items():
             cfg.kl[key] = list(v) if isinstance(v, tuple) else v
+        for key, v in (scheme.params if scheme is not None else {}).items():
+            cfg.anchor[key] = v
     return cfg
+
+
+def build_estimator(kl_cfg):
+    """The run's KL estimator (``ema_pg.kl``) from ``cfg.kl``; a bad value is a ConfigError naming it."""
+    from .kl import get_estimator
+
+    try:
+        return get_estimator(kl_cfg.name, **kl_params(kl_cfg))
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"kl: {e}") from None
+
+
+def build_scheme(an_cfg):
+    """The run's anchor scheme (``ema_pg.anchors``) from ``cfg.anchor`` (None for anchor=none); the parameters
+    of another scheme are left unused; a bad value is a ConfigError naming it."""
+    from .anchors import SCHEMES, get_scheme
+
+    if an_cfg.name == "none":
+        return None
+    if an_cfg.name not in SCHEMES:
+        raise ConfigError(f"anchor.name={an_cfg.name!r}; choose one of: {', '.join([*SCHEMES, 'none'])}")
+    takes = SCHEMES[an_cfg.name].defaults
+    try:
+        return get_scheme(an_cfg.name, **{k: an_cfg.get(k) for k in takes if an_cfg.get(k) is not None})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_finite(cfg) -> None:
@@ -338,11 +373,11 @@ def eval_settings_problem(ro) -> str | None:
     return None
 
 
-def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) -> None:
-    """Range and combination checks; raises ConfigError naming the knob and the fix.
+def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, estimator=None):
+    """Range and combination checks; raises ConfigError naming the knob and the fix. Returns the run's KL
+    estimator (``estimator``, when given, is the one built by an earlier call: it is not built again).
 
     ``vocab_size`` and ``head_dim`` (the built model's) add the checks that need the model."""
-    from .kl import get_estimator
     from .losses import ADV_NORMS, LOSS_AGGS
 
     a, an = cfg.algo, cfg.anchor
@@ -399,19 +434,14 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         bad(f"if_exists={cfg.if_exists!r}; choose error (refuse to touch an existing run) or resume (continue it)")
     if a.reward_kl not in ("none", "sequence"):
         bad(f"algo.reward_kl={a.reward_kl!r}; choose none or sequence")
-    if an.name not in ANCHORS:
-        bad(f"anchor.name={an.name!r}; choose one of: {', '.join(ANCHORS)} (anchor=fixed is ema with eta=1.0)")
-    if not (0.0 <= an.eta <= 1.0):
-        bad(f"anchor.eta must be in [0, 1] (1.0 = fixed anchor; the paper recommends 0.9-0.95); got {an.eta}")
-    if an.update_every < 1:
-        bad(f"anchor.update_every must be >= 1 (paper: 10); got {an.update_every}")
-    if an.name == "sync" and not (0.0 < an.sync_alpha <= 1.0 and an.sync_steps >= 1):
-        bad(f"anchor=sync needs anchor.sync_alpha in (0, 1] and anchor.sync_steps >= 1 (TRL: 0.6, 512); got "
-            f"{an.sync_alpha}, {an.sync_steps}")
-    if an.name == "teacher" and not an.path:
+    scheme = build_scheme(an)
+    if scheme is not None and not scheme.spec.follows and not an.path:
         bad("anchor=teacher needs model.teacher_path=DIR, a local model folder (save_pretrained) with the policy's "
             "tokenizer")
-    if an.name in ("sync", "teacher") or an.path:
+    if cfg.monitor.every and (scheme is None or scheme.params.get("eta") is None):
+        bad(f"monitor.every: the stability bound (eq. 28) reads the anchor's eta; anchor={an.name} has none: use "
+            "anchor=ema, fixed or reset, or monitor.every=0")
+    if an.name in ("sync", "bema", "teacher") or an.path:
         if str(cfg.trainer.strategy) == "deepspeed_stage_3":
             bad(f"anchor={an.name}{' with anchor.path' if an.path else ''} is not built under deepspeed_stage_3 "
                 "(its anchor is not partitioned); use deepspeed_stage_2, ddp or cpu")
@@ -473,12 +503,7 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
         bad(problem)
     if cfg.rollout.max_new_tokens < 1:
         bad(f"rollout.max_new_tokens must be >= 1; got {cfg.rollout.max_new_tokens}")
-    try:
-        est = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"kl: {e}") from None
+    est = estimator or build_estimator(cfg.kl)
     if vocab_size is not None and est.k > vocab_size:
         bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
     tiny = not OmegaConf.is_interpolation(cfg.model, "path") and not cfg.model.path
@@ -537,3 +562,4 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) ->
 
         if not torch.cuda.is_available():
             bad(f"trainer={cfg.trainer.name} asks for a GPU but CUDA is not available; use trainer=cpu")
+    return est

@@ -11,8 +11,8 @@
         loss = grpo_loss(cur, old, adv, mask, kl)  ->  updater.step(loss)   (J: algo.loss = ppo | gspo | cispo)
         critic.update(minibatch, values, returns)               # PPO only
 
-The EMA update of the anchor is not part of the step: the caller applies it after the step
-(:class:`ema_pg.engine.anchor.EMAAnchor`). Departures from the paper's Algorithm 3, all deliberate:
+The anchor's scheme is not part of the step: the caller applies it after the step and after each
+optimizer step (:class:`ema_pg.anchors.follow.Anchor`; in a run, :class:`ema_pg.engine.anchor.AnchorCallback`). Departures from the paper's Algorithm 3, all deliberate:
 
 - prompts, sampling and minibatch order are seeded by (seed, iteration), so a resumed run
   repeats an uninterrupted one exactly; each prompt samples from its own stream, so several
@@ -142,9 +142,10 @@ class TorchUpdater:
     """:class:`Updater` over a plain torch optimizer (tests, benchmarks, scripts), with the :class:`FiniteGuard`."""
 
     def __init__(self, params, optimizer: torch.optim.Optimizer, scheduler=None, grad_clip: float = 0.0,
-                 max_bad_steps: int = 3):
+                 max_bad_steps: int = 3, after_step: Callable[[], None] | None = None):
         self.params, self.opt, self.sched, self.grad_clip = list(params), optimizer, scheduler, grad_clip
         self.guard = FiniteGuard(max_bad_steps)
+        self.after_step = after_step  # run after every applied optimizer step (an anchor's soft sync counts them)
 
     def step(self, loss: Tensor) -> dict[str, float]:
         self.opt.zero_grad(set_to_none=True)
@@ -163,6 +164,8 @@ class TorchUpdater:
         self.guard.check_params(self.params)
         if self.sched is not None:
             self.sched.step()
+        if self.after_step is not None:
+            self.after_step()
         return out
 
     @property

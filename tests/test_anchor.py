@@ -1,6 +1,7 @@
 import torch
 
-from ema_pg.engine.anchor import EMAAnchor
+from ema_pg.anchors import get_scheme
+from ema_pg.engine.anchor import AnchorCallback
 
 
 def net(dtype=torch.float32):
@@ -10,13 +11,13 @@ def net(dtype=torch.float32):
 
 def test_ema_update_is_eq_2():
     pol = net()
-    an = EMAAnchor(eta=0.9, update_every=1)
+    an = AnchorCallback(get_scheme("ema", eta=0.9, update_every=1))
     an.attach(pol)
     theta0 = [p.detach().clone() for p in pol.parameters()]
     with torch.no_grad():
         for p in pol.parameters():
             p.add_(1.0)
-    an.update(pol)
+    an.anchor.apply(pol, 1)
     for p0, p, pa in zip(theta0, pol.parameters(), an.model.parameters()):
         assert torch.allclose(pa, 0.9 * p0 + 0.1 * p)
     lag = sum(((p - pa) ** 2).sum() for p, pa in zip(pol.parameters(), an.model.parameters())) ** 0.5
@@ -25,26 +26,26 @@ def test_ema_update_is_eq_2():
 
 def test_fixed_anchor_never_moves():
     pol = net()
-    an = EMAAnchor(eta=1.0)
+    an = AnchorCallback(get_scheme("fixed"))
     an.attach(pol)
     before = [p.clone() for p in an.model.parameters()]
     with torch.no_grad():
         for p in pol.parameters():
             p.add_(5.0)
-    an.update(pol)
+    an.anchor.apply(pol, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, an.model.parameters()))
 
 
 def test_fp32_master_keeps_small_updates_a_bf16_copy_would_lose():
     pol = net(torch.bfloat16)
-    an = EMAAnchor(eta=0.999, update_every=1)
+    an = AnchorCallback(get_scheme("ema", eta=0.999, update_every=1))
     an.attach(pol)
     start = {n: t.clone() for n, t in an.master.items()}
     with torch.no_grad():
         for p in pol.parameters():
             p.add_(0.01)  # each EMA step moves the anchor by 1e-5: below bf16 resolution near 0.3
     for _ in range(100):
-        an.update(pol)
+        an.anchor.apply(pol, 1)
     moved = torch.cat([(an.master[n] - start[n]).flatten() for n in start])
     assert moved.min() > 5e-4  # 100 steps of ~1e-5 accumulated in fp32
     naive = [start[n].to(torch.bfloat16) for n in start]
@@ -56,13 +57,13 @@ def test_fp32_master_keeps_small_updates_a_bf16_copy_would_lose():
 
 def test_state_round_trip():
     pol = net()
-    a = EMAAnchor(eta=0.5)
+    a = AnchorCallback(get_scheme("ema", eta=0.5))
     a.attach(pol)
     with torch.no_grad():
         for p in pol.parameters():
             p.mul_(3.0)
-    a.update(pol)
-    b = EMAAnchor(eta=0.5)
+    a.anchor.apply(pol, 1)
+    b = AnchorCallback(get_scheme("ema", eta=0.5))
     b.load_state_dict(a.state_dict())  # before attach: applied on attach
     b.attach(net())
     assert b.updates == 1
@@ -99,27 +100,27 @@ def test_fisher_trace_is_the_mean_squared_score_norm():
 
 def test_reset_anchor_is_the_policy_after_each_update():
     pol = net()
-    an = EMAAnchor(eta=0.0, update_every=1)  # anchor=reset
+    an = AnchorCallback(get_scheme("reset", update_every=1))  # anchor=reset
     an.attach(pol)
     with torch.no_grad():
         for p in pol.parameters():
             p.mul_(3.0).add_(0.5)
     assert an.lag_norm(pol) > 0
-    an.update(pol)
+    an.anchor.apply(pol, 1)
     assert all(torch.equal(a, p) for a, p in zip(an.model.parameters(), pol.parameters()))
     assert an.lag_norm(pol) == 0.0
 
 
 def test_sync_mixes_every_sync_steps_optimizer_steps_in_the_anchors_dtype():
     pol = net(torch.bfloat16)
-    an = EMAAnchor(eta=0.9, update_every=1, scheme="sync", sync_alpha=0.6, sync_steps=3)
+    an = AnchorCallback(get_scheme("sync", sync_alpha=0.6, sync_steps=3))
     an.attach(pol)
     assert an.master == {}  # no fp32 master: the anchor's own weights are mixed
     ref0 = [p.detach().clone() for p in an.model.parameters()]
     with torch.no_grad():
         for p in pol.parameters():
             p.add_(1.0)
-    an.update(pol)  # the iteration-based EMA update does nothing under sync
+    an.anchor.after_iteration(pol, 1)  # the iteration clock does nothing under sync
     an.after_optimizer_step(pol)
     an.after_optimizer_step(pol)
     assert all(torch.equal(a, b) for a, b in zip(ref0, an.model.parameters())) and an.updates == 0
@@ -129,7 +130,7 @@ def test_sync_mixes_every_sync_steps_optimizer_steps_in_the_anchors_dtype():
         assert a.dtype == torch.bfloat16 and torch.equal(a, want)
     assert an.updates == 1 and an.optimizer_steps == 3
     state = an.state_dict()
-    b = EMAAnchor(eta=0.9, update_every=1, scheme="sync", sync_alpha=0.6, sync_steps=3)
+    b = AnchorCallback(get_scheme("sync", sync_alpha=0.6, sync_steps=3))
     b.attach(net(torch.bfloat16))
     b.load_state_dict(state)
     assert all(torch.equal(x, y) for x, y in zip(an.model.parameters(), b.model.parameters()))
@@ -140,6 +141,6 @@ def test_anchor_scheme_arguments_are_checked():
     import pytest
 
     with pytest.raises(ValueError, match="sync_alpha"):
-        EMAAnchor(scheme="sync", sync_alpha=0.0, sync_steps=1)
+        get_scheme("sync", sync_alpha=0.0, sync_steps=1)
     with pytest.raises(ValueError, match="teacher_path"):
-        EMAAnchor(eta=1.0, scheme="teacher")
+        AnchorCallback(get_scheme("teacher"))

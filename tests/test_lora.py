@@ -8,7 +8,8 @@ from helpers import compose_cfg
 
 pytest.importorskip("peft")
 
-from ema_pg.engine.anchor import EMAAnchor  # noqa: E402
+from ema_pg.anchors import get_scheme
+from ema_pg.engine.anchor import AnchorCallback  # noqa: E402
 from ema_pg.heads import head  # noqa: E402
 from ema_pg.engine.lora import ANCHOR, POLICY, adapter_params, wrap_lora  # noqa: E402
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer  # noqa: E402
@@ -36,7 +37,7 @@ def nudge(params, scale, seed):
 def test_the_anchor_adapter_scores_like_a_copy_without_copying_the_base(lora_policy):
     pol, ro = lora_policy
     n_before = sum(p.numel() for p in pol.parameters())
-    an = EMAAnchor(eta=0.5, update_every=1)
+    an = AnchorCallback(get_scheme("ema", eta=0.5, update_every=1))
     an.attach(pol)
     added = sum(p.numel() for p in pol.parameters()) - n_before
     assert added == sum(p.numel() for p in adapter_params(pol, POLICY).values())  # one adapter more, no base copy
@@ -44,7 +45,7 @@ def test_the_anchor_adapter_scores_like_a_copy_without_copying_the_base(lora_pol
     assert all(p.requires_grad for p in adapter_params(pol, POLICY).values())
     base_before = {n: p.clone() for n, p in pol.named_parameters() if "lora_" not in n}
     nudge(adapter_params(pol, POLICY), 0.3, 1)  # the policy moves away from the anchor
-    an.update(pol)  # EMA of the adapters: anchor = 0.5 start + 0.5 policy
+    an.anchor.apply(pol, 1)  # EMA of the adapters: anchor = 0.5 start + 0.5 policy
     with torch.no_grad():
         got = head(an.model, ro).logp
         ref = copy.deepcopy(pol)  # what the anchor should be: the policy with the anchor's adapter weights
@@ -61,11 +62,11 @@ def test_the_anchor_adapter_scores_like_a_copy_without_copying_the_base(lora_pol
 
 def test_lora_ema_is_eq_2_on_the_adapters(lora_policy):
     pol, _ = lora_policy
-    an = EMAAnchor(eta=0.9, update_every=1)
+    an = AnchorCallback(get_scheme("ema", eta=0.9, update_every=1))
     an.attach(pol)
     start = {n: t.clone() for n, t in an.master.items()}
     nudge(adapter_params(pol, POLICY), 0.1, 2)
-    an.update(pol)
+    an.anchor.apply(pol, 1)
     cur = adapter_params(pol, POLICY)
     anc = adapter_params(pol, ANCHOR)
     for n in start:

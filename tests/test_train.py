@@ -149,6 +149,8 @@ def test_run_folder_rebuilds_its_policy_without_the_cache_from_another_directory
             == pd.read_csv(run / "metrics.csv").dropna(subset=["eval/avg/em"])["eval/avg/em"].iloc[0])
     assert not cache.exists()
     # export: a save_pretrained folder of the policy and of the anchor that from_pretrained loads
+    from ema_pg.engine.anchor import anchor_state
+
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     export_main([str(run), str(tmp_path / "policy")])
     export_main([str(run), str(tmp_path / "anchor"), "--anchor"])
@@ -156,7 +158,7 @@ def test_run_folder_rebuilds_its_policy_without_the_cache_from_another_directory
     anc = AutoModelForCausalLM.from_pretrained(tmp_path / "anchor", local_files_only=True)
     w = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(pol.state_dict()[w], ckpt["state_dict"][f"policy.{w}"])
-    master = next(v for k, v in ckpt["callbacks"].items() if k.startswith("EMAAnchor"))["master"]
+    master = anchor_state(ckpt)["master"]
     assert torch.equal(anc.state_dict()[w], master[w]) and not torch.equal(anc.state_dict()[w], pol.state_dict()[w])
     # model=local trains from the export
     metrics, _ = train(compose_cfg(["model=local", f"model.path={tmp_path / 'policy'}", "model.dtype=float32",

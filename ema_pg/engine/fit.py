@@ -16,11 +16,11 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 
-from ..config import ConfigError, validate
+from ..config import ConfigError, build_scheme, validate
 from ..heads import check_head
 from ..prompts import PromptEncoder
 from ..tasks import ServiceError, build_task
-from .anchor import EMAAnchor
+from .anchor import AnchorCallback
 from .models import ModelPathError
 from .module import GRPOModule
 from .plotting import plot_run
@@ -55,7 +55,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     except (ValueError, ServiceError, NotImplementedError) as e:  # NoColdStart is a ValueError
         raise ConfigError(str(e)) from None
     mc = policy.config
-    validate(cfg, vocab_size=mc.vocab_size,
+    validate(cfg, vocab_size=mc.vocab_size, estimator=opened.estimator,
              head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
     if cfg.model.lora_rank:  # the base is frozen; only the adapters train (and the anchor is an adapter too)
         from .lora import wrap_lora
@@ -63,14 +63,12 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         policy = wrap_lora(policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
     anchor = None
     if cfg.anchor.name != "none":
-        an = cfg.anchor
-        anchor = EMAAnchor(eta=an.eta, update_every=an.update_every, eval_every=an.eval_every, scheme=an.name,
-                           sync_alpha=an.sync_alpha, sync_steps=an.sync_steps, path=an.path)
+        anchor = AnchorCallback(build_scheme(cfg.anchor), cfg.anchor.eval_every, cfg.anchor.path)
         try:
             anchor.attach(policy)
         except (ValueError, ModelPathError) as e:
             raise ConfigError(str(e)) from None
-    module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode)
+    module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, estimator=opened.estimator)
     if is_rank_zero():  # what the model reads, once: the chat template (or not), the BOS, the instruction
         log.info("prompts as the model reads them (%s), e.g.:\n%s", encode.describe(),
                  tok.decode(encode.encode(task.sample(1, seed=cfg.seed)[0])))

@@ -4,7 +4,7 @@ The algorithm lives in :mod:`ema_pg.step`; this module only connects it to Light
 one ``training_step`` = one RL iteration (the dataloader yields iteration numbers), the
 optimizer update goes through the strategy (``manual_backward``, ``clip_gradients``), metrics
 go to the loggers, evaluations run at epoch ends, and the iteration counter and evaluation
-history travel in checkpoints. The EMA anchor is a callback (:class:`ema_pg.engine.anchor.EMAAnchor`).
+history travel in checkpoints. The anchor is a callback (:class:`ema_pg.engine.anchor.AnchorCallback`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ import math
 import lightning as L
 import torch
 
-from .anchor import EMAAnchor
+from .anchor import AnchorCallback
 from ..chunked import auto_chunk
-from ..config import ConfigError, kl_params
+from ..config import ConfigError, build_estimator
 from ..dist import World
 from .evaluate import eval_metrics, evaluate_policy
-from ..kl import get_estimator
 from .models import compile_body
 from .monitor import StabilityMonitor
 from ..prompts import PromptEncoder
@@ -41,15 +40,14 @@ class EvalCallback(L.Callback):
 class _StrategyUpdater:
     """The :class:`ema_pg.step.Updater` of a Lightning module: backward and clipping through the strategy."""
 
-    def __init__(self, module: GRPOModule, grad_clip: float, max_bad_steps: int):
-        self.module, self.grad_clip = module, grad_clip
+    def __init__(self, module: GRPOModule, grad_clip: float, max_bad_steps: int, deepspeed: bool, after_step=None):
+        self.module, self.grad_clip, self.deepspeed, self.after_step = module, grad_clip, deepspeed, after_step
         self.guard = FiniteGuard(max_bad_steps)
 
     def step(self, loss: torch.Tensor) -> dict[str, float]:
         opt, sched = self.module.optimizers(), self.module.lr_schedulers()
         opt.zero_grad(set_to_none=True)
-        engine = self.module.trainer.model
-        if hasattr(engine, "get_global_grad_norm"):  # DeepSpeed: gradients live in its partitions; it clips
+        if self.deepspeed:  # gradients live in DeepSpeed's partitions; it clips
             # (gradient_clipping = algo.grad_clip); every rank must skip together, so the loss check is global
             loss_bad = World.current().max(int(not torch.isfinite(loss.detach()).item()))
             if self.guard.bad(float("nan") if loss_bad else float(loss.detach())):
@@ -57,8 +55,9 @@ class _StrategyUpdater:
             self.module.manual_backward(loss)
             opt.step()
             sched.step()
-            self.module.after_optimizer_step()
-            return {"grad_norm": float(engine.get_global_grad_norm() or 0.0), "skipped_steps": 0.0}
+            if self.after_step is not None:
+                self.after_step()
+            return {"grad_norm": float(self.module.trainer.model.get_global_grad_norm() or 0.0), "skipped_steps": 0.0}
         if self.guard.bad(float(loss.detach())):
             return {"skipped_steps": 1.0}
         self.module.manual_backward(loss)  # DDP: gradients are all-reduced here, so every rank sees one norm
@@ -72,7 +71,8 @@ class _StrategyUpdater:
         opt.step()
         self.guard.check_params(self.module.policy.parameters())
         sched.step()
-        self.module.after_optimizer_step()
+        if self.after_step is not None:
+            self.after_step()
         return {"grad_norm": norm, "skipped_steps": 0.0}
 
     @property
@@ -81,14 +81,17 @@ class _StrategyUpdater:
 
 
 class GRPOModule(L.LightningModule):
-    def __init__(self, cfg, policy, tokenizer, task, anchor: EMAAnchor | None = None, encode: PromptEncoder | None = None):
+    def __init__(self, cfg, policy, tokenizer, task, anchor: AnchorCallback | None = None,
+                 encode: PromptEncoder | None = None, estimator=None):
         super().__init__()
         self.cfg, self.policy, self.tokenizer, self.task, self.anchor = cfg, policy, tokenizer, task, anchor
         self.automatic_optimization = False
-        self.estimator = get_estimator(cfg.kl.name, **kl_params(cfg.kl))
-        self.sampler = build_sampler(cfg.rollout, tokenizer)
+        self.estimator = estimator or build_estimator(cfg.kl)  # the run's, built once (ema_pg.engine.runs.open_run)
+        self.sampler = build_sampler(cfg.rollout, tokenizer, lora=bool(cfg.model.lora_rank))
         self.encode = encode or PromptEncoder(tokenizer, cfg.task.get("chat_template", "auto"))  # the one prompt -> ids
-        self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps)
+        self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps,
+                                        deepspeed="deepspeed" in str(cfg.trainer.strategy),
+                                        after_step=None if anchor is None else lambda: anchor.after_optimizer_step(policy))
         self.critic = None
         if cfg.algo.advantage == "gae":  # PPO's value model: its own optimizer, saved in checkpoints
             from ..critic import Critic
@@ -151,11 +154,6 @@ class GRPOModule(L.LightningModule):
         every = self.cfg.monitor.grad_ratio_every
         return bool(every) and iteration % every == 0
 
-    def after_optimizer_step(self) -> None:
-        """Called after every applied optimizer step (the anchor's soft sync counts them)."""
-        if self.anchor is not None:
-            self.anchor.after_optimizer_step(self.policy)
-
     def _warn_collapse(self, metrics: dict) -> None:
         """A policy that was peaked and is now at (near) uniform entropy, earning nothing, has collapsed: say
         so once. A policy that starts uniform (a random initialization, as in the benchmarks) is not warned."""
@@ -208,7 +206,7 @@ class GRPOModule(L.LightningModule):
                               f"{w} whose per-process share divides each process's {a.prompts_per_step * a.group_size // w} rows")
 
     def on_fit_start(self) -> None:
-        if any(zero3_partitioned(p) for p in self.policy.parameters()) and hasattr(self.sampler, "lockstep"):
+        if any(zero3_partitioned(p) for p in self.policy.parameters()):
             self.sampler.lockstep = World.current()  # every forward is collective under ZeRO-3
         if self.cfg.model.compile:  # after the anchor's copy (attached at setup): each model compiles its own body
             for model in (self.policy, None if self.anchor is None else self.anchor.model):

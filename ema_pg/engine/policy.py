@@ -77,17 +77,16 @@ def _policy_weights(ckpt: Path, state: dict) -> dict:
 
 
 def _anchor_weights(ckpt: Path, state: dict, model) -> dict:
-    anchors = [v for k, v in state.get("callbacks", {}).items() if k.startswith("EMAAnchor")]
-    if not anchors:
+    from .anchor import anchor_state, load_shard
+
+    a = anchor_state(state)
+    if a is None:
         raise ValueError(f"{ckpt} holds no anchor (the run used anchor=none)")
-    a = anchors[0]
     if "teacher" in a:
         raise ValueError(f"{ckpt}: the anchor is the teacher model at {a['teacher']}; load it from there")
     if "shards" not in a:
         return a["master"]
     # ZeRO-3: each rank saved the fp32 master of its partition; a parameter is its ranks' pieces end to end
-    from .anchor import load_shard
-
     it, world = a["shards"]["iteration"], a["shards"]["world_size"]
     shard_dir = Path(ckpt).parent / "anchor_shards"
     parts = [load_shard(shard_dir, it, r) for r in range(world)]

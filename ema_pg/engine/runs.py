@@ -155,12 +155,15 @@ def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
 def upgraded(saved: DictConfig) -> DictConfig:
     """A saved config as the current code reads it: knobs added to the schema after the run was saved take
     their defaults (which keep the old behaviour), as do the estimator's parameters (its registry)."""
+    from ..anchors import scheme_of
     from ..config import Config, fill_defaults
 
     from ..tasks import task_defaults
 
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
+        if "anchor" in saved:  # saved before the scheme registry: fixed and reset were the EMA at eta 1 and 0
+            merged.anchor.name = scheme_of(OmegaConf.to_container(saved.anchor))
         if "task" in saved and saved.task.get("name"):  # task knobs added later, at their defaults
             merged.task = OmegaConf.merge(task_defaults(saved.task.name), saved.task)
         return fill_defaults(merged)
@@ -277,6 +280,7 @@ class OpenedRun:
     ckpt_path: str | None = None
     resume_step: int | None = None
     skipped: dict | None = None
+    estimator: object = None  #: the run's KL estimator, built once (ema_pg.kl.Estimator)
 
 
 def open_run(cfg: DictConfig) -> OpenedRun:
@@ -304,8 +308,8 @@ def open_run(cfg: DictConfig) -> OpenedRun:
             cfg.resume, composed = str(run_dir), True
     if cfg.get("resume"):
         cfg = resolve_resume(cfg, composed=composed)
-    validate(cfg)
-    fill_defaults(cfg)
+    estimator = validate(cfg)
+    fill_defaults(cfg, estimator)
     run_dir = Path(cfg.run_dir)
     if cfg.get("resume"):
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -316,7 +320,7 @@ def open_run(cfg: DictConfig) -> OpenedRun:
                               "checkpoint yet (start it again instead)")
         ckpt, state = readable_checkpoint(run_dir)
         log.info("resuming %s from iteration %d", run_dir, int(state["ema_pg"]["iteration"]))
-        return OpenedRun(cfg, run_dir, str(ckpt), int(state["ema_pg"]["iteration"]))
+        return OpenedRun(cfg, run_dir, str(ckpt), int(state["ema_pg"]["iteration"]), estimator=estimator)
     if is_rank_zero():
         claimed = claim_run_dir(run_dir)
         if claimed != run_dir:
@@ -330,8 +334,8 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     if cfg.get("init_from"):
         ckpt, it = stage_start(cfg, run_dir)
         log.info("stage: starting from %s at iteration %d", ckpt, it)
-        return OpenedRun(cfg, run_dir, str(ckpt))
-    return OpenedRun(cfg, run_dir)
+        return OpenedRun(cfg, run_dir, str(ckpt), estimator=estimator)
+    return OpenedRun(cfg, run_dir, estimator=estimator)
 
 
 def record_run(opened: OpenedRun, policy, tokenizer) -> None:

@@ -6,9 +6,12 @@ from .base import OnStop, Rollouts, Sampler
 from .hf import HFSampler, sample_token
 
 
-def build_sampler(cfg, tokenizer) -> Sampler:
+def build_sampler(cfg, tokenizer, lora: bool = False) -> Sampler:
+    """The sampler of ``rollout=<name>``; ``lora``: the policy has LoRA adapters (the HF sampler's static cache,
+    when ``rollout.static_cache`` is null, is then not tried)."""
     if cfg.name == "hf":
-        return HFSampler(tokenizer, max_obs_tokens=cfg.max_obs_tokens, static_cache=cfg.static_cache)
+        static = False if cfg.static_cache is None and lora else cfg.static_cache
+        return HFSampler(tokenizer, max_obs_tokens=cfg.max_obs_tokens, static_cache=static)
     if cfg.name == "vllm":
         from .vllm import VLLMSampler
 

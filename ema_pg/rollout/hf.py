@@ -197,7 +197,7 @@ class HFSampler:
         was_training = model.training
         model.eval()
         pos = (am.cumsum(-1) - 1).clamp(min=0)
-        auto = dev.type == "cuda" and not hasattr(model, "peft_config")  # a LoRA policy: not tried under graphs
+        auto = dev.type == "cuda"  # (a LoRA policy's sampler is built with static_cache=False: build_sampler)
         static = (auto if self.static_cache is None else self.static_cache) and not stop \
             and self.lockstep is None and full_attention_layers(model) is not None
         if static:  # the mask of every column the cache holds, filled as columns are written

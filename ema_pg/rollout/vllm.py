@@ -94,6 +94,8 @@ def _row_seed(prompt_seed: int, sample: int, turn: int) -> int:
 class VLLMSampler:
     """Sampler over an in-process vLLM engine. ``cfg`` is the ``rollout`` config node."""
 
+    lockstep = None  # the engine holds its own weights: nothing to keep in step with ZeRO-3 (Sampler.lockstep)
+
     def __init__(self, tokenizer, cfg):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
         try:

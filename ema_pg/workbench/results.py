@@ -65,16 +65,14 @@ def find_runs(root: str | Path) -> list[Path]:
 def derived_columns(cfg: dict) -> dict:
     """Columns computed from a run's (nested) config values: method id, KL direction, IW clip, tail variant,
     anchor scheme (fixed / ema / reset / sync / teacher / none: ``anchor_scheme``)."""
+    from ..anchors import scheme_of
     from ..kl import get_estimator
 
     kl = dict(cfg.get("kl", {}))
     params = {k: v for k, v in kl.items() if k != "name" and v is not None}
     est = get_estimator(kl.get("name", "none"), **params)
     d = {"method": cfg.get("method") or "custom", "direction": est.direction or "none"}
-    an = dict(cfg.get("anchor", {}))
-    name = an.get("name", "ema")
-    eta = an.get("eta")
-    d["anchor_scheme"] = ("fixed" if eta == 1.0 else "reset" if eta == 0.0 else "ema") if name == "ema" else name
+    d["anchor_scheme"] = scheme_of(dict(cfg.get("anchor", {})))
     clip = est.params.get("iw_clip")
     if clip is not None:
         d["iw_clip"] = f"[{clip[0]:g}, {clip[1]:g}]"

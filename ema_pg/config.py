@@ -135,7 +135,7 @@ class AlgoConfig:
     warmup_steps: int = 0  #: linear LR warm-up length, in optimizer steps
     max_bad_steps: int = 3  #: consecutive updates skipped for a non-finite loss/gradient before the run stops
     reward_kl: str = "none"  #: none | sequence: subtract beta * sequence KL from the reward (WARP, eq. 10-12)
-    advantage: str = "group"  #: group (Monte-Carlo, GRPO: adv_norm applies) | gae (PPO with a critic, token level)
+    advantage: str = "group"  #: group (GRPO: adv_norm applies) | rloo | reinforce_pp | gae (PPO's critic): ema_pg.advantages
     gamma: float = 1.0  #: gae: discount over policy tokens
     lam: float = 1.0  #: gae: lambda of GAE
     critic_lr: float = 1e-5  #: gae: the value model's AdamW learning rate
@@ -407,8 +407,13 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if a.clip_ratio_c != 0 and (a.clip_ratio_c <= 1 or a.loss != "ppo"):
         bad(f"algo.clip_ratio_c={a.clip_ratio_c} is the dual clip of algo.loss=ppo and must be > 1 (peers use 3.0), "
             "or 0 to switch it off")
-    if a.advantage not in ("group", "gae"):
-        bad(f"algo.advantage={a.advantage!r}; choose group (Monte-Carlo, GRPO) or gae (PPO with a critic)")
+    from .advantages import ADVANTAGES, PER_TOKEN
+
+    if a.advantage not in ADVANTAGES:
+        bad(f"algo.advantage={a.advantage!r}; choose one of: {', '.join(ADVANTAGES)} (group: GRPO's; gae: PPO's critic)")
+    if a.advantage in PER_TOKEN and a.advantage != "gae" and a.loss == "gspo":
+        bad(f"algo.loss=gspo needs one advantage per sequence; algo.advantage={a.advantage} gives one per token: use "
+            "algo.loss=ppo or cispo")
     if a.advantage == "gae":
         if a.adv_norm == "group":
             bad("algo.advantage=gae gives token-level advantages: algo.adv_norm must be global (whitened over the "

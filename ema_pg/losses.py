@@ -18,6 +18,7 @@ Departures from the paper's text, all documented at their function:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -109,7 +110,9 @@ def gspo_surrogate(
     loss's value and gradient are GSPO's exactly (grad s_i = s_i * mean_t grad log pi_t).
     The paper of GSPO uses a much tighter clip than PPO (eps ~ 3e-4 / 4e-4): set algo.eps_low/high.
     """
-    m = mask.to(logp.dtype)
+    mb = mask.bool()  # masked positions to 0 first: a nan or -inf there would survive the product with 0
+    logp, logp_old = _masked(logp, mb), _masked(logp_old, mb)
+    m = mb.to(logp.dtype)
     log_s = ((logp - logp_old.detach()) * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # (B,)
     s = log_s.detach().exp()  # (B,)
     a = adv if adv.dim() == 1 else adv[:, 0]  # (B,) sequence-level
@@ -138,7 +141,12 @@ def cispo_surrogate(
     return J, {"ratio": r, "clipped_low": r < 1.0 - eps_low, "clipped_high": r > 1.0 + eps_high}  # weight clipped
 
 
-SURROGATES = ("ppo", "gspo", "cispo")  #: algo.loss choices
+#: the surrogate registry (``algo.loss``): each entry J(logp, logp_old, adv, mask, eps_low, eps_high, clip_ratio_c)
+SURROGATES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    "ppo": lambda logp, old, adv, mask, lo, hi, c: ppo_surrogate(logp, old, adv, lo, hi, c),  # dual clip: c > 1
+    "gspo": lambda logp, old, adv, mask, lo, hi, c: gspo_surrogate(logp, old, adv, mask, lo, hi),
+    "cispo": lambda logp, old, adv, mask, lo, hi, c: cispo_surrogate(logp, old, adv, lo, hi),
+}
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean", norm_len: int | None = None) -> Tensor:
@@ -166,6 +174,10 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean"
     else:
         per_seq = x.sum(-1) / float(norm_len or per_token.shape[-1])  # (B,)
     return per_seq.mean()
+
+
+def _masked(x: Tensor, m: Tensor) -> Tensor:
+    return torch.where(m, x, torch.zeros_like(x))
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -207,12 +219,11 @@ def grpo_loss(
     """
     if surrogate not in SURROGATES:
         raise ValueError(f"unknown surrogate {surrogate!r}; choose one of: {', '.join(SURROGATES)}")
-    if surrogate == "gspo":
-        J, info = gspo_surrogate(logp, logp_old, adv, mask, eps_low, eps_high)
-    elif surrogate == "cispo":
-        J, info = cispo_surrogate(logp, logp_old, adv, eps_low, eps_high)
-    else:
-        J, info = ppo_surrogate(logp, logp_old, adv, eps_low, eps_high, clip_ratio_c)
+    m = mask.bool()  # masked positions first set to 0: a nan or -inf there reaches neither the loss nor its gradient
+    logp, logp_old = _masked(logp, m), _masked(logp_old, m)
+    kl = None if kl is None else _masked(kl, m)
+    entropy = None if entropy is None else _masked(entropy, m)
+    J, info = SURROGATES[surrogate](logp, logp_old, adv, mask, eps_low, eps_high, clip_ratio_c)
     per_token = -J if pg_weight is None else -J * pg_weight.detach()
     if kl is not None and beta != 0.0:
         per_token = per_token + beta * kl
@@ -223,7 +234,6 @@ def grpo_loss(
     loss = aggregate(per_token, mask, loss_agg, norm_len)
     with torch.no_grad():
         ratio = info["ratio"]
-        m = mask.bool()
         metrics = {
             "pg_loss": aggregate(-J.detach() if pg_weight is None else -J.detach() * pg_weight, mask, loss_agg, norm_len),
             "kl": masked_mean(kl.detach(), mask) if kl is not None else torch.zeros(()),

@@ -37,8 +37,8 @@ from .heads import head
 from .kl import Estimator, KLInputs, sequence_kl_penalty
 from .kl.sampled import k3_core
 from .dist import World
-from .critic import gae, last_token_rewards, whiten
-from .losses import advantages, grpo_loss, masked_mean
+from .advantages import ADVANTAGES, NEEDS_CRITIC, AdvantageInputs
+from .losses import grpo_loss, masked_mean
 from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
 from .scores import ScoreRequest, TokenScores
@@ -180,6 +180,21 @@ def overlong_penalty(length: Tensor, max_len: int, buffer: int, factor: float) -
     return factor * (((max_len - buffer) - length.float()) / buffer).clamp(max=0.0)
 
 
+def shape_rewards(rewards: Tensor, rollouts: Rollouts, old: TokenScores, anchor: TokenScores | None, algo,
+                  rollout) -> tuple[Tensor, Tensor]:
+    """Reward shaping, one composed step: (the run's reward, the reward the advantages read), each (N,).
+
+    The run's reward is the task's plus DAPO's soft overlong punishment (eq. 13 of DAPO, ``algo.overlong_buffer``);
+    the advantages' subtracts WARP's sequence-level KL to the anchor from it (eq. 10-12, ``algo.reward_kl``)."""
+    mask = rollouts.response_mask
+    if algo.overlong_buffer > 0:
+        rewards = rewards + overlong_penalty(mask.sum(-1), rollout.max_new_tokens, algo.overlong_buffer,
+                                             algo.overlong_penalty).to(rewards.dtype)
+    if algo.reward_kl == "sequence":
+        return rewards, rewards - algo.beta * sequence_kl_penalty(old.logp, anchor.logp, mask)
+    return rewards, rewards
+
+
 def _sample_round(round_seed: int, *, policy, task, sampler, algo, rollout, score, world, device, offset: int,
                   encode=None):
     all_prompts = task.sample(algo.prompts_per_step, seed=round_seed)
@@ -280,34 +295,19 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
                                           rollout=rollout, score=scorer.request(), world=world, device=device,
                                           encode=encode)
     mask = rollouts.response_mask  # (N, T): policy tokens only (no prompt, observation or padding)
-    if algo.overlong_buffer > 0:  # DAPO's soft overlong punishment (eq. 13 of DAPO), added to the reward
-        rewards = rewards + overlong_penalty(mask.sum(-1), rollout.max_new_tokens, algo.overlong_buffer,
-                                             algo.overlong_penalty).to(rewards.dtype)
     if algo.mask_truncated and rollouts.truncated is not None:  # DAPO's overlong filtering: no loss on them
         mask = mask * (~rollouts.truncated).to(mask.dtype)[:, None]
     t1 = time.perf_counter()
 
-    # 2. pi_old, the anchor and the index set (Alg 3, lines 6-11); advantages
+    # 2. pi_old, the anchor and the index set (Alg 3, lines 6-11); shaped rewards; advantages
     scores = scorer(policy, anchor_model, rollouts)
     old, anchor = scores.old, scores.anchor
     t2 = time.perf_counter()
-    if algo.reward_kl == "sequence":  # WARP: the sequence-level KL is subtracted from the reward (eq. 10-12)
-        rewards_for_adv = rewards - algo.beta * sequence_kl_penalty(old.logp, anchor.logp, mask)
-    else:
-        rewards_for_adv = rewards
-    values = returns = None
-    if algo.advantage == "gae":  # PPO: token-level advantages from the critic (observation tokens skipped)
-        values = critic.values(rollouts)  # (N, T)
-        policy_tokens = rollouts.response_mask
-        adv, returns = gae(last_token_rewards(rewards_for_adv, policy_tokens), values, policy_tokens, algo.gamma,
-                           algo.lam)  # (N, T) each
-        if algo.adv_norm == "global":
-            adv = whiten(adv, mask)
-    elif algo.adv_norm == "global" and world.size > 1:  # mean and std over the whole batch, all ranks
-        adv = advantages(world.all_gather_cat(rewards_for_adv), algo.group_size, algo.adv_norm)[world.block(
-            world.size * len(rewards))]
-    else:
-        adv = advantages(rewards_for_adv, algo.group_size, algo.adv_norm)  # (N,)
+    rewards, shaped = shape_rewards(rewards, rollouts, old, anchor, algo, rollout)
+    values = critic.values(rollouts) if algo.advantage in NEEDS_CRITIC else None  # (N, T)
+    est = ADVANTAGES[algo.advantage](AdvantageInputs(shaped, algo.group_size, rollouts.response_mask, mask, world,
+                                                     algo.adv_norm, values, algo.gamma, algo.lam))
+    adv, returns = est.adv, est.returns  # (N,) or (N, T)
     engine_gap, tis = None, None
     if rollouts.engine_logp is not None:  # an inference engine sampled: its numerics differ from the trainer's
         engine_gap = (old.logp - rollouts.engine_logp) * mask  # log pi_old_train - log pi_engine, (N, T)

@@ -16,6 +16,7 @@ import lightning as L
 import torch
 
 from .anchor import AnchorCallback
+from ..advantages import ONE_PROCESS
 from ..chunked import auto_chunk
 from ..config import ConfigError, build_estimator
 from ..dist import World
@@ -195,9 +196,9 @@ class GRPOModule(L.LightningModule):
                               f"processes ({w}): each takes a block of whole prompt groups")
         if self.cfg.model.lora_rank and w > 1:
             raise ConfigError("model.lora_rank > 0 with several processes is not built; use one process")
-        if a.advantage == "gae" and w > 1:
-            raise ConfigError("algo.advantage=gae (PPO's critic) with several processes is not built: the value model "
-                              "is trained per process; use one process")
+        if a.advantage in ONE_PROCESS and w > 1:
+            raise ConfigError(f"algo.advantage={a.advantage} with several processes is not built (its statistics, and "
+                              "gae's value model, would be one process's); use one process")
         if a.dynamic_sampling and w > 1:
             raise ConfigError("algo.dynamic_sampling with several processes is not built (each rank would refill its "
                               "own share and their rounds would differ); use one process or algo.dynamic_sampling=false")

@@ -39,9 +39,6 @@ def no_kl(inp: KLInputs) -> Tensor:
     return torch.zeros_like(inp.logp)
 
 
-DIRECTIONS = ("reverse", "forward")
-
-
 @dataclass(frozen=True)
 class EstimatorSpec:
     """What the registry knows of one estimator: its function, defaults, needs and KL direction.

@@ -1,0 +1,84 @@
+"""Advantage estimators as a registry, like :mod:`ema_pg.kl`: ``algo.advantage`` picks one.
+
+    adv = ADVANTAGES[name](AdvantageInputs(rewards, group_size, tokens, mask, world, ...))
+
+``group``         GRPO's Monte-Carlo group baseline, scaled by ``algo.adv_norm`` (Appendix A, Fig 9):
+                  :func:`ema_pg.losses.advantages`; ``global`` z-scores over the whole batch, all ranks;
+``rloo``          REINFORCE leave-one-out: A_i = R_i - mean_{j != i} R_j over the prompt's group, unscaled;
+``reinforce_pp``  REINFORCE++-baseline: A_i = R_i - mean(group), broadcast to the response's tokens and
+                  whitened over every policy token of the batch (one process);
+``gae``           PPO's token-level GAE from a critic's values (``algo.gamma``, ``algo.lam``), whitened
+                  over the batch when ``algo.adv_norm=global``; returns the value targets too.
+
+An estimator returns (N,) per-sequence or (N, T) per-token advantages; the surrogates take either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .critic import gae as gae_recursion
+from .critic import last_token_rewards
+from .critic import whiten
+from .dist import World
+from .losses import advantages as group_advantages
+
+
+@dataclass
+class AdvantageInputs:
+    rewards: Tensor  # (N,) this rank's rewards, prompt-major, each group whole (shaped: overlong, WARP's KL)
+    group_size: int
+    tokens: Tensor  # (N, T) the policy's tokens (no prompt, observation or padding)
+    mask: Tensor  # (N, T) the loss mask (tokens, minus DAPO's truncated responses)
+    world: World = World()
+    norm: str = "group"  # algo.adv_norm
+    values: Tensor | None = None  # (N, T) the critic's values (gae)
+    gamma: float = 1.0
+    lam: float = 1.0
+
+
+@dataclass
+class Advantages:
+    adv: Tensor  # (N,) or (N, T)
+    returns: Tensor | None = None  # (N, T) value targets (gae)
+
+
+def group(inp: AdvantageInputs) -> Advantages:
+    r, w = inp.rewards, inp.world
+    if inp.norm == "global" and w.size > 1:  # mean and std over the whole batch, all ranks
+        return Advantages(group_advantages(w.all_gather_cat(r), inp.group_size, inp.norm)[w.block(w.size * len(r))])
+    return Advantages(group_advantages(r, inp.group_size, inp.norm))
+
+
+def rloo(inp: AdvantageInputs) -> Advantages:
+    G = inp.group_size
+    r = inp.rewards.view(-1, G).to(torch.float64)  # (B, G)
+    others = (r.sum(-1, keepdim=True) - r) / (G - 1)  # the mean of the group's other samples
+    return Advantages((r - others).flatten().to(inp.rewards.dtype))
+
+
+def reinforce_pp(inp: AdvantageInputs) -> Advantages:
+    centered = group_advantages(inp.rewards, inp.group_size, "none")  # R - mean(group), (N,)
+    per_token = centered.unsqueeze(-1).expand_as(inp.mask).to(torch.float32)
+    return Advantages(whiten(per_token, inp.mask))
+
+
+def gae(inp: AdvantageInputs) -> Advantages:
+    if inp.values is None:
+        raise ValueError("algo.advantage=gae needs the critic's values")
+    adv, returns = gae_recursion(last_token_rewards(inp.rewards, inp.tokens), inp.values, inp.tokens, inp.gamma, inp.lam)
+    if inp.norm == "global":
+        adv = whiten(adv, inp.mask)
+    return Advantages(adv, returns)
+
+
+ADVANTAGES: dict[str, Callable[[AdvantageInputs], Advantages]] = {
+    "group": group, "rloo": rloo, "reinforce_pp": reinforce_pp, "gae": gae,
+}
+NEEDS_CRITIC = ("gae",)  #: estimators that read a value model
+PER_TOKEN = ("reinforce_pp", "gae")  #: estimators whose advantages are (N, T)
+ONE_PROCESS = ("reinforce_pp", "gae")  #: estimators whose statistics are taken on one process's batch only

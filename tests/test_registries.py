@@ -1,0 +1,68 @@
+"""The advantage and surrogate registries: RLOO and REINFORCE++-baseline by hand-worked values, every
+entry usable by name, and masked positions that reach neither a loss nor its gradient."""
+
+import pytest
+import torch
+
+from ema_pg.advantages import ADVANTAGES, NEEDS_CRITIC, AdvantageInputs
+from ema_pg.losses import SURROGATES, grpo_loss, gspo_surrogate
+
+
+def inputs(rewards, group_size, lengths, T=3):
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    return AdvantageInputs(torch.tensor(rewards, dtype=torch.float32), group_size, mask, mask)
+
+
+def test_rloo_is_the_leave_one_out_baseline_by_hand():
+    # group 1: rewards 1, 0, 0, 1: others' means 1/3, 2/3, 2/3, 1/3; group 2: 1, 1, 1, 0: 2/3, 2/3, 2/3, 1
+    adv = ADVANTAGES["rloo"](inputs([1, 0, 0, 1, 1, 1, 1, 0], 4, [1] * 8)).adv
+    want = [2 / 3, -2 / 3, -2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, -1.0]
+    assert adv.tolist() == pytest.approx(want, abs=1e-7)
+
+
+def test_reinforce_pp_baseline_whitens_over_the_batchs_tokens_by_hand():
+    """Rewards 1, 0, 0, 0 (one group), lengths 2, 1, 1, 1: centred 0.75, -0.25 x3; tokens 0.75, 0.75, -0.25 x3,
+    mean 0.15, deviations 0.6, 0.6, -0.4 x3, unbiased variance 1.2 / 4 = 0.3: advantages 0.6 / sqrt(0.3) = 1.0954
+    on the first response's two tokens, -0.4 / sqrt(0.3) = -0.7303 on the others', 0 on padding."""
+    adv = ADVANTAGES["reinforce_pp"](inputs([1.0, 0.0, 0.0, 0.0], 4, [2, 1, 1, 1])).adv
+    s = 0.3 ** 0.5
+    want = [0.6 / s, 0.6 / s, 0, -0.4 / s, 0, 0, -0.4 / s, 0, 0, -0.4 / s, 0, 0]
+    assert adv.flatten().tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_every_advantage_and_surrogate_runs_by_name():
+    inp = inputs([1.0, 0.0, 0.5, 0.0], 2, [3, 2, 1, 3])
+    inp.values = torch.zeros(4, 3)
+    for name, fn in ADVANTAGES.items():
+        out = fn(inp)
+        assert out.adv.shape[0] == 4 and torch.isfinite(out.adv).all(), name
+        assert (out.returns is not None) == (name in NEEDS_CRITIC)
+    logp = torch.log(torch.full((4, 3), 0.5)).requires_grad_()
+    for name in SURROGATES:
+        loss, _ = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0, 0.5, 0.0]), inp.mask, None, beta=0.0,
+                            eps_low=0.2, eps_high=0.28, loss_agg="token-mean", surrogate=name, clip_ratio_c=0.0,
+                            entropy_coef=0.0)
+        assert torch.isfinite(loss), name
+
+
+@pytest.mark.parametrize("surrogate", list(SURROGATES))
+def test_a_nonfinite_log_prob_at_a_masked_position_reaches_neither_loss_nor_gradient(surrogate):
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    raw = torch.tensor([[-0.5, -1.0, 0.0], [-0.7, 0.0, 0.0]], requires_grad=True)
+    logp = torch.where(mask.bool(), raw, torch.tensor(float("-inf")))  # -inf where the mask is 0
+    old = torch.where(mask.bool(), raw.detach() - 0.1, torch.tensor(float("-inf")))
+    kl = torch.where(mask.bool(), torch.zeros(2, 3), torch.tensor(float("nan")))
+    loss, _ = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, kl, beta=0.1, eps_low=0.2, eps_high=0.28,
+                        loss_agg="seq-mean-token-mean", surrogate=surrogate, clip_ratio_c=0.0, entropy_coef=0.0)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(raw.grad).all()
+    assert (raw.grad[~mask.bool()] == 0).all() and (raw.grad[mask.bool()] != 0).any()
+
+
+def test_gspo_called_alone_masks_first():
+    mask = torch.tensor([[1.0, 0.0]])
+    raw = torch.tensor([[-0.5, 0.0]], requires_grad=True)
+    logp = torch.where(mask.bool(), raw, torch.tensor(float("-inf")))
+    J, _ = gspo_surrogate(logp, logp.detach() - 0.05, torch.tensor([1.0]), mask, 0.2, 0.28)
+    (J * mask).sum().backward()
+    assert torch.isfinite(raw.grad).all() and float(J[0, 0]) == pytest.approx(float(torch.exp(torch.tensor(0.05))))

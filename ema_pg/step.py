@@ -2,10 +2,11 @@
 
     prompts  = task.sample(B)                                   # B prompts, seeded by (seed, iteration)
     rollouts = sampler.generate(policy, prompts, n=G)           # B*G responses; pi_old's scores if it can
-    rewards  = task.reward(...)                                 # (B*G,); DAPO: refill flat groups, overlong
-    scores   = score_old_and_anchor(...)                        # pi_old, anchor, the index set q_n
-    adv      = advantages(rewards, G, norm)                     # (B*G,); PPO: GAE from the critic, (B*G, T)
-    for epoch in range(ppo_epochs):                             # Lambda passes, minibatch updates
+    rewards  = task.reward(...)                                 # (B*G,); DAPO: refill flat groups
+    scores   = OldAndAnchorScorer(...)(policy, anchor, rollouts)  # pi_old, anchor, the index set q_n
+    rewards  = shape_rewards(...)                               # DAPO's overlong penalty, WARP's sequence KL
+    adv      = ADVANTAGES[algo.advantage](...)                  # group | rloo | reinforce_pp | gae (ema_pg.advantages)
+    for epoch in range(ppo_epochs):                             # Lambda passes, minibatch updates (_update)
         cur  = head(policy, minibatch, index=q_n)               # with grad
         kl   = estimator(KLInputs(...))                         # (mb, T)
         loss = grpo_loss(cur, old, adv, mask, kl)  ->  updater.step(loss)   (J: algo.loss = ppo | gspo | cispo)

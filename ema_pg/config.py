@@ -230,15 +230,13 @@ class AlgoConfig:
         if self.advantage not in ADVANTAGES:
             _bad(f"algo.advantage={self.advantage!r}; choose one of: {', '.join(ADVANTAGES)} (group: GRPO's; gae: "
                  "PPO's critic)")
-        if self.advantage in PER_TOKEN and self.advantage != "gae" and self.loss == "gspo":
+        if self.advantage in PER_TOKEN and self.loss == "gspo":
             _bad(f"algo.loss=gspo needs one advantage per sequence; algo.advantage={self.advantage} gives one per "
                  "token: use algo.loss=ppo or cispo")
         if self.advantage == "gae":
             if self.adv_norm == "group":
                 _bad("algo.advantage=gae gives token-level advantages: algo.adv_norm must be global (whitened over the "
                      "batch, PPO's) or none (method=ppo sets global)")
-            if self.loss == "gspo":
-                _bad("algo.loss=gspo needs one advantage per sequence; with algo.advantage=gae use algo.loss=ppo or cispo")
             if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1) or self.critic_lr <= 0 or self.cliprange_value < 0:
                 _bad(f"algo.gamma and algo.lam must be in [0, 1], algo.critic_lr > 0, algo.cliprange_value >= 0; got "
                      f"{self.gamma}, {self.lam}, {self.critic_lr}, {self.cliprange_value}")

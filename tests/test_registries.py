@@ -66,3 +66,14 @@ def test_gspo_called_alone_masks_first():
     J, _ = gspo_surrogate(logp, logp.detach() - 0.05, torch.tensor([1.0]), mask, 0.2, 0.28)
     (J * mask).sum().backward()
     assert torch.isfinite(raw.grad).all() and float(J[0, 0]) == pytest.approx(float(torch.exp(torch.tensor(0.05))))
+
+
+@pytest.mark.parametrize("advantage", ["reinforce_pp", "gae"])
+def test_gspo_is_refused_with_per_token_advantages(advantage):
+    from helpers import compose_cfg
+
+    from ema_pg.config import ConfigError, validate
+
+    validate(compose_cfg(["algo.loss=gspo", "algo.advantage=rloo"]))  # one advantage per sequence: fine
+    with pytest.raises(ConfigError, match=f"algo.advantage={advantage} gives one per token"):
+        validate(compose_cfg(["algo.loss=gspo", f"algo.advantage={advantage}", "algo.adv_norm=global"]))

@@ -109,8 +109,7 @@ class Anchor:
         """The anchor's weights as saved: the fp32 master, or the anchor model's own (its dtype)."""
         if self.scheme.spec.master:
             return {n: t.detach().cpu().clone() for n, t in self.master.items()}
-        params = dict(self.model.named_parameters())
-        return {n: self.local(params[n]).detach().cpu().clone() for n in self.master or params}
+        return {n: self.local(p).detach().cpu().clone() for n, p in self.model.named_parameters()}
 
     def state_dict(self) -> dict:
         if not self.scheme.spec.follows:  # a fixed model from a path: nothing changes, nothing to save

@@ -67,7 +67,6 @@ class AnchorCallback(L.Callback):
         self.scheme, self.eval_every, self.path = scheme, int(eval_every), path
         self.anchor = Anchor(scheme)
         self.sharded = False  # ZeRO-3: model, master and buffers hold this rank's shards
-        self.lora = False
         self._pending: dict | None = None
         self._engine = None  # the anchor's inference-only DeepSpeed engine (keeps its partitioning hooks alive)
         self._shard_dir: Path | None = None
@@ -89,8 +88,7 @@ class AnchorCallback(L.Callback):
         policy a second adapter over the same base."""
         from .lora import POLICY, add_anchor_adapter, adapter_params, is_lora
 
-        self.lora = is_lora(policy) and self.scheme.spec.follows
-        if self.lora:
+        if is_lora(policy) and self.scheme.spec.follows:
             model = add_anchor_adapter(policy)
             self.anchor.follow = lambda pol: adapter_params(pol, POLICY).items()
         elif self.path:

@@ -15,18 +15,17 @@ import math
 import lightning as L
 import torch
 
-from .anchor import AnchorCallback
-from ..advantages import ONE_PROCESS
+from ..advantages import NEEDS_CRITIC, ONE_PROCESS
 from ..chunked import auto_chunk
 from ..config import ConfigError, build_estimator
-from ..dist import World
-from .evaluate import eval_metrics, evaluate_policy
-from .models import compile_body
-from .monitor import StabilityMonitor
+from ..dist import World, full_shape, zero3_partitioned
 from ..prompts import PromptEncoder
 from ..rollout import build_sampler
 from ..step import FiniteGuard, NonFiniteUpdates, rl_step
-from ..dist import full_shape, zero3_partitioned
+from .anchor import AnchorCallback
+from .evaluate import eval_metrics, evaluate_policy
+from .models import compile_body
+from .monitor import StabilityMonitor
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ class GRPOModule(L.LightningModule):
                                         deepspeed="deepspeed" in str(cfg.trainer.strategy),
                                         after_step=None if anchor is None else lambda: anchor.after_optimizer_step(policy))
         self.critic = None
-        if cfg.algo.advantage == "gae":  # PPO's value model: its own optimizer, saved in checkpoints
+        if cfg.algo.advantage in NEEDS_CRITIC:  # PPO's value model: its own optimizer, saved in checkpoints
             from ..critic import Critic
 
             self.critic = Critic(policy, cfg.algo.critic_lr, cfg.algo.cliprange_value, cfg.algo.grad_clip)

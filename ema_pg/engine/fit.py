@@ -10,22 +10,27 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import warnings
+from pathlib import Path
 
 import lightning as L
 import torch
 from omegaconf import DictConfig
 
 from ..config import ConfigError, build_scheme, validate
+from ..step import NonFiniteUpdates
 from ..heads import check_head
 from ..prompts import PromptEncoder
 from ..tasks import ServiceError, build_task
 from .anchor import AnchorCallback
+from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
 from .models import ModelPathError
 from .module import GRPOModule
 from .plotting import plot_run
 from .policy import build_policy
-from .runs import is_rank_zero, make_loggers, open_run, record_run
+from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multirun, is_rank_zero, make_loggers, open_run, record_failure,
+                   record_run)
 from .strategies import build_strategy
 
 log = logging.getLogger("ema_pg")
@@ -42,7 +47,8 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     opened = open_run(cfg)
     cfg, run_dir = opened.cfg, opened.run_dir
     if opened.skipped is not None:
-        return opened.skipped, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True}
+        return opened.skipped, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True,
+                                "failed": opened.skipped.get("failed")}
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -76,10 +82,13 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     record_run(opened, policy, tok)
 
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     ckpt_cb = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="iter{epoch}", save_last=True,
                               save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
-    callbacks = [ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
+    callbacks = ([ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
+                 + [_CheckpointOnSigterm(run_dir / "checkpoints" / "last.ckpt")])  # last: after the anchor's update
+    deepspeed = str(cfg.trainer.strategy).startswith("deepspeed")  # DeepSpeed writes its own checkpoint folders
     tc = cfg.trainer
     with warnings.catch_warnings():
         # the run folder holds config.yaml before the CSV logger starts: its "not empty" warning is expected
@@ -90,9 +99,13 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
             enable_progress_bar=tc.progress_bar, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
             num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),
             deterministic=False, use_distributed_sampler=False,  # every rank runs every iteration number
+            plugins=None if deepspeed else [atomic_checkpoint_io()],
         )
         try:
             trainer.fit(module, ckpt_path=opened.ckpt_path)
+        except SIGTERMException:
+            raise RunInterrupted(f"stopped by SIGTERM after iteration {module.iteration} of {cfg.algo.iterations}; "
+                                 "its checkpoint is saved") from None
         finally:
             for lg in trainer.loggers:
                 try:
@@ -104,13 +117,67 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     if is_rank_zero():
         if module.eval_history and module.iteration >= cfg.algo.iterations:  # a finished run (not a pruned one)
             final["base_avg"] = module.eval_history[0]["avg"]
-            (run_dir / "eval.json").write_text(json.dumps(final, indent=2))
+            atomic_write(run_dir / "eval.json", json.dumps(final, indent=2))
         plot = plot_run(run_dir)
     metric = final.get("metric", "em")
     metrics = {f"eval/avg/{metric}": final.get("avg", float("nan")), "iteration": module.iteration,
                "base/avg": module.eval_history[0]["avg"] if module.eval_history else float("nan"),
                **getattr(module, "last_metrics", {})}
     return metrics, {"module": module, "trainer": trainer, "run_dir": run_dir, "plot": plot, "cfg": cfg}
+
+
+def command(cfg: DictConfig) -> float:
+    """``python -m ema_pg.train``: run :func:`train` and turn its outcome into one line and an exit code; returns the
+    metric an Optuna search optimizes (the final ``eval/avg/<metric>``)."""
+    try:
+        metrics, objs = train(cfg)
+    except (ConfigError, ModelPathError) as e:
+        log.error("config error: %s", e)
+        discard_hydra_output()  # a refused run leaves no folder behind
+        raise SystemExit(f"config error: {e}") from None
+    except RunInterrupted as e:
+        log.warning("%s", e)
+        raise SystemExit(EXIT_INTERRUPTED) from None  # a sweep stops here too: the same command continues it
+    except (NonFiniteUpdates, ServiceError, OSError) as e:
+        if isinstance(e, OSError) and no_room_errno(e) is None:
+            raise
+        e = e if not isinstance(e, OSError) or isinstance(e, NoRoom) else NoRoom(Path(e.filename or "?"), None, e)
+        run = os.environ.get(RUN_DIR_ENV, "<run folder>")
+        log.error("stopped: %s", e)
+        record_failure(run, e)
+        if in_multirun():  # recorded in the run's folder; the sweep goes on and names it at its end
+            return float("nan")
+        raise SystemExit(f"stopped: {e}; the run folder keeps its last checkpoint: continue with "
+                         f"python -m ema_pg.train resume={run}") from None
+    metric_key = next(k for k in metrics if k.startswith("eval/avg/"))
+    if objs.get("failed"):
+        log.warning("%s failed earlier (%s): skipped; delete its failed.json to run it again", objs["run_dir"],
+                    objs["failed"])
+        return float("nan")
+    if not is_rank_zero():
+        return float(metrics[metric_key])
+    print(f"run folder: {objs['run_dir']}\nmetrics:    {objs['run_dir'] / 'metrics.csv'}\nplot:       {objs['plot']}")
+    print(f"final {metric_key} = {metrics[metric_key]:.3f} (base policy: {metrics['base/avg']:.3f})")
+    return float(metrics[metric_key])
+
+
+class RunInterrupted(RuntimeError):
+    """A run stopped by a signal after saving its checkpoint: unfinished, and resumable as it was."""
+
+
+class _CheckpointOnSigterm(L.Callback):
+    """On SIGTERM (a scheduler's preemption) Lightning stops after the current iteration without a checkpoint, or
+    after the evaluation period when the iteration ends one: save the iteration's state first, so a resume loses
+    nothing. At a period's end the period's own checkpoint (after its evaluation) follows and replaces it."""
+
+    def __init__(self, last: Path):
+        self.last = last
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        a = pl_module.cfg.algo
+        if trainer.received_sigterm and pl_module.iteration % a.eval_every and pl_module.iteration < a.iterations:
+            trainer.save_checkpoint(self.last)
+            log.warning("SIGTERM: checkpoint of iteration %d saved in %s", pl_module.iteration, self.last.parent)
 
 
 class _StopAtIterations(L.Callback):

@@ -26,6 +26,7 @@ from .anchor import AnchorCallback
 from .evaluate import eval_metrics, evaluate_policy
 from .models import compile_body
 from .monitor import StabilityMonitor
+from .runs import settings
 
 log = logging.getLogger(__name__)
 
@@ -243,13 +244,22 @@ class GRPOModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["ema_pg"] = {"iteration": self.iteration, "eval_history": self.eval_history}
+        checkpoint["ema_pg"] = {"iteration": self.iteration, "eval_history": self.eval_history,
+                                "settings": settings(self.cfg)}  # what a resume must continue (runs.check_trained_with)
         if self.critic is not None:  # its weights are in the module's state_dict; its optimizer is not Lightning's
             checkpoint["ema_pg"]["critic_opt"] = self.critic.opt.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         st = checkpoint.get("ema_pg", {})
         self.iteration = int(st.get("iteration", 0))
+        if self.iteration % self.cfg.algo.eval_every:  # saved inside an evaluation period (on SIGTERM)
+            # the dataloader of the resumed period yields its remaining iterations, so its batch count starts at 0
+            # (Lightning would count the ones done before it and end the period early). Lightning then counts
+            # the batch the checkpoint was written at the end of as completed (its restart "on train batch end"):
+            # -1 + 1 = 0.
+            current = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress", {}).get("current")
+            if current is not None:
+                current.update(ready=0, started=0, processed=0, completed=-1)
         self.eval_history = list(st.get("eval_history", []))
         if self.critic is not None and "critic_opt" in st:
             self.critic.opt.load_state_dict(st["critic_opt"])

@@ -17,6 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from .attention import use_fast_attention
+from .files import atomic_dir, nbytes
 from .models import load_model_dir, save_model_dir
 from .sft import cold_start
 
@@ -40,13 +41,13 @@ def save_run_model(run_dir: Path, model, tokenizer, model_path: str | None) -> P
     out = Path(run_dir) / "model"
     if is_lora(model):  # the initial policy is the base: its adapters start at B = 0
         model = plain_base(model) if not model_path else model.get_base_model()
-    if model_path:
-        out.mkdir(parents=True, exist_ok=True)
-        model.config.save_pretrained(str(out))
-        tokenizer.save_pretrained(str(out))
-        (out / "initial.json").write_text(json.dumps({"path": str(Path(model_path).resolve())}) + "\n")
-    else:
-        save_model_dir(model, tokenizer, out)
+    with atomic_dir(out, needed=None if model_path else nbytes(model.state_dict())) as tmp:  # whole or absent
+        if model_path:
+            model.config.save_pretrained(str(tmp))
+            tokenizer.save_pretrained(str(tmp))
+            (tmp / "initial.json").write_text(json.dumps({"path": str(Path(model_path).resolve())}) + "\n")
+        else:
+            save_model_dir(model, tokenizer, tmp)
     return out
 
 

@@ -21,9 +21,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..config import ConfigError, fill_defaults, flatten, validate
+from .files import atomic_write
 from .policy import checkpoint_file, checkpoint_state, save_run_model
+from .sweeps import FAILED, failed_record
 
 log = logging.getLogger("ema_pg")
+#: the exit code of a run stopped by SIGTERM with its checkpoint saved (resumable: the same command, or resume=RUN,
+#: continues it). The others: 0 finished (eval.json written), 1 failed or refused (one line says why).
+EXIT_INTERRUPTED = 75
 RUN_DIR_ENV = "EMA_PG_RUN_DIR"  #: the run folder rank 0 claimed, for the processes it launches
 
 #: settings a user may change when continuing a run (more iterations, another machine, quieter output, the
@@ -77,17 +82,46 @@ def git_commit() -> str:
         return "unknown"
 
 
+def metrics_rows(metrics_file: Path, upto: int) -> list[dict]:
+    """The intact rows of a run's ``metrics.csv`` up to step ``upto`` (a checkpoint's iteration), for a resumed run.
+
+    A file cut mid-line by a kill (its last line has no newline, or fewer fields than the header) loses that line,
+    never reads it as a number; an empty file, or one with a header only, has no rows. Values are floats."""
+    import csv
+
+    try:
+        text = metrics_file.read_text()
+    except FileNotFoundError:
+        return []
+    lines = text.splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        log.warning("resume: %s ends in a partial line (a kill while it was written); that line is dropped",
+                    metrics_file)
+        lines = lines[:-1]
+    reader = csv.reader(lines)
+    header = next(reader, None)
+    rows, dropped = [], 0
+    for values in reader:
+        if header is None or len(values) != len(header):
+            dropped += 1
+            continue
+        try:
+            r = {k: float(v) for k, v in zip(header, values) if v != ""}
+        except ValueError:
+            dropped += 1
+            continue
+        if "step" in r and int(r["step"]) <= upto:
+            rows.append(r | {"step": int(r["step"])})
+    if dropped:
+        log.warning("resume: %d damaged line(s) of %s dropped", dropped, metrics_file)
+    return rows
+
+
 def make_loggers(cfg, run_dir: Path, resume_step: int | None):
     from lightning.pytorch.loggers import CSVLogger
 
-    old_rows = []
-    metrics_file = run_dir / "metrics.csv"
-    if resume_step is not None and metrics_file.is_file():  # the CSV logger starts a fresh file: carry rows over
-        import pandas as pd
-
-        df = pd.read_csv(metrics_file)
-        old_rows = [{k: v for k, v in r.items() if k != "step" and v == v} | {"step": int(r["step"])}
-                    for r in df[df["step"] <= resume_step].to_dict("records")]
+    # the CSV logger starts a fresh file: the intact rows up to the checkpoint's iteration are carried over
+    old_rows = metrics_rows(run_dir / "metrics.csv", resume_step) if resume_step is not None else []
     csv = CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=10)
     for r in old_rows:
         step = r.pop("step")
@@ -171,21 +205,21 @@ def upgraded(saved: DictConfig) -> DictConfig:
         return saved
 
 
+def settings(c: DictConfig) -> dict:
+    """A config as flat ``{key: value}``, resolved, without the keys a continuation may change (RESUMABLE_CHANGES)."""
+    c = OmegaConf.create(OmegaConf.to_container(c, resolve=False))
+    for key in RESUMABLE_CHANGES:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(c, parent) if parent else c
+        if node is not None and leaf in node:
+            node.pop(leaf)
+    return flatten(OmegaConf.to_container(c, resolve=True))
+
+
 def config_differences(saved: DictConfig, cfg: DictConfig) -> list[str]:
     """Keys whose values differ between a run folder's saved config and ``cfg`` (ignoring RESUMABLE_CHANGES).
     A knob the saved config lacks because it was added later is compared at its default."""
-    saved = upgraded(saved)
-
-    def flat(c):
-        c = OmegaConf.create(OmegaConf.to_container(c, resolve=False))
-        for key in RESUMABLE_CHANGES:
-            parent, _, leaf = key.rpartition(".")
-            node = OmegaConf.select(c, parent) if parent else c
-            if node is not None and leaf in node:
-                node.pop(leaf)
-        return flatten(OmegaConf.to_container(c, resolve=True))
-
-    a, b = flat(saved), flat(cfg)
+    a, b = settings(upgraded(saved)), settings(cfg)
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
@@ -219,6 +253,59 @@ def adopt_hydra_output(run_dir: Path) -> None:
             root.addHandler(new)
     if {p.name for p in out.iterdir()} <= {".hydra", f"{HydraConfig.get().job.name}.log"}:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def in_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def discard_hydra_output() -> None:
+    """A run refused at start leaves no folder: Hydra's output folder is removed when it holds only Hydra's own
+    files (``.hydra/``, the log) and no run (no ``config.yaml``); a sweep's folders are kept."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized() or in_multirun():
+        return
+    out = Path(HydraConfig.get().runtime.output_dir)
+    if not out.is_dir() or not {p.name for p in out.iterdir()} <= {".hydra", f"{HydraConfig.get().job.name}.log", CLAIM}:
+        return
+    root = logging.getLogger()
+    for h in list(root.handlers):  # the log handler holds its file open
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == out.resolve():
+            root.removeHandler(h)
+            h.close()
+    shutil.rmtree(out, ignore_errors=True)
+    for parent in out.parents:  # runs/<name>/ when this was its only run
+        if parent == Path.cwd() or parent.name == "runs":
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
+
+
+def record_failure(run_dir: str | os.PathLike, e: BaseException) -> None:
+    """Write ``failed.json`` in the run folder: what stopped it (``kind``: diverged, service, disk) and where."""
+    from ..step import NonFiniteUpdates
+    from .sweeps import FAILED
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or not is_rank_zero():
+        return
+    kind = "diverged" if isinstance(e, NonFiniteUpdates) else "disk" if isinstance(e, OSError) else "service"
+    it = None
+    if (ckpt := checkpoint_file(run_dir)) is not None:
+        try:
+            it = int(checkpoint_state(ckpt)["ema_pg"]["iteration"])
+        except Exception:  # noqa: BLE001 - the record is still worth writing
+            pass
+    try:
+        atomic_write(run_dir / FAILED, json.dumps({"kind": kind, "error": str(e), "checkpoint_iteration": it}) + "\n")
+    except OSError:  # a full disk may refuse even this: the console line is the record then
+        pass
 
 
 def readable_checkpoint(run_dir: Path) -> tuple[Path, dict]:
@@ -304,6 +391,10 @@ def open_run(cfg: DictConfig) -> OpenedRun:
         if done is not None:
             log.info("%s already finished %d iterations: skipped", run_dir, done["iteration"])
             return OpenedRun(cfg, run_dir, skipped=done)
+        failed = failed_record(run_dir)
+        if failed is not None and failed.get("kind") == "diverged":  # deterministic: it would diverge again
+            return OpenedRun(cfg, run_dir, skipped={"eval/avg/em": float("nan"), "iteration": failed.get("checkpoint_iteration"),
+                                                    "base/avg": float("nan"), "failed": failed["error"]})
         if checkpoint_file(run_dir) is not None:
             cfg.resume, composed = str(run_dir), True
     if cfg.get("resume"):
@@ -312,16 +403,24 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     fill_defaults(cfg, estimator)
     run_dir = Path(cfg.run_dir)
     if cfg.get("resume"):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if is_rank_zero():
-            adopt_hydra_output(run_dir)
         if checkpoint_file(run_dir) is None:
             raise ConfigError(f"resume: {run_dir / 'checkpoints' / 'last.ckpt'} does not exist; the run wrote no "
                               "checkpoint yet (start it again instead)")
         ckpt, state = readable_checkpoint(run_dir)
-        log.info("resuming %s from iteration %d", run_dir, int(state["ema_pg"]["iteration"]))
-        return OpenedRun(cfg, run_dir, str(ckpt), int(state["ema_pg"]["iteration"]), estimator=estimator)
-    if is_rank_zero():
+        it = int(state["ema_pg"]["iteration"])
+        check_trained_with(state, cfg, ckpt)
+        if cfg.algo.iterations < it:
+            raise ConfigError(f"resume: {run_dir} is at iteration {it}; algo.iterations={cfg.algo.iterations} would "
+                              f"undo iterations it already ran: pass algo.iterations={it} or more")
+        if is_rank_zero():
+            own_run_dir(run_dir)  # one writer per run folder: a live run there refuses this one
+            adopt_hydra_output(run_dir)
+        log.info("resuming %s from iteration %d", run_dir, it)
+        return OpenedRun(cfg, run_dir, str(ckpt), it, estimator=estimator)
+    if is_rank_zero() and cfg.get("if_exists", "error") == "resume":
+        own_run_dir(run_dir)  # a sweep's fixed folder: the same command running twice must not share it
+        os.environ[RUN_DIR_ENV] = str(run_dir)
+    elif is_rank_zero():
         claimed = claim_run_dir(run_dir)
         if claimed != run_dir:
             log.warning("%s is taken by another run started at the same time: this run writes to %s", run_dir, claimed)
@@ -338,16 +437,33 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     return OpenedRun(cfg, run_dir, estimator=estimator)
 
 
+def check_trained_with(state: dict, cfg: DictConfig, ckpt: Path) -> None:
+    """A resumed run continues the settings its checkpoint was trained with: the config in force (the run's
+    ``config.yaml`` and this command's overrides) is compared with the copy the checkpoint carries, so a hand-edited
+    ``config.yaml`` is refused like a changed command line. Checkpoints written before they carried it pass."""
+    trained = state.get("ema_pg", {}).get("settings")
+    if trained is None:
+        return
+    now = settings(cfg)  # a knob added after the checkpoint was written is not in it: only shared keys compare
+    diff = sorted(k for k in set(trained) & set(now) if trained[k] != now[k])
+    if diff:
+        raise ConfigError(f"resume: the settings in force differ from those {ckpt.name} was trained with "
+                          f"({', '.join(diff[:6])}); was {Path(cfg.run_dir) / 'config.yaml'} edited? A resumed run keeps "
+                          f"its settings (only {', '.join(RESUMABLE_SETTINGS)} may change): restore them, or start a new run")
+
+
 def record_run(opened: OpenedRun, policy, tokenizer) -> None:
     """Rank 0 writes what the run is: its config and initial model (a new run only), the commit and the machine."""
     if not is_rank_zero():
         return
     cfg, run_dir = opened.cfg, opened.run_dir
+    (run_dir / FAILED).unlink(missing_ok=True)  # a failure recorded before is the past once the run goes again
     if not cfg.get("resume"):
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         save_run_model(run_dir, policy, tokenizer, cfg.model.path)
-    (run_dir / "git.txt").write_text(git_commit() + "\n")
-    (run_dir / "machine.txt").write_text(machine() + "\n")
+        atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))  # last: a run folder with a
+        # config.yaml is one whose model is whole
+    atomic_write(run_dir / "git.txt", git_commit() + "\n")
+    atomic_write(run_dir / "machine.txt", machine() + "\n")
 
 
 CLAIM = ".ema_pg_run"  #: the file whose exclusive creation makes a folder one run's own
@@ -378,6 +494,32 @@ def claim_run_dir(run_dir: Path) -> Path:
             f.write(me)
         return cand
     raise RuntimeError(f"no free run folder next to {run_dir}")
+
+
+def own_run_dir(run_dir: Path) -> None:
+    """Make the existing ``run_dir`` this process's (a resume, a sweep's fixed folder), or refuse with one line
+    naming the live process that writes there: two writers would interleave ``metrics.csv`` and checkpoints."""
+    import socket
+
+    me = f"{socket.gethostname()} {os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    claim = run_dir / CLAIM
+    for _ in range(3):
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            owner = claim.read_text().split()
+            if _claim_is_stale(owner):
+                if _take_over(claim, me):
+                    return
+                continue
+            who = f"process {owner[1]} on {owner[0]}" if len(owner) == 2 else "another process"
+            raise ConfigError(f"{run_dir} is being written by a live run ({who}); wait for it to end or stop it, "
+                              "then resume") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        return
+    raise ConfigError(f"{run_dir}: another process took the folder at the same moment; run the command again")
 
 
 def _claim_is_stale(owner: list[str]) -> bool:

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..engine.runs import EXIT_INTERRUPTED
+from ..engine.sweeps import failed_record, sweep_state
 from .reports import REPORTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,10 +100,21 @@ def main(argv=None) -> int:
     if not a.analysis_only:
         rc = subprocess.run(sweep, cwd=ROOT).returncode
         if rc:
-            print(f"the sweep failed (exit {rc}); fix the cause and run the same command again: finished runs are "
-                  f"kept and skipped, a killed one resumes from its checkpoint", file=sys.stderr)
+            why = "was stopped by a signal" if rc == EXIT_INTERRUPTED or rc < 0 else f"failed (exit {rc})"
+            print(f"the sweep {why}; no report is written. Run the same command again: finished runs are kept and "
+                  f"skipped, a killed one resumes from its checkpoint (a diverged one stays failed: see its failed.json)",
+                  file=sys.stderr)
             return rc
     sweep_s = time.time() - t0
+    if not runs.is_dir():
+        raise SystemExit(f"--analysis-only: {runs} holds no runs; run the sweep first (without --analysis-only)")
+    finished, failed, unfinished = sweep_state(runs)
+    if failed or unfinished:  # a report over committed results only from a whole sweep
+        missing = [f"  {r}: failed ({(failed_record(r) or {}).get('kind', '?')})" for r in failed]
+        missing += [f"  {r}: did not finish" for r in unfinished]
+        print(f"{len(failed) + len(unfinished)} of {len(finished) + len(failed) + len(unfinished)} runs of the sweep "
+              "did not finish; no report is written:\n" + "\n".join(missing), file=sys.stderr)
+        return 1
     plain = not overrides and a.runs is None and a.out is None
     invoked = (["make", f"reproduce-{a.name}", f"SCALE={a.scale}"] if plain and a.name in TABLES else
                ["python", "-m", "ema_pg.reproduce", *(sys.argv[1:] if argv is None else argv)])

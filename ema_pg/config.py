@@ -66,6 +66,19 @@ class ModelConfig:
                  f"{self.lora_alpha}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             _bad(f"model.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
+        _at_least(("model.head_chunk_tokens", self.head_chunk_tokens, 0))
+        if not self.head_chunk_mb > 0:
+            _bad(f"model.head_chunk_mb must be > 0; got {self.head_chunk_mb}")
+        from omegaconf import OmegaConf
+
+        if not (OmegaConf.is_config(self) and OmegaConf.is_interpolation(self, "path")) and not self.path:  # tiny:
+            # the model is built from these fields
+            _at_least(("model.hidden_size", self.hidden_size, 1), ("model.num_layers", self.num_layers, 1),
+                      ("model.num_heads", self.num_heads, 1), ("model.num_kv_heads", self.num_kv_heads, 1),
+                      ("model.max_positions", self.max_positions, 2), ("model.tokenizer_vocab", self.tokenizer_vocab, 2))
+            if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+                _bad(f"model.hidden_size={self.hidden_size} must be a multiple of model.num_heads={self.num_heads}, and "
+                     f"num_heads of model.num_kv_heads={self.num_kv_heads} (each key/value head serves whole query heads)")
 
 
 @dataclass
@@ -83,6 +96,9 @@ class SFTConfig:
                   ("sft.check_every", self.check_every, 1), ("sft.num_demos", self.num_demos, 1))
         if self.lr <= 0:
             _bad(f"sft.lr must be > 0; got {self.lr}")
+
+
+MIN_TEMPERATURE = 0.1  #: the lowest training temperature: below it a group's samples are all alike
 
 
 @dataclass
@@ -111,9 +127,10 @@ class RolloutConfig:
             _bad(f"rollout={self.name!r}; choose hf or vllm")
         if self.temperature < 0 or not (0 < self.top_p <= 1):
             _bad(f"rollout.temperature must be >= 0 and rollout.top_p in (0, 1]; got {self.temperature}, {self.top_p}")
-        if self.temperature == 0:
-            _bad("rollout.temperature=0 (greedy) gives identical samples in a group and zero advantages; use > 0 for "
-                 "training")
+        if self.temperature < MIN_TEMPERATURE:
+            _bad(f"rollout.temperature={self.temperature} is (nearly) greedy: a group's responses are identical, "
+                 f"their advantages 0 and nothing trains; use >= {MIN_TEMPERATURE} for training (evaluation decodes with "
+                 "rollout.eval_temperature)")
         _at_least(("rollout.eval_temperature", self.eval_temperature, 0))
         problem = eval_settings_problem(self)
         if problem:
@@ -541,6 +558,9 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
         types[group].check(cfg[group])  # the dataclass's method on the composed node (same fields)
     a, an, ro, strategy = cfg.algo, cfg.anchor, cfg.rollout, str(cfg.trainer.strategy)
     _at_least(("seed", cfg.seed, 0))
+    name = str(cfg.get("name", ""))
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        _bad(f"name={name!r} names the run's folder under runs/: use letters, digits, - and _ (no / and no leading .)")
     if cfg.get("if_exists", "error") not in ("error", "resume"):
         _bad(f"if_exists={cfg.if_exists!r}; choose error (refuse to touch an existing run) or resume (continue it)")
     if not (0 <= a.overlong_buffer < ro.max_new_tokens) or a.overlong_penalty < 0:

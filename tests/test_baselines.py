@@ -116,7 +116,7 @@ def metrics_of(objs):
     return pd.read_csv(objs["run_dir"] / "metrics.csv")
 
 
-LEARNABLE = ["task.digits=1", "sft.steps=100", "sft.stop_at_reward=0"]  # a cold start with some reward
+LEARNABLE = ["task.digits=1", "task.eval_size=7", "sft.steps=100", "sft.stop_at_reward=0"]  # a cold start with some reward
 
 
 def test_ppo_run_trains_its_critic_and_resumes_exactly(tmp_path):

@@ -83,7 +83,7 @@ def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports_merged(tmp_p
     from ema_pg.engine.policy import load_run_model
     from ema_pg.train import train
 
-    base = ["model.lora_rank=4", "task.digits=1", "sft.steps=100", "sft.stop_at_reward=0", "optim.lr=1e-2",
+    base = ["model.lora_rank=4", "task.digits=1", "task.eval_size=7", "sft.steps=100", "sft.stop_at_reward=0", "optim.lr=1e-2",
             "anchor.update_every=1"]
     _, full = train(compose_cfg(base, tmp_path / "full"))
     train(compose_cfg([*base, "algo.iterations=2"], tmp_path / "half"))

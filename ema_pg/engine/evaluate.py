@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
+import os
 import zlib
 from pathlib import Path
 
@@ -30,6 +32,8 @@ from tqdm.auto import tqdm
 from ..config import eval_settings_problem, pass_ks  # noqa: F401 - pass_ks is this module's too
 from ..dist import World
 from ..prompts import PromptEncoder, sampler_prompts
+
+log = logging.getLogger("ema_pg")
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -215,12 +219,43 @@ def format_table(result: dict) -> str:
     return "\n".join([head, sep, *rows])
 
 
+def eval_label(which: str, baseline: str, overrides) -> str:
+    """The file name of a run's evaluation (never the run's own eval.json, its record of the final result)."""
+    return "_".join([which] + ([baseline] if baseline != "none" else [])
+                    + [o.replace("/", "-").replace("=", "-") for o in overrides])
+
+
+def check_writable(out: Path) -> None:
+    """Make ``out``'s folder and prove a file can be written there, or stop with one line (before any work)."""
+    probe = out.parent / f".{out.name}.probe-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise SystemExit(f"evaluate: cannot write the result to {out.parent} ({e.strerror or e}); give --out "
+                         "somewhere writable") from None
+
+
+def run_is_live(run_dir: Path) -> bool:
+    """True while the process that claimed the run folder is alive on this host."""
+    from .runs import CLAIM, _claim_is_stale
+
+    claim = Path(run_dir) / CLAIM
+    try:
+        owner = claim.read_text().split()
+    except OSError:
+        return False
+    return len(owner) == 2 and not _claim_is_stale(owner)
+
+
 def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
 
-    from ..config import compose
+    from ..config import ConfigError, compose, validate
+    from .files import atomic_write
     from .models import load_model_dir
-    from .policy import WHICH, build_policy, load_run_model
+    from .policy import WHICH, build_policy, checkpoint_iteration, load_run_model
     from ..rollout import build_sampler
     from .runs import upgraded
     from ..tasks import build_task
@@ -245,18 +280,37 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--train {a.train}: give a number of training prompts >= 0")
     target = Path(a.target)
     is_run = (target / "config.yaml").is_file()
+    if a.target != "base" and not is_run and not (target / "config.json").is_file():
+        raise SystemExit(f"{target} is neither a run folder (no config.yaml) nor a saved model (no config.json), nor "
+                         "'base'")
+    try:
+        cfg = (OmegaConf.merge(upgraded(OmegaConf.load(target / "config.yaml")), OmegaConf.from_dotlist(a.overrides))
+               if is_run else compose(a.overrides))
+        validate(cfg)  # the overrides are checked as a run's are, before anything is loaded or evaluated
+    except (ConfigError, ValueError) as e:
+        raise SystemExit(f"config error: {e}") from None
+    iteration, live = None, False
     if is_run:
-        cfg = OmegaConf.merge(upgraded(OmegaConf.load(target / "config.yaml")), OmegaConf.from_dotlist(a.overrides))
-        model, tok = load_run_model(target, a.which)
+        out = Path(a.out) if a.out else target / "evaluations" / f"{eval_label(a.which, a.baseline, a.overrides)}.json"
+        iteration = None if a.which == "initial" else checkpoint_iteration(target)
+        live = run_is_live(target)
+        if live:
+            log.warning("%s is still training: evaluating its checkpoint of iteration %s", target, iteration)
+    elif a.target == "base":
+        target = Path("runs") / "eval" / f"{cfg.name}-s{cfg.seed}"
+        out = Path(a.out) if a.out else target / f"eval_base_{a.baseline}.json"
     else:
-        cfg = compose(a.overrides)
-        if a.target == "base":
+        out = Path(a.out) if a.out else target / ("eval.json" if a.baseline == "none" else f"eval_{a.baseline}.json")
+    check_writable(out)  # before the evaluation: its result must have somewhere to go
+    try:
+        if is_run:
+            model, tok = load_run_model(target, a.which)
+        elif a.target == "base":
             model, tok = build_policy(cfg, build_task(cfg.task))
-            target = Path("runs") / "eval" / f"{cfg.name}-s{cfg.seed}"
-            if not a.out:
-                target.mkdir(parents=True, exist_ok=True)
         else:
             model, tok = load_model_dir(target)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"evaluate: {e}") from None
     task = build_task(cfg.task)
     splits = None
     if a.baseline != "none":
@@ -277,16 +331,12 @@ def main(argv: list[str] | None = None) -> None:
         result["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
                                           desc="train", encode=encode)["splits"]["train"]
     result.update(baseline=a.baseline, which=a.which, overrides=list(a.overrides))
-    if is_run:  # never over the run's own eval.json (its record of the final result)
-        label = "_".join([a.which] + ([a.baseline] if a.baseline != "none" else [])
-                         + [o.replace("/", "-").replace("=", "-") for o in a.overrides])
-        out = Path(a.out) if a.out else target / "evaluations" / f"{label}.json"
-    else:
-        initial = a.target == "base"
-        name = "eval.json" if a.baseline == "none" and not initial else f"eval_{'base_' if initial else ''}{a.baseline}.json"
-        out = Path(a.out) if a.out else target / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    if is_run:  # which checkpoint was read: the final policy and a live run's snapshot are told apart
+        result.update(iteration=iteration, run_live=live)
+    try:
+        atomic_write(out, json.dumps(result, indent=2))
+    except OSError as e:
+        raise SystemExit(f"evaluate: the result could not be written to {out}: {e}") from None
     for name, xs in result.get("samples", {}).items():
         for x in xs:
             print(f"--- [{name}] {x['prompt'].strip()}   (gold: {x['gold']}, reward {x['reward']:.0f})\n{x['response']}")

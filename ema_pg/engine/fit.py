@@ -63,10 +63,14 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     mc = policy.config
     validate(cfg, vocab_size=mc.vocab_size, estimator=opened.estimator,
              head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
+    check_fits(cfg, policy, task, encode)
     if cfg.model.lora_rank:  # the base is frozen; only the adapters train (and the anchor is an adapter too)
         from .lora import wrap_lora
 
-        policy = wrap_lora(policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+        try:
+            policy = wrap_lora(policy, cfg.model.lora_rank, cfg.model.lora_alpha, cfg.model.lora_targets)
+        except ValueError as e:  # PEFT: target modules not found in the model
+            raise ConfigError(f"model.lora_targets={cfg.model.lora_targets!r}: {str(e).splitlines()[0]}") from None
     anchor = None
     if cfg.anchor.name != "none":
         anchor = AnchorCallback(build_scheme(cfg.anchor), cfg.anchor.eval_every, cfg.anchor.path)
@@ -75,7 +79,12 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         except (ValueError, ModelPathError) as e:
             raise ConfigError(str(e)) from None
     module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, estimator=opened.estimator)
-    if is_rank_zero():  # what the model reads, once: the chat template (or not), the BOS, the instruction
+    if is_rank_zero():  # what runs, once: model, task, estimator, anchor, and one prompt as the model reads it
+        a = cfg.algo
+        log.info("run: %s (%.1fM parameters, %s) on %s; kl=%s, anchor=%s, beta=%g; %d iterations of %d prompts x %d "
+                 "samples; writing to %s", cfg.model.path or "tiny cold-start policy",
+                 sum(p.numel() for p in policy.parameters()) / 1e6, cfg.model.dtype, cfg.task.name, cfg.kl.name,
+                 cfg.anchor.name, a.beta, a.iterations, a.prompts_per_step, a.group_size, run_dir)
         log.info("prompts as the model reads them (%s), e.g.:\n%s", encode.describe(),
                  tok.decode(encode.encode(task.sample(1, seed=cfg.seed)[0])))
 
@@ -126,6 +135,32 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     return metrics, {"module": module, "trainer": trainer, "run_dir": run_dir, "plot": plot, "cfg": cfg}
 
 
+def check_fits(cfg, policy, task, encode) -> None:
+    """What the built model must hold, checked before anything is written: the longest prompt (of a sample of the
+    training prompts and of every evaluation prompt) plus the response fits its context; one iteration's rollouts fit
+    in memory (their KV cache and last logits, a lower bound)."""
+    mc = policy.config
+    ro, a = cfg.rollout, cfg.algo
+    context = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
+    prompts = task.sample(64, seed=cfg.seed) + [p for split in task.eval_splits().values() for p in split]
+    longest = max(len(ids) for ids in encode(prompts))
+    if context and longest + ro.max_new_tokens > context:
+        raise ConfigError(f"the model's context is {context} tokens, but a prompt of {longest} tokens plus "
+                          f"rollout.max_new_tokens={ro.max_new_tokens} needs {longest + ro.max_new_tokens}; lower "
+                          "rollout.max_new_tokens (or use a model with a longer context)")
+    n, t = a.prompts_per_step * a.group_size, longest + ro.max_new_tokens
+    heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    elem = torch.finfo(next(policy.parameters()).dtype).bits // 8
+    need = n * (t * mc.num_hidden_layers * 2 * heads * head_dim * elem + mc.vocab_size * 4)
+    have = (torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if need > 0.8 * have:
+        raise ConfigError(f"one iteration samples {n} responses (algo.prompts_per_step={a.prompts_per_step} x "
+                          f"algo.group_size={a.group_size}) of up to {t} tokens: their KV cache alone needs about "
+                          f"{need / 2**30:.1f} GiB of the {have / 2**30:.0f} GiB here; lower them")
+
+
 def command(cfg: DictConfig) -> float:
     """``python -m ema_pg.train``: run :func:`train` and turn its outcome into one line and an exit code; returns the
     metric an Optuna search optimizes (the final ``eval/avg/<metric>``)."""
@@ -133,7 +168,7 @@ def command(cfg: DictConfig) -> float:
         metrics, objs = train(cfg)
     except (ConfigError, ModelPathError) as e:
         log.error("config error: %s", e)
-        discard_hydra_output()  # a refused run leaves no folder behind
+        discard_hydra_output(os.environ.get(RUN_DIR_ENV))  # a refused run leaves no folder behind
         raise SystemExit(f"config error: {e}") from None
     except RunInterrupted as e:
         log.warning("%s", e)

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from .attention import use_fast_attention
 from .files import atomic_dir, nbytes
 from .models import load_model_dir, save_model_dir
-from .sft import cold_start
+from .sft import check_finite_weights, cold_start
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WHICH = ("policy", "anchor", "initial")  #: what load_run_model can rebuild
@@ -28,7 +28,9 @@ WHICH = ("policy", "anchor", "initial")  #: what load_run_model can rebuild
 def build_policy(cfg, task):
     """(model, tokenizer): a local model directory, or the cached cold-start base policy."""
     if cfg.model.path:
-        return load_model_dir(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
+        model, tok = load_model_dir(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
+        check_finite_weights(model, f"model.path={cfg.model.path}")
+        return model, tok
     model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, cfg.seed, max_new_tokens=cfg.rollout.max_new_tokens,
                                stop=tuple(cfg.rollout.stop))
     return model.to(DTYPES[cfg.model.dtype]), tok
@@ -95,11 +97,21 @@ def _anchor_weights(ckpt: Path, state: dict, model) -> dict:
     return {n: torch.cat([p[n].flatten() for p in parts])[: shapes[n].numel()].view(shapes[n].shape) for n in parts[0]}
 
 
+class NoCheckpoint(ValueError):
+    """A run folder without a checkpoint, asked for its trained policy or anchor."""
+
+
+def checkpoint_iteration(run_dir: str | Path) -> int | None:
+    """The RL iteration of a run folder's last checkpoint (None: no checkpoint)."""
+    ckpt = checkpoint_file(Path(run_dir))
+    return None if ckpt is None else int(checkpoint_state(ckpt)["ema_pg"]["iteration"])
+
+
 def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtype = torch.float32):
     """(model, tokenizer) of a run folder: its last checkpoint's ``policy`` or ``anchor``, or its ``initial`` policy.
 
-    Without a checkpoint the policy and the anchor are the initial policy (the run had not
-    updated them yet).
+    A run without a checkpoint has no trained policy or anchor: asking for one is refused (ask for ``initial``).
+    :func:`checkpoint_iteration` says which iteration the checkpoint holds.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -111,7 +123,10 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
         raise FileNotFoundError(f"{run_dir} has no model/config.json: it is not a run folder, or it was written "
                                 "before run folders carried their model (train it again with this version)")
     ckpt = checkpoint_file(run_dir)
-    if which == "initial" or ckpt is None:
+    if ckpt is None and which != "initial":
+        raise NoCheckpoint(f"{run_dir} has no checkpoint yet (it was stopped, or is still training, before its first "
+                           "evaluation period ended); ask for the initial policy (--initial) or wait for a checkpoint")
+    if which == "initial":
         if (mdir / "initial.json").is_file():
             model, tok = load_model_dir(json.loads((mdir / "initial.json").read_text())["path"], dtype=dtype)
             return model, tok

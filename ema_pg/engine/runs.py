@@ -262,29 +262,34 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def discard_hydra_output() -> None:
-    """A run refused at start leaves no folder: Hydra's output folder is removed when it holds only Hydra's own
-    files (``.hydra/``, the log) and no run (no ``config.yaml``); a sweep's folders are kept."""
+def discard_hydra_output(run_dir: str | None = None) -> None:
+    """A run refused at start leaves no folder: Hydra's output folder and the run folder are removed when they hold
+    only Hydra's own files (``.hydra/``, the log) or the run's claim, and no run (no ``config.yaml``); a sweep's
+    folders are kept."""
     from hydra.core.hydra_config import HydraConfig
 
-    if not HydraConfig.initialized() or in_multirun():
+    if in_multirun():
         return
-    out = Path(HydraConfig.get().runtime.output_dir)
-    if not out.is_dir() or not {p.name for p in out.iterdir()} <= {".hydra", f"{HydraConfig.get().job.name}.log", CLAIM}:
-        return
-    root = logging.getLogger()
-    for h in list(root.handlers):  # the log handler holds its file open
-        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == out.resolve():
-            root.removeHandler(h)
-            h.close()
-    shutil.rmtree(out, ignore_errors=True)
-    for parent in out.parents:  # runs/<name>/ when this was its only run
-        if parent == Path.cwd() or parent.name == "runs":
-            break
-        try:
-            parent.rmdir()
-        except OSError:
-            break
+    folders = [Path(run_dir)] if run_dir else []
+    if HydraConfig.initialized():
+        folders.append(Path(HydraConfig.get().runtime.output_dir))
+    spare = {".hydra", CLAIM} | ({f"{HydraConfig.get().job.name}.log"} if HydraConfig.initialized() else set())
+    for out in folders:
+        if not out.is_dir() or not {p.name for p in out.iterdir()} <= spare:
+            continue
+        root = logging.getLogger()
+        for h in list(root.handlers):  # the log handler holds its file open
+            if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == out.resolve():
+                root.removeHandler(h)
+                h.close()
+        shutil.rmtree(out, ignore_errors=True)
+        for parent in out.parents:  # runs/<name>/ when this was its only run (rmdir removes empty folders only)
+            if parent.resolve() == Path.cwd().resolve() or parent.name == "runs":
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
 
 
 def record_failure(run_dir: str | os.PathLike, e: BaseException) -> None:

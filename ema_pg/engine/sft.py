@@ -114,6 +114,13 @@ class NoColdStart(ValueError):
     """The task has no demonstrations to cold-start from; the message says how to start instead."""
 
 
+def check_finite_weights(model, where) -> None:
+    """Refuse a model whose weights hold NaN or inf (it would sample garbage ids, not fail clearly)."""
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        raise ValueError(f"the weights at {where} hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+
+
 def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int = 16, stop: tuple = ()):
     """(model, tokenizer, model_dir) of the cached base policy, built on first use."""
     from ..prompts import PromptEncoder
@@ -122,9 +129,15 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
                          task_format=getattr(task, "format_version", 0))
     d = Path(sft_cfg.cache_dir).expanduser() / f"{task.name}-{key}"
     if (d / "config.json").is_file():
-        log.info("cold start: reusing %s", d)
-        model, tok = load_model_dir(d)
-        return model, tok, d
+        try:
+            model, tok = load_model_dir(d)
+            check_finite_weights(model, d)
+            log.info("cold start: reusing %s", d)
+            return model, tok, d
+        except Exception as e:  # noqa: BLE001 - a damaged cache (a bad file, NaN weights) is rebuilt, not fatal
+            log.warning("cold start: the cached policy at %s is damaged (%s); building it again",
+                        d, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            shutil.rmtree(d, ignore_errors=True)
     demos = None
     if sft_cfg.steps > 0:  # before anything is built: a task without demonstrations says so at once
         try:

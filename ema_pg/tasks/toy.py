@@ -10,10 +10,27 @@ eval sets by a hash, so eval prompts never appear in training or in the cold-sta
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 
 from .base import Prompt, Task
+
+
+EXACT_POOL = 250_000  #: up to this many operand pairs the held-out ones are counted; above, their expected number
+
+
+def _held_out(a: int, b: int, mod: int) -> bool:
+    h = hashlib.blake2b(f"{a}+{b}".encode(), digest_size=4).digest()
+    return int.from_bytes(h, "little") % mod == 0
+
+
+@functools.lru_cache(maxsize=16)
+def _heldout_count(lo: int, hi: int, mod: int) -> int:
+    n = hi - lo + 1
+    if n * n > EXACT_POOL:
+        return n * n // mod
+    return sum(_held_out(a, b, mod) for a in range(lo, hi + 1) for b in range(lo, hi + 1))
 
 
 class AdditionTask(Task):
@@ -29,10 +46,20 @@ class AdditionTask(Task):
         self.digits, self.eval_size, self.heldout_mod, self.seed = digits, eval_size, heldout_mod, seed
         self.reverse_answer = reverse_answer
         self.lo, self.hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
+        pool = self.heldout_pool()  # the eval split is drawn without replacement: it must fit (an expected count
+        limit = pool if (self.hi - self.lo + 1) ** 2 <= EXACT_POOL else pool // 2  # with room to spare)
+        if eval_size > limit:
+            raise ValueError(f"task.eval_size={eval_size} distinct held-out prompts are too many: task.digits={digits} "
+                             f"with task.heldout_mod={heldout_mod} holds out {pool} operand pairs; "
+                             + (f"give task.eval_size <= {limit}, " if limit >= 1 else "")
+                             + "a smaller heldout_mod or more digits")
 
     def _heldout(self, a: int, b: int) -> bool:
-        h = hashlib.blake2b(f"{a}+{b}".encode(), digest_size=4).digest()
-        return int.from_bytes(h, "little") % self.heldout_mod == 0
+        return _held_out(a, b, self.heldout_mod)
+
+    def heldout_pool(self) -> int:
+        """How many operand pairs are held out: counted up to EXACT_POOL pairs, else expected."""
+        return _heldout_count(self.lo, self.hi, self.heldout_mod)
 
     def _prompt(self, a: int, b: int) -> Prompt:
         ans = str(a + b)[::-1] if self.reverse_answer else str(a + b)
@@ -49,8 +76,15 @@ class AdditionTask(Task):
         return [self._draw(rng, heldout=False) for _ in range(n)]
 
     def eval_splits(self) -> dict[str, list[Prompt]]:
+        """``eval_size`` distinct held-out prompts (a repeat of the draw is skipped, so n counts distinct ones)."""
         rng = random.Random(f"eval-{self.seed}")
-        return {"heldout": [self._draw(rng, heldout=True) for _ in range(self.eval_size)]}
+        out, seen = [], set()
+        while len(out) < self.eval_size:
+            p = self._draw(rng, heldout=True)
+            if p.text not in seen:
+                seen.add(p.text)
+                out.append(p)
+        return {"heldout": out}
 
     def reward(self, prompt: Prompt, response: str) -> float:
         return float(response.strip() == prompt.answer)

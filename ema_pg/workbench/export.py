@@ -11,28 +11,50 @@ The folder is what ``save_pretrained`` writes (config, weights, tokenizer), so
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
+from ..engine.files import atomic_dir
 from ..engine.models import save_model_dir
-from ..engine.policy import DTYPES, load_run_model
+from ..engine.policy import DTYPES, checkpoint_iteration, load_run_model
+
+SOURCE = "ema_pg_source.json"  #: what an exported folder was exported from: run, which, iteration
 
 
-def export(run_dir: str | Path, out_dir: str | Path, which: str = "policy", dtype: str = "float32") -> Path:
+def export(run_dir: str | Path, out_dir: str | Path, which: str = "policy", dtype: str = "float32",
+           overwrite: bool = False) -> Path:
+    """Write the run's model as a Hugging Face folder, whole or not at all; a non-empty ``out_dir`` is refused
+    unless ``overwrite`` (then it is replaced, never mixed with the files it held)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; give a folder to export into")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"{out} is not empty; give a new folder, or --overwrite to replace it")
     model, tok = load_run_model(run_dir, which, dtype=DTYPES[dtype])
-    return save_model_dir(model, tok, out_dir)
+    it = None if which == "initial" else checkpoint_iteration(run_dir)
+    with atomic_dir(out) as tmp:
+        save_model_dir(model, tok, tmp)
+        (tmp / SOURCE).write_text(json.dumps({"run": str(Path(run_dir).resolve()), "which": which, "iteration": it,
+                                              "dtype": dtype}, indent=1) + "\n")
+    return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", help="a run folder")
-    ap.add_argument("out", help="the directory to write")
+    ap.add_argument("out", help="the directory to write (new or empty)")
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--anchor", action="store_const", const="anchor", dest="which", help="export the EMA anchor")
     group.add_argument("--initial", action="store_const", const="initial", dest="which", help="export the initial policy")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     a = ap.parse_args(argv)
-    out = export(a.run, a.out, a.which or "policy", a.dtype)
-    print(f"wrote {out} ({a.which or 'policy'} of {a.run})")
+    try:
+        out = export(a.run, a.out, a.which or "policy", a.dtype, a.overwrite)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise SystemExit(f"export: {e}") from None
+    it = json.loads((out / SOURCE).read_text())["iteration"]
+    print(f"wrote {out} ({a.which or 'policy'} of {a.run}" + (f", iteration {it})" if it is not None else ")"))
 
 
 if __name__ == "__main__":

@@ -120,7 +120,27 @@ def load_study_spec(path: str | Path) -> StudySpec:
             raise StudyFileError(f"{path}: params.{key} ({p['type']}) needs {', '.join(missing)}")
         if p["type"] != "categorical" and not p["low"] < p["high"]:
             raise StudyFileError(f"{path}: params.{key}: low ({p['low']}) must be < high ({p['high']})")
+        try:  # what Optuna itself refuses (log with low <= 0, an empty choices list, a bad step) is refused here
+            distribution(p)
+        except (ValueError, TypeError) as e:
+            raise StudyFileError(f"{path}: params.{key}: {e}") from None
+    for key, table, kw in (("sampler", SAMPLERS, spec.sampler), ("pruner", PRUNERS, spec.pruner)):
+        args = {k: v for k, v in kw.items() if k != "name"}
+        try:
+            table[kw["name"]](**args)
+        except (ValueError, TypeError) as e:
+            raise StudyFileError(f"{path}: {key} {kw['name']} does not take {args}: {e}") from None
     return spec
+
+
+def distribution(p: dict) -> optuna.distributions.BaseDistribution:
+    """The Optuna distribution of a study file's parameter entry (its validation is Optuna's)."""
+    kw = {k: v for k, v in p.items() if k in ("log", "step")}
+    if p["type"] == "float":
+        return optuna.distributions.FloatDistribution(float(p["low"]), float(p["high"]), **kw)
+    if p["type"] == "int":
+        return optuna.distributions.IntDistribution(int(p["low"]), int(p["high"]), **kw)
+    return optuna.distributions.CategoricalDistribution(list(p["choices"]))
 
 
 def suggest(trial: optuna.Trial, params: dict) -> dict:
@@ -349,7 +369,18 @@ def main(argv=None) -> int:
         raise SystemExit(f"study file error: {e}") from None
     if a.storage:
         spec.storage = a.storage
-    n = a.n_trials or spec.n_trials
+    if a.n_trials is not None and a.n_trials < 1:
+        raise SystemExit(f"--n-trials {a.n_trials}: give the study's total number of trials, >= 1 (or leave it out "
+                         f"for the file's {spec.n_trials})")
+    if a.workers < 1:
+        raise SystemExit(f"--workers {a.workers}: give at least 1")
+    n = spec.n_trials if a.n_trials is None else a.n_trials
+    try:
+        open_study(spec, a.worker_index)  # a storage that cannot be opened is one line, before any trial
+    except Exception as e:  # noqa: BLE001 - SQLAlchemy's and Optuna's storage errors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"study storage {spec.storage} cannot be opened ({first}); give another --storage, or move "
+                         "the damaged file away") from None
     if a.workers > 1:
         threads = max(1, (os.cpu_count() or 2) // a.workers)
         cmd = [sys.executable, "-m", "ema_pg.search", a.study, "--n-trials", str(n), "--storage", spec.storage,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from pathlib import Path
 
 import lightning as L
@@ -24,6 +23,7 @@ from ..heads import check_head
 from ..prompts import PromptEncoder
 from ..tasks import ServiceError, build_task
 from .anchor import AnchorCallback
+from .console import IterationBar, quiet_third_party
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
 from .models import ModelPathError
 from .module import GRPOModule
@@ -44,6 +44,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     metrics are returned) and one that holds a checkpoint is resumed, so a killed sweep is
     continued by running the same command again.
     """
+    quiet_third_party()
     opened = open_run(cfg)
     cfg, run_dir = opened.cfg, opened.run_dir
     if opened.skipped is not None:
@@ -96,31 +97,29 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     ckpt_cb = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="iter{epoch}", save_last=True,
                               save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
     callbacks = ([ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
-                 + [_CheckpointOnSigterm(run_dir / "checkpoints" / "last.ckpt")])  # last: after the anchor's update
+                 + [_CheckpointOnSigterm(run_dir / "checkpoints" / "last.ckpt")]  # last: after the anchor's update
+                 + ([IterationBar()] if cfg.trainer.progress_bar else []))
     deepspeed = str(cfg.trainer.strategy).startswith("deepspeed")  # DeepSpeed writes its own checkpoint folders
     tc = cfg.trainer
-    with warnings.catch_warnings():
-        # the run folder holds config.yaml before the CSV logger starts: its "not empty" warning is expected
-        warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
-        trainer = L.Trainer(
-            accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(cfg), precision=tc.precision,
-            max_epochs=-1, logger=make_loggers(cfg, run_dir, opened.resume_step), callbacks=callbacks,
-            enable_progress_bar=tc.progress_bar, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
-            num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),
-            deterministic=False, use_distributed_sampler=False,  # every rank runs every iteration number
-            plugins=None if deepspeed else [atomic_checkpoint_io()],
-        )
-        try:
-            trainer.fit(module, ckpt_path=opened.ckpt_path)
-        except SIGTERMException:
-            raise RunInterrupted(f"stopped by SIGTERM after iteration {module.iteration} of {cfg.algo.iterations}; "
-                                 "its checkpoint is saved") from None
-        finally:
-            for lg in trainer.loggers:
-                try:
-                    lg.finalize("success")
-                except Exception:  # noqa: BLE001 - closing must not mask the real error
-                    pass
+    trainer = L.Trainer(
+        accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(cfg), precision=tc.precision,
+        max_epochs=-1, logger=make_loggers(cfg, run_dir, opened.resume_step), callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
+        num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),
+        deterministic=False, use_distributed_sampler=False,  # every rank runs every iteration number
+        plugins=None if deepspeed else [atomic_checkpoint_io()],
+    )
+    try:
+        trainer.fit(module, ckpt_path=opened.ckpt_path, weights_only=False)  # the run's own checkpoint
+    except SIGTERMException:
+        raise RunInterrupted(f"stopped by SIGTERM after iteration {module.iteration} of {cfg.algo.iterations}; "
+                             "its checkpoint is saved") from None
+    finally:
+        for lg in trainer.loggers:
+            try:
+                lg.finalize("success")
+            except Exception:  # noqa: BLE001 - closing must not mask the real error
+                pass
     final = dict(module.eval_history[-1]) if module.eval_history else {}
     plot = run_dir / "curves.png"
     if is_rank_zero():

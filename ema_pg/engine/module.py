@@ -140,8 +140,6 @@ class GRPOModule(L.LightningModule):
                                             temperature=self.cfg.rollout.temperature))
         self._log_metrics(metrics)
         self._warn_collapse(metrics)
-        self.log("reward", metrics["train/reward_mean"], prog_bar=True, logger=False)
-        self.log("kl", metrics.get("train/kl", 0.0), prog_bar=True, logger=False)
         self.last_metrics = metrics
 
     def _rl_step(self, iteration: int):

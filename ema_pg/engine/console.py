@@ -1,0 +1,86 @@
+"""The console of a run: third-party lines that tell our user nothing are silenced where they come from, one by
+one (each filter names the message it drops; nothing else is hidden), and a progress bar counts RL iterations.
+
+Silenced: Lightning's hardware lines ("GPU available ...", the run's start-up line says what runs) and its
+litlogger tip; its "modules in eval mode" warning (the policy is kept in eval mode on purpose: no dropout in RL);
+its own deprecated ``LeafSpec`` use; its "checkpoint directory exists" and "logs directory exists" warnings on a
+resume (the folder is the run's own); the loaders' "weights_only" notice (checkpoints are the run's own files);
+transformers' weight loading and saving bars (seconds-long on the models a run builds); DeepSpeed's accelerator
+guess on a machine without CUDA (it is told ``DS_ACCELERATOR=cpu``, the answer its guess would give).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import lightning as L
+
+#: the messages of third-party warnings a run drops (regular expressions matched at the message's start)
+QUIET_WARNINGS = (
+    r".*module\(s\) in eval mode at the start of training",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    r"Checkpoint directory .* exists and is not empty",
+    r"Experiment logs directory .* exists and is not empty",
+    r"`weights_only` was not set",
+)
+#: the start of Lightning's info lines a run drops
+QUIET_LIGHTNING = ("GPU available:", "TPU available:", "HPU available:", "💡 Tip", "You are using a CUDA device")
+
+
+class _DropLines(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).lstrip().startswith(QUIET_LIGHTNING)
+
+
+def quiet_third_party() -> None:
+    """Install the filters above (idempotent)."""
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "lightning.pytorch.accelerators.cuda"):
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in lg.filters):
+            lg.addFilter(_DropLines())
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+class IterationBar(L.Callback):
+    """One bar over the run's RL iterations (``k/N``, with the batch's reward and KL), in place of Lightning's
+    epoch bar (an epoch here is an evaluation period, and Lightning counted them out of -1)."""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from tqdm.auto import tqdm
+
+        if trainer.is_global_zero:
+            n = pl_module.cfg.algo.iterations
+            self.bar = tqdm(total=n, initial=min(pl_module.iteration, n), desc="RL iterations", dynamic_ncols=True)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.bar is not None:
+            m = pl_module.last_metrics
+            self.bar.set_postfix(reward=f"{m.get('train/reward_mean', float('nan')):.3f}",
+                                 kl=f"{m.get('train/kl', 0.0):.2e}", refresh=False)
+            self.bar.update(1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

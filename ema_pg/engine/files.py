@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import shutil
 from pathlib import Path
@@ -70,15 +71,16 @@ def no_room_errno(e: BaseException) -> int | None:
     if isinstance(e, OSError) and e.errno in NO_ROOM:
         return e.errno
     text = str(e)
-    return next((code for code in NO_ROOM if f"code: {code}," in text or f"[Errno {code}]" in text), None)
+    return next((code for code in NO_ROOM if f"code: {code}," in text or f"[Errno {code}]" in text
+                 or f"os error {code})" in text), None)
 
 
-def atomic_write(path: str | os.PathLike, data: str | bytes) -> Path:
+def atomic_write(path: str | os.PathLike, data: str | bytes | memoryview) -> Path:
     """Write ``data`` to ``path`` whole or not at all (a temporary file beside it, fsynced, then renamed)."""
     path = Path(path)
     tmp = _tmp(path)
     raw = data.encode() if isinstance(data, str) else data
-    with _no_room_is_one_line(path, len(raw), tmp):
+    with _no_room_is_one_line(path, raw.nbytes if isinstance(raw, memoryview) else len(raw), tmp):
         with open(tmp, "wb") as f:
             f.write(raw)
             f.flush()
@@ -122,18 +124,14 @@ def nbytes(obj) -> int:
 
 
 def atomic_torch_save(obj, path: str | os.PathLike) -> Path:
-    """``torch.save`` beside the destination, fsynced, renamed: a reader finds the old file or the new one."""
+    """``torch.save`` beside the destination, fsynced, renamed: a reader finds the old file or the new one. The
+    state is serialized in memory first (as Lightning's own writer does): torch's zip writer turns a failed write
+    into an error without its cause, Python's file write keeps the errno that says the disk is full."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp(path)
-    with _no_room_is_one_line(path, nbytes(obj), tmp):
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return path
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return atomic_write(path, buffer.getbuffer())
 
 
 def atomic_checkpoint_io():

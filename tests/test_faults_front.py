@@ -1,0 +1,237 @@
+"""The front door under faults: each bad input stops with one line that says what to change, before any
+expensive work and before any folder is made; evaluate and export say which checkpoint they read and refuse
+what is not there; held-out prompts are distinct. Each case failed on the code before this file."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from helpers import compose_cfg
+from omegaconf import OmegaConf, open_dict
+
+from ema_pg.config import ConfigError, validate
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from ema_pg.engine.fit import train
+
+    tmp = tmp_path_factory.mktemp("front")
+    cfg = compose_cfg(["algo.iterations=2", "algo.eval_every=2"], tmp)
+    train(cfg)
+    return Path(cfg.run_dir)
+
+
+# ---------------------------------------------------------------------- knobs
+@pytest.mark.parametrize("overrides,match", [
+    (["name=../../x"], "name='../../x' names the run's folder under runs/"),
+    (["model.num_heads=3"], "model.hidden_size=32 must be a multiple of model.num_heads=3"),
+    (["model.num_kv_heads=3", "model.num_heads=2"], "num_heads of model.num_kv_heads=3"),
+    (["model.head_chunk_tokens=-1"], "model.head_chunk_tokens must be >= 0"),
+    (["rollout.max_new_tokens=0"], "rollout.max_new_tokens must be >= 1"),  # it blamed algo.overlong_buffer
+    (["rollout.temperature=1e-9"], "is \\(nearly\\) greedy"),
+])
+def test_bad_knobs_are_one_line_naming_the_knob(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(overrides))
+
+
+def test_toy_held_out_prompts_are_distinct_and_an_impossible_size_is_refused():
+    from ema_pg.tasks.toy import AdditionTask
+
+    task = AdditionTask(digits=2, eval_size=256, heldout_mod=10, reverse_answer=True, seed=0)
+    prompts = task.eval_splits()["heldout"]
+    assert len(prompts) == 256 and len({p.text for p in prompts}) == 256
+    assert all(task._heldout(p.meta["a"], p.meta["b"]) for p in prompts)
+    pool = task.heldout_pool()
+    assert pool == sum(task._heldout(a, b) for a in range(10, 100) for b in range(10, 100))
+    with pytest.raises(ValueError, match=f"holds out {pool} operand pairs; give task.eval_size <= {pool}"):
+        AdditionTask(digits=2, eval_size=pool + 1, heldout_mod=10, reverse_answer=True, seed=0)
+    with pytest.raises(ValueError, match="task.heldout_mod=100000 holds out 0 operand pairs; a smaller"):
+        AdditionTask(digits=2, eval_size=256, heldout_mod=100000, reverse_answer=True, seed=0)  # it never ended
+    whole = AdditionTask(digits=1, eval_size=7, heldout_mod=10, reverse_answer=True, seed=0)  # the whole pool
+    assert len({p.text for p in whole.eval_splits()["heldout"]}) == 7 == whole.heldout_pool()
+
+
+def test_the_models_context_and_the_rollouts_memory_are_checked_before_anything_is_written(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ema_pg.engine.fit import check_fits
+    from ema_pg.prompts import PromptEncoder
+    from ema_pg.engine.models import train_bpe_tokenizer
+    from ema_pg.tasks import build_task
+
+    cfg = compose_cfg(["rollout.max_new_tokens=8"])
+    task = build_task(cfg.task)
+    tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=12, n_embd=16, n_layer=1, n_head=2))
+    encode = PromptEncoder(tok, "off")
+    with pytest.raises(ConfigError, match="the model's context is 12 tokens, but a prompt of .* plus "
+                                          "rollout.max_new_tokens=8 needs"):
+        check_fits(cfg, gpt2, task, encode)
+    cfg.rollout.max_new_tokens = 2
+    check_fits(cfg, gpt2, task, encode)
+    cfg.algo.group_size = 10**9
+    with pytest.raises(ConfigError, match="their KV cache alone needs about .* GiB .*; lower them"):
+        check_fits(cfg, gpt2, task, encode)
+
+
+def test_a_damaged_cold_start_cache_is_rebuilt_and_nan_weights_are_refused(tmp_path, caplog):
+    from safetensors.torch import load_file, save_file
+
+    from ema_pg.engine.policy import build_policy
+    from ema_pg.tasks import build_task
+
+    cfg = compose_cfg(["sft.steps=5"], tmp_path)
+    task = build_task(cfg.task)
+    model, _ = build_policy(cfg, task)
+    cache = next(Path(cfg.sft.cache_dir).iterdir())
+    (cache / "model.safetensors").write_bytes(b"garbage")
+    again, _ = build_policy(cfg, task)
+    assert "is damaged" in caplog.text and "building it again" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    w = load_file(cache / "model.safetensors")
+    save_file({k: torch.full_like(v, float("nan")) for k, v in w.items()}, cache / "model.safetensors")
+    caplog.clear()
+    rebuilt, _ = build_policy(cfg, task)  # NaN weights in the cache: rebuilt, not an IndexError in the sampler
+    assert "hold NaN or inf" in caplog.text and all(torch.isfinite(p).all() for p in rebuilt.parameters())
+    local = compose_cfg(["model=local", f"model.path={cache}"], tmp_path)
+    save_file({k: torch.full_like(v, float("nan")) for k, v in w.items()}, cache / "model.safetensors")
+    with pytest.raises(ValueError, match=f"the weights at model.path={cache} hold NaN or inf"):
+        build_policy(local, task)
+
+
+# ---------------------------------------------------------------------- evaluate and export
+def test_evaluate_checks_its_overrides_and_output_before_evaluating_and_records_the_iteration(finished_run, tmp_path,
+                                                                                               capsys):
+    from ema_pg.engine.evaluate import main
+
+    with pytest.raises(SystemExit, match="config error: rollout.max_new_tokens must be >= 1; got -5"):
+        main([str(finished_run), "rollout.max_new_tokens=-5"])
+    with pytest.raises(SystemExit, match="is neither a run folder .* nor a saved model"):
+        main([str(tmp_path)])
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit, match="cannot write the result to"):
+        main([str(finished_run), "--out", str(blocker / "eval.json")])
+    out = tmp_path / "e.json"
+    main([str(finished_run), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["iteration"] == 2 and result["run_live"] is False
+
+
+def test_evaluate_and_export_refuse_a_run_without_checkpoint_unless_asked_for_the_initial_policy(finished_run,
+                                                                                                 tmp_path):
+    import shutil
+
+    from ema_pg.engine.evaluate import main as evaluate
+    from ema_pg.workbench.export import main as export
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    shutil.rmtree(run / "checkpoints")  # killed before its first checkpoint
+    with pytest.raises(SystemExit, match="has no checkpoint yet .* ask for the initial policy"):
+        evaluate([str(run), "--out", str(tmp_path / "e.json")])
+    with pytest.raises(SystemExit, match="has no checkpoint yet"):
+        export([str(run), str(tmp_path / "x")])
+    export([str(run), str(tmp_path / "x"), "--initial"])
+    assert json.loads((tmp_path / "x" / "ema_pg_source.json").read_text())["which"] == "initial"
+
+
+def test_export_is_written_whole_never_mixed_into_a_folder_and_says_what_it_read(finished_run, tmp_path):
+    from ema_pg.workbench.export import main as export
+
+    out = tmp_path / "exported"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "old.bin").write_text("old")
+    with pytest.raises(SystemExit, match="is not empty; give a new folder, or --overwrite"):
+        export([str(finished_run), str(out)])
+    assert (out / "config.json").read_text() == "{}"
+    export([str(finished_run), str(out), "--overwrite"])
+    assert not (out / "old.bin").exists()
+    assert json.loads((out / "ema_pg_source.json").read_text())["iteration"] == 2
+    with pytest.raises(SystemExit, match="is a file; give a folder"):
+        export([str(finished_run), str(out / "config.json")])
+
+
+def test_anchor_of_an_anchorless_run_is_one_line(tmp_path):
+    from ema_pg.engine.evaluate import main as evaluate
+    from ema_pg.engine.fit import train
+    from ema_pg.workbench.export import main as export
+
+    cfg = compose_cfg(["anchor=none", "kl=none", "algo.beta=0", "algo.iterations=2", "algo.eval_every=2"], tmp_path)
+    train(cfg)
+    with pytest.raises(SystemExit, match="holds no anchor"):
+        export([cfg.run_dir, str(tmp_path / "a"), "--anchor"])
+    with pytest.raises(SystemExit, match="holds no anchor"):
+        evaluate([cfg.run_dir, "--which", "anchor", "--out", str(tmp_path / "a.json")])
+
+
+def test_evaluate_of_a_live_run_says_so(finished_run, tmp_path):
+    from ema_pg.engine.evaluate import run_is_live
+    from ema_pg.engine.runs import CLAIM
+
+    claim = finished_run / CLAIM
+    before = claim.read_text()
+    try:
+        claim.write_text(f"{socket.gethostname()} {os.getppid()}")
+        assert run_is_live(finished_run)
+        claim.write_text(f"{socket.gethostname()} 999999999")
+        assert not run_is_live(finished_run)
+    finally:
+        claim.write_text(before)
+
+
+# ---------------------------------------------------------------------- the Optuna search
+def _study(tmp_path, **changes) -> Path:
+    spec = {"study_name": "t", "storage": f"sqlite:///{tmp_path}/t.db", "n_trials": 3,
+            "sampler": {"name": "random", "seed": 0}, "pruner": {"name": "none"}, "overrides": [],
+            "params": {"optim.lr": {"type": "float", "low": 1e-4, "high": 1e-3, "log": True}}}
+    spec.update(changes)
+    p = tmp_path / "study.yaml"
+    p.write_text(yaml.safe_dump(spec))
+    return p
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"params": {"optim.lr": {"type": "float", "low": 0.0, "high": 1e-3, "log": True}}}, "params.optim.lr: .*"),
+    ({"params": {"kl.k": {"type": "categorical", "choices": []}}}, "params.kl.k: .*"),
+    ({"pruner": {"name": "median", "n_startup_trials": -3}}, "pruner median does not take"),
+    ({"pruner": {"name": "median", "no_such_arg": 1}}, "pruner median does not take"),
+])
+def test_what_optuna_itself_refuses_is_a_study_file_error(tmp_path, changes, match):
+    from ema_pg.workbench.search import StudyFileError, load_study_spec
+
+    with pytest.raises(StudyFileError, match=match):
+        load_study_spec(_study(tmp_path, **changes))
+
+
+def test_search_refuses_bad_trial_counts_and_a_storage_it_cannot_open_before_any_trial(tmp_path):
+    from ema_pg.workbench.search import main
+
+    f = _study(tmp_path)
+    for n in ("0", "-1"):
+        with pytest.raises(SystemExit, match=f"--n-trials {n}: give the study's total number of trials, >= 1"):
+            main([str(f), "--n-trials", n])
+    (tmp_path / "t.db").write_bytes(b"this is not a database" * 100)
+    with pytest.raises(SystemExit, match="study storage sqlite:///.* cannot be opened"):
+        main([str(f)])
+
+
+def test_in_process_train_of_a_refused_config_leaves_no_run_folder(tmp_path):
+    from ema_pg.engine.fit import command
+
+    cfg = compose_cfg(["rollout.max_new_tokens=600"], tmp_path)  # refused once the model is built
+    with open_dict(cfg):
+        cfg.run_dir = str(tmp_path / "refused")
+    with pytest.raises(SystemExit, match="config error: the model's context is 512 tokens"):
+        command(cfg)
+    assert not (tmp_path / "refused").exists()
+    assert OmegaConf.select(cfg, "name")

@@ -335,3 +335,27 @@ def test_a_refused_run_leaves_no_folder_and_the_console_has_no_third_party_noise
                   "GPU available", "Writing model shards", "Loading weights"):
         assert noise not in console, noise
     assert "RL iterations" in console and "4/4" in console and "run: tiny cold-start policy" in console
+
+
+@pytest.mark.slow
+def test_a_sigtermed_sweep_exits_75_and_the_same_command_finishes_it(tmp_path):
+    """A SIGTERM to a multirun used to skip its remaining jobs and exit 0 (and reproduce then wrote a report from
+    the runs that were there)."""
+    from ema_pg.engine.sweeps import sweep_state
+
+    args = ["-m", *cli_tiny(tmp_path), "algo.iterations=300", "algo.eval_every=150", "if_exists=resume", "seed=0,1",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    p = subprocess.Popen(PY + args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not list((tmp_path / "sweep").glob("0_*/train.log")) or "run: " not in next(
+            (tmp_path / "sweep").glob("0_*/train.log")).read_text():
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.1)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(300) == 75
+    finished, failed, unfinished = sweep_state(tmp_path / "sweep")
+    assert not finished and not failed and len(unfinished) == 2  # job 0 interrupted, job 1 never started
+    again = _run(args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert len(sweep_state(tmp_path / "sweep")[0]) == 2

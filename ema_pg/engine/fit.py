@@ -209,7 +209,10 @@ class _CheckpointOnSigterm(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         a = pl_module.cfg.algo
-        if trainer.received_sigterm and pl_module.iteration % a.eval_every and pl_module.iteration < a.iterations:
+        stop = trainer.received_sigterm
+        if trainer.world_size > 1:  # the save is collective: every rank decides alike (Lightning stops them all)
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop and pl_module.iteration % a.eval_every and pl_module.iteration < a.iterations:
             trainer.save_checkpoint(self.last)
             log.warning("SIGTERM: checkpoint of iteration %d saved in %s", pl_module.iteration, self.last.parent)
 

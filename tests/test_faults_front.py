@@ -18,16 +18,6 @@ from omegaconf import OmegaConf, open_dict
 from ema_pg.config import ConfigError, validate
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    from ema_pg.engine.fit import train
-
-    tmp = tmp_path_factory.mktemp("front")
-    cfg = compose_cfg(["algo.iterations=2", "algo.eval_every=2"], tmp)
-    train(cfg)
-    return Path(cfg.run_dir)
-
-
 # ---------------------------------------------------------------------- knobs
 @pytest.mark.parametrize("overrides,match", [
     (["name=../../x"], "name='../../x' names the run's folder under runs/"),
@@ -123,7 +113,7 @@ def test_evaluate_checks_its_overrides_and_output_before_evaluating_and_records_
     out = tmp_path / "e.json"
     main([str(finished_run), "--out", str(out)])
     result = json.loads(out.read_text())
-    assert result["iteration"] == 2 and result["run_live"] is False
+    assert result["iteration"] == 4 and result["run_live"] is False
 
 
 def test_evaluate_and_export_refuse_a_run_without_checkpoint_unless_asked_for_the_initial_policy(finished_run,
@@ -156,7 +146,7 @@ def test_export_is_written_whole_never_mixed_into_a_folder_and_says_what_it_read
     assert (out / "config.json").read_text() == "{}"
     export([str(finished_run), str(out), "--overwrite"])
     assert not (out / "old.bin").exists()
-    assert json.loads((out / "ema_pg_source.json").read_text())["iteration"] == 2
+    assert json.loads((out / "ema_pg_source.json").read_text())["iteration"] == 4
     with pytest.raises(SystemExit, match="is a file; give a folder"):
         export([str(finished_run), str(out / "config.json")])
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compose_cfg
 from omegaconf import OmegaConf, open_dict
 from test_faults import cli_tiny
 
@@ -29,17 +28,6 @@ PY = [sys.executable, "-m", "ema_pg.train"]
 
 def _run(args, timeout=600, **kw):
     return subprocess.run(PY + args, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A tiny finished run (4 iterations, checkpoints at 2 and 4), trained in this process."""
-    from ema_pg.engine.fit import train
-
-    tmp = tmp_path_factory.mktemp("finished")
-    cfg = compose_cfg(["algo.iterations=4", "algo.eval_every=2"], tmp)
-    train(cfg)
-    return Path(cfg.run_dir)
 
 
 # ---------------------------------------------------------------------- metrics.csv

@@ -36,8 +36,10 @@ class _DropLines(logging.Filter):
 
 def quiet_third_party() -> None:
     """Install the filters above (idempotent)."""
+    installed = {f[1].pattern for f in warnings.filters if f[0] == "ignore" and f[1] is not None}
     for message in QUIET_WARNINGS:
-        warnings.filterwarnings("ignore", message=message)
+        if message not in installed:
+            warnings.filterwarnings("ignore", message=message)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                  "lightning.pytorch.accelerators.cuda"):
         lg = logging.getLogger(name)

@@ -106,7 +106,7 @@ def metrics_rows(metrics_file: Path, upto: int) -> list[dict]:
             dropped += 1
             continue
         try:
-            r = {k: float(v) for k, v in zip(header, values) if v != ""}
+            r = {k: x for k, v in zip(header, values) if v != "" and (x := float(v)) == x}  # no NaN, as logged
         except ValueError:
             dropped += 1
             continue
@@ -419,6 +419,7 @@ def open_run(cfg: DictConfig) -> OpenedRun:
                               f"undo iterations it already ran: pass algo.iterations={it} or more")
         if is_rank_zero():
             own_run_dir(run_dir)  # one writer per run folder: a live run there refuses this one
+            os.environ[RUN_DIR_ENV] = str(run_dir)  # where a failure is recorded (and the resume line points)
             adopt_hydra_output(run_dir)
         log.info("resuming %s from iteration %d", run_dir, it)
         return OpenedRun(cfg, run_dir, str(ckpt), it, estimator=estimator)

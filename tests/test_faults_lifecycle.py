@@ -306,6 +306,11 @@ def test_a_sweep_checks_every_job_first_and_survives_a_job_that_fails_at_run_tim
     assert (ok / "eval.json").is_file()
     again = _run(["-m", *base, "model.dtype=float16,float32", f"hydra.sweep.dir={sweep}"])
     assert again.returncode == 1 and "failed earlier" in again.stdout + again.stderr  # it would diverge again
+    # a refusal known only once a job's model is built (its context) is recorded too, and the sweep goes on
+    ctx = tmp_path / "ctx"
+    r = _run(["-m", *base, "rollout.max_new_tokens=600,4", f"hydra.sweep.dir={ctx}"])
+    assert r.returncode == 1 and "sweep: 1 of 2 jobs finished" in r.stderr and "context is 512 tokens" in r.stderr
+    assert [json.loads(f.read_text())["kind"] for f in ctx.glob("*/failed.json")] == ["config"]
 
 
 @pytest.mark.slow

@@ -29,8 +29,8 @@ from .models import ModelPathError
 from .module import GRPOModule
 from .plotting import plot_run
 from .policy import build_policy
-from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multirun, is_rank_zero, make_loggers, open_run, record_failure,
-                   record_run)
+from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multirun, is_rank_zero, job_folder,
+                   make_loggers, open_run, record_failure, record_run)
 from .strategies import build_strategy
 
 log = logging.getLogger("ema_pg")
@@ -167,6 +167,9 @@ def command(cfg: DictConfig) -> float:
         metrics, objs = train(cfg)
     except (ConfigError, ModelPathError) as e:
         log.error("config error: %s", e)
+        if in_multirun():  # one job's refusal (say, its model's context): recorded, and the sweep goes on
+            record_failure(os.environ.get(RUN_DIR_ENV) or job_folder(), e)
+            return float("nan")
         discard_hydra_output(os.environ.get(RUN_DIR_ENV))  # a refused run leaves no folder behind
         raise SystemExit(f"config error: {e}") from None
     except RunInterrupted as e:

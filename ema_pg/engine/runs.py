@@ -262,6 +262,13 @@ def in_multirun() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
+def job_folder() -> Path | None:
+    """The folder Hydra opened for this job (a sweep job's own), or None outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
 def discard_hydra_output(run_dir: str | None = None) -> None:
     """A run refused at start leaves no folder: Hydra's output folder and the run folder are removed when they hold
     only Hydra's own files (``.hydra/``, the log) or the run's claim, and no run (no ``config.yaml``); a sweep's
@@ -293,14 +300,16 @@ def discard_hydra_output(run_dir: str | None = None) -> None:
 
 
 def record_failure(run_dir: str | os.PathLike, e: BaseException) -> None:
-    """Write ``failed.json`` in the run folder: what stopped it (``kind``: diverged, service, disk) and where."""
+    """Write ``failed.json`` in the run folder: what stopped it (``kind``: diverged, service, disk, config) and
+    where."""
     from ..step import NonFiniteUpdates
     from .sweeps import FAILED
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or not is_rank_zero():
         return
-    kind = "diverged" if isinstance(e, NonFiniteUpdates) else "disk" if isinstance(e, OSError) else "service"
+    kind = ("diverged" if isinstance(e, NonFiniteUpdates) else "disk" if isinstance(e, OSError) else
+            "config" if isinstance(e, ValueError) else "service")  # ConfigError and ModelPathError are ValueErrors
     it = None
     if (ckpt := checkpoint_file(run_dir)) is not None:
         try:

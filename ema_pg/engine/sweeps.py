@@ -35,20 +35,26 @@ def sweep_jobs(config: DictConfig) -> list[list[str]]:
 def check_jobs(config: DictConfig, jobs: list[list[str]]) -> None:
     """Compose and validate every job's config; the first invalid one ends the sweep before anything runs."""
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     from ..config import ConfigError, validate
 
     loader = GlobalHydra.instance().config_loader()
     common = set.intersection(*(set(j) for j in jobs)) if len(jobs) > 1 else set()
     for i, job in enumerate(jobs):
-        cfg = loader.load_sweep_config(config, list(job))
-        with open_dict(cfg):
-            del cfg["hydra"]
         try:
+            cfg = loader.load_sweep_config(config, list(job))
+            with open_dict(cfg):
+                del cfg["hydra"]
             validate(cfg)
-        except ConfigError as e:
+            with open_dict(cfg):
+                del cfg["run_dir"]  # Hydra's job folder, known only when the job runs
+            OmegaConf.to_container(cfg, resolve=True)  # an environment variable the job needs, say
+        except (ConfigError, OmegaConfBaseException, HydraException) as e:  # a bad value, a missing env variable
             named = " ".join(o for o in job if o not in common)
-            raise SystemExit(f"config error in job {i} of {len(jobs)} ({named}): {e}; no job has run") from None
+            first = str(e).strip().splitlines()[0]
+            raise SystemExit(f"config error in job {i} of {len(jobs)} ({named}): {first}; no job has run") from None
 
 
 def failed_record(run_dir: Path) -> dict | None:
@@ -63,7 +69,7 @@ def sweep_state(sweep_dir: Path) -> tuple[list[Path], list[Path], list[Path]]:
     """(finished, failed, unfinished) run folders of a sweep folder written by this callback; unfinished also
     counts the jobs that never made a folder (as ``<sweep>/<job #>?``)."""
     sweep_dir = Path(sweep_dir)
-    runs = sorted(p.parent for p in sweep_dir.glob("*/config.yaml"))
+    runs = sorted({p.parent for pattern in ("*/config.yaml", f"*/{FAILED}") for p in sweep_dir.glob(pattern)})
     finished = [r for r in runs if (r / "eval.json").is_file()]
     failed = [r for r in runs if r not in finished and (r / FAILED).is_file()]
     unfinished = [r for r in runs if r not in finished and r not in failed]

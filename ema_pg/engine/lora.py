@@ -10,6 +10,8 @@ No second copy of the base is made; the fp32 EMA master holds the adapters only.
 
 from __future__ import annotations
 
+import warnings
+
 from contextlib import contextmanager
 
 import torch
@@ -32,7 +34,9 @@ def wrap_lora(model, rank: int, alpha: float, targets: str):
     peft = require_peft()
     cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
                           target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")])
-    return peft.get_peft_model(model, cfg)
+    with warnings.catch_warnings():  # PEFT reads the attribute transformers >= 5.24 renamed: nothing for our user
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return peft.get_peft_model(model, cfg)
 
 
 def is_lora(model) -> bool:

@@ -9,6 +9,8 @@ sampler's log-probs and the scorer's agree to float rounding.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 
 import torch
@@ -107,6 +109,18 @@ def full_attention_layers(model) -> int | None:
     return text.num_hidden_layers if kinds == {"full_attention"} else None
 
 
+@functools.lru_cache(maxsize=64)
+def _cache_kwarg_of(forward) -> str:
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def cache_kwarg(model) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache`` since transformers 5.24 (which
+    deprecates ``past_key_values`` with a FutureWarning at every call), ``past_key_values`` before."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper's own takes **kw
+    return _cache_kwarg_of(type(base).forward)
+
+
 def new_cache(model) -> Cache:
     """A :class:`GrowingLayer` cache for models whose layers all use full attention, else transformers' own."""
     n = full_attention_layers(model)
@@ -197,6 +211,7 @@ class HFSampler:
         was_training = model.training
         model.eval()
         pos = (am.cumsum(-1) - 1).clamp(min=0)
+        kv = cache_kwarg(model)
         auto = dev.type == "cuda"  # (a LoRA policy's sampler is built with static_cache=False: build_sampler)
         static = (auto if self.static_cache is None else self.static_cache) and not stop \
             and self.lockstep is None and full_attention_layers(model) is not None
@@ -205,10 +220,10 @@ class HFSampler:
             cache, decode = self._static_for(model, (N, cols, torch.is_autocast_enabled(dev.type)), dev)
             mask_buf = torch.zeros((N, cols), dtype=am.dtype, device=dev)
             mask_buf[:, :P] = am
-            out = model(input_ids=ids, attention_mask=mask_buf, position_ids=pos, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids, attention_mask=mask_buf, position_ids=pos, use_cache=True, **{kv: cache})
         else:
             cache = new_cache(model)
-            out = model(input_ids=ids, attention_mask=am, position_ids=pos, past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **{kv: cache})
         next_logits = out.logits[:, -1].float()  # (N, V)
         cols_ids, cols_am, cols_lm, cols_lp = [], [], [], []
         cols_ti, cols_tl, cols_en = [], [], []
@@ -227,12 +242,10 @@ class HFSampler:
             bpos = torch.where(block_am.bool(), bpos, last_pos[:, None].clamp(min=0))
             if static:  # one column: written into the mask buffer; same shapes at every step
                 mask_buf[:, P + len(cols_am) - 1] = block_am[:, 0]
-                o = decode(input_ids=block, attention_mask=mask_buf, position_ids=bpos, past_key_values=cache,
-                           use_cache=True)
+                o = decode(input_ids=block, attention_mask=mask_buf, position_ids=bpos, use_cache=True, **{kv: cache})
             else:
                 full_am = torch.cat([am] + cols_am, 1)  # (N, L) including the block
-                o = model(input_ids=block, attention_mask=full_am, position_ids=bpos, past_key_values=cache,
-                          use_cache=True)
+                o = model(input_ids=block, attention_mask=full_am, position_ids=bpos, use_cache=True, **{kv: cache})
             real_last = block_am[:, -1].bool()
             next_logits = torch.where(real_last[:, None], o.logits[:, -1].float(), next_logits)
             last_pos = last_pos + block_am.sum(-1)

@@ -239,14 +239,9 @@ def check_writable(out: Path) -> None:
 
 def run_is_live(run_dir: Path) -> bool:
     """True while the process that claimed the run folder is alive on this host."""
-    from .runs import CLAIM, _claim_is_stale
+    from .runs import live_owner
 
-    claim = Path(run_dir) / CLAIM
-    try:
-        owner = claim.read_text().split()
-    except OSError:
-        return False
-    return len(owner) == 2 and not _claim_is_stale(owner)
+    return live_owner(run_dir) is not None
 
 
 def main(argv: list[str] | None = None) -> None:

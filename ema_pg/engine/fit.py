@@ -176,9 +176,10 @@ def command(cfg: DictConfig) -> float:
         log.warning("%s", e)
         raise SystemExit(EXIT_INTERRUPTED) from None  # a sweep stops here too: the same command continues it
     except (NonFiniteUpdates, ServiceError, OSError) as e:
-        if isinstance(e, OSError) and no_room_errno(e) is None:
-            raise
-        e = e if not isinstance(e, OSError) or isinstance(e, NoRoom) else NoRoom(Path(e.filename or "?"), None, e)
+        if isinstance(e, OSError) and not isinstance(e, NoRoom):  # a full disk outside our own writers (a log)
+            if no_room_errno(e) is None:
+                raise
+            e = NoRoom(Path(e.filename or "?"), None, e)
         run = os.environ.get(RUN_DIR_ENV, "<run folder>")
         log.error("stopped: %s", e)
         record_failure(run, e)

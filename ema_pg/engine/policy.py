@@ -59,14 +59,15 @@ def checkpoint_file(run_dir: Path) -> Path | None:
     return last if last.is_file() or (last / "checkpoint").is_dir() else None
 
 
-def checkpoint_state(ckpt: Path) -> dict:
+def checkpoint_state(ckpt: Path, mmap: bool = False) -> dict:
     """A checkpoint's Lightning state (``ema_pg``, ``callbacks``, ...); a DeepSpeed checkpoint folder keeps
-    it in rank 0's model-states file."""
+    it in rank 0's model-states file. ``mmap``: the tensors stay on disk until touched (to read the bookkeeping
+    of a large checkpoint)."""
     ckpt = Path(ckpt)
     if ckpt.is_dir():  # ZeRO-2 names it mp_rank_00_model_states.pt, ZeRO-3 zero_pp_rank_0_mp_rank_00_model_states.pt
         ckpt = next(f for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
                     if (f := ckpt / "checkpoint" / name).is_file())
-    return torch.load(ckpt, map_location="cpu", weights_only=False)
+    return torch.load(ckpt, map_location="cpu", weights_only=False, mmap=mmap)
 
 
 def _policy_weights(ckpt: Path, state: dict) -> dict:
@@ -104,7 +105,7 @@ class NoCheckpoint(ValueError):
 def checkpoint_iteration(run_dir: str | Path) -> int | None:
     """The RL iteration of a run folder's last checkpoint (None: no checkpoint)."""
     ckpt = checkpoint_file(Path(run_dir))
-    return None if ckpt is None else int(checkpoint_state(ckpt)["ema_pg"]["iteration"])
+    return None if ckpt is None else int(checkpoint_state(ckpt, mmap=True)["ema_pg"]["iteration"])
 
 
 def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtype = torch.float32):

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import ConfigError, fill_defaults, flatten, validate
 from .files import atomic_write
-from .policy import checkpoint_file, checkpoint_state, save_run_model
+from .policy import checkpoint_file, checkpoint_iteration, checkpoint_state, save_run_model
 from .sweeps import FAILED, failed_record
 
 log = logging.getLogger("ema_pg")
@@ -242,17 +242,24 @@ def adopt_hydra_output(run_dir: Path) -> None:
     out = Path(HydraConfig.get().runtime.output_dir).resolve()
     if out == run_dir.resolve() or run_dir.resolve() in out.parents:
         return
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == out:
-            new = logging.FileHandler(run_dir / Path(h.baseFilename).name, mode="a")
-            new.setFormatter(h.formatter)
-            new.setLevel(h.level)
-            root.removeHandler(h)
-            h.close()
-            root.addHandler(new)
+    for h in _release_log_files(out):
+        new = logging.FileHandler(run_dir / Path(h.baseFilename).name, mode="a")
+        new.setFormatter(h.formatter)
+        new.setLevel(h.level)
+        logging.getLogger().addHandler(new)
     if {p.name for p in out.iterdir()} <= {".hydra", f"{HydraConfig.get().job.name}.log"}:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def _release_log_files(folder: Path) -> list[logging.FileHandler]:
+    """Detach and close the root logger's file handlers that write into ``folder``; returns them."""
+    root, folder = logging.getLogger(), Path(folder).resolve()
+    found = [h for h in root.handlers
+             if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == folder]
+    for h in found:
+        root.removeHandler(h)
+        h.close()
+    return found
 
 
 def in_multirun() -> bool:
@@ -284,11 +291,7 @@ def discard_hydra_output(run_dir: str | None = None) -> None:
     for out in folders:
         if not out.is_dir() or not {p.name for p in out.iterdir()} <= spare:
             continue
-        root = logging.getLogger()
-        for h in list(root.handlers):  # the log handler holds its file open
-            if isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve().parent == out.resolve():
-                root.removeHandler(h)
-                h.close()
+        _release_log_files(out)  # the log handler holds its file open
         shutil.rmtree(out, ignore_errors=True)
         for parent in out.parents:  # runs/<name>/ when this was its only run (rmdir removes empty folders only)
             if parent.resolve() == Path.cwd().resolve() or parent.name == "runs":
@@ -303,19 +306,16 @@ def record_failure(run_dir: str | os.PathLike, e: BaseException) -> None:
     """Write ``failed.json`` in the run folder: what stopped it (``kind``: diverged, service, disk, config) and
     where."""
     from ..step import NonFiniteUpdates
-    from .sweeps import FAILED
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or not is_rank_zero():
         return
     kind = ("diverged" if isinstance(e, NonFiniteUpdates) else "disk" if isinstance(e, OSError) else
             "config" if isinstance(e, ValueError) else "service")  # ConfigError and ModelPathError are ValueErrors
-    it = None
-    if (ckpt := checkpoint_file(run_dir)) is not None:
-        try:
-            it = int(checkpoint_state(ckpt)["ema_pg"]["iteration"])
-        except Exception:  # noqa: BLE001 - the record is still worth writing
-            pass
+    try:
+        it = checkpoint_iteration(run_dir)
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint: the record is still worth writing
+        it = None
     try:
         atomic_write(run_dir / FAILED, json.dumps({"kind": kind, "error": str(e), "checkpoint_iteration": it}) + "\n")
     except OSError:  # a full disk may refuse even this: the console line is the record then
@@ -491,54 +491,55 @@ def claim_run_dir(run_dir: Path) -> Path:
     The claim is a file created with O_EXCL holding host and pid; a claim whose process is gone
     (a killed run being started again) is taken over.
     """
-    import os
-    import socket
-
-    me = f"{socket.gethostname()} {os.getpid()}"
     for i in range(1, 1000):
         cand = run_dir if i == 1 else run_dir.with_name(f"{run_dir.name}-{i}")
-        cand.mkdir(parents=True, exist_ok=True)
-        claim = cand / CLAIM
-        try:
-            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            if _claim_is_stale(claim.read_text().split()) and _take_over(claim, me):
-                return cand
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        return cand
+        if _try_claim(cand) is None:
+            return cand
     raise RuntimeError(f"no free run folder next to {run_dir}")
 
 
 def own_run_dir(run_dir: Path) -> None:
     """Make the existing ``run_dir`` this process's (a resume, a sweep's fixed folder), or refuse with one line
     naming the live process that writes there: two writers would interleave ``metrics.csv`` and checkpoints."""
+    owner = _try_claim(run_dir)
+    if owner is not None:
+        who = f"process {owner[1]} on {owner[0]}" if len(owner) == 2 else "another process"
+        raise ConfigError(f"{run_dir} is being written by a live run ({who}); wait for it to end or stop it, "
+                          "then resume")
+
+
+def live_owner(run_dir: Path) -> list[str] | None:
+    """[host, pid] of the live process that claimed ``run_dir`` (None: no claim, or its process is gone)."""
+    try:
+        owner = (Path(run_dir) / CLAIM).read_text().split()
+    except OSError:
+        return None
+    return None if _claim_is_stale(owner) else owner
+
+
+def _try_claim(folder: Path) -> list[str] | None:
+    """Claim ``folder`` for this process (None), or return the claim's live owner; a stale claim is taken over."""
     import socket
 
     me = f"{socket.gethostname()} {os.getpid()}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    claim = run_dir / CLAIM
-    for _ in range(3):
+    folder.mkdir(parents=True, exist_ok=True)
+    claim = folder / CLAIM
+    while True:
         try:
             fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             owner = claim.read_text().split()
-            if _claim_is_stale(owner):
-                if _take_over(claim, me):
-                    return
-                continue
-            who = f"process {owner[1]} on {owner[0]}" if len(owner) == 2 else "another process"
-            raise ConfigError(f"{run_dir} is being written by a live run ({who}); wait for it to end or stop it, "
-                              "then resume") from None
+            if not _claim_is_stale(owner):
+                return owner
+            if _take_over(claim, me):
+                return None
+            continue  # another process took it over first: read who
         with os.fdopen(fd, "w") as f:
             f.write(me)
-        return
-    raise ConfigError(f"{run_dir}: another process took the folder at the same moment; run the command again")
+        return None
 
 
 def _claim_is_stale(owner: list[str]) -> bool:
-    import os
     import socket
 
     if len(owner) != 2 or owner[0] != socket.gethostname():
@@ -554,8 +555,6 @@ def _claim_is_stale(owner: list[str]) -> bool:
 
 def _take_over(claim: Path, me: str) -> bool:
     """Replace a stale claim; of several processes taking over at once exactly one wins (rename is atomic)."""
-    import os
-
     tmp = claim.with_name(f"{CLAIM}.{os.getpid()}")
     tmp.write_text(me)
     os.replace(tmp, claim)

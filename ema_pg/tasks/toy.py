@@ -26,11 +26,12 @@ def _held_out(a: int, b: int, mod: int) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
-def _heldout_count(lo: int, hi: int, mod: int) -> int:
+def _heldout_count(lo: int, hi: int, mod: int) -> tuple[int, bool]:
+    """(held-out operand pairs, whether counted exactly rather than expected)."""
     n = hi - lo + 1
     if n * n > EXACT_POOL:
-        return n * n // mod
-    return sum(_held_out(a, b, mod) for a in range(lo, hi + 1) for b in range(lo, hi + 1))
+        return n * n // mod, False
+    return sum(_held_out(a, b, mod) for a in range(lo, hi + 1) for b in range(lo, hi + 1)), True
 
 
 class AdditionTask(Task):
@@ -46,8 +47,8 @@ class AdditionTask(Task):
         self.digits, self.eval_size, self.heldout_mod, self.seed = digits, eval_size, heldout_mod, seed
         self.reverse_answer = reverse_answer
         self.lo, self.hi = 10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1
-        pool = self.heldout_pool()  # the eval split is drawn without replacement: it must fit (an expected count
-        limit = pool if (self.hi - self.lo + 1) ** 2 <= EXACT_POOL else pool // 2  # with room to spare)
+        pool, exact = _heldout_count(self.lo, self.hi, heldout_mod)  # the eval split is drawn without replacement:
+        limit = pool if exact else pool // 2  # it must fit (an expected count with room to spare)
         if eval_size > limit:
             raise ValueError(f"task.eval_size={eval_size} distinct held-out prompts are too many: task.digits={digits} "
                              f"with task.heldout_mod={heldout_mod} holds out {pool} operand pairs; "
@@ -59,7 +60,7 @@ class AdditionTask(Task):
 
     def heldout_pool(self) -> int:
         """How many operand pairs are held out: counted up to EXACT_POOL pairs, else expected."""
-        return _heldout_count(self.lo, self.hi, self.heldout_mod)
+        return _heldout_count(self.lo, self.hi, self.heldout_mod)[0]
 
     def _prompt(self, a: int, b: int) -> Prompt:
         ans = str(a + b)[::-1] if self.reverse_answer else str(a + b)

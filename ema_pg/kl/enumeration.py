@@ -13,13 +13,14 @@ from torch import Tensor
 from .base import Estimator, KLInputs
 
 
-def enumeration_inputs(est: Estimator, logits: Tensor, ref_logits: Tensor, samp_logits: Tensor | None = None,
+def enumeration_inputs(est: Estimator | None, logits: Tensor, ref_logits: Tensor, samp_logits: Tensor | None = None,
                        topk_idx: Tensor | None = None) -> tuple[KLInputs, Tensor]:
     """KLInputs for one position enumerated over every token, and the weights pi_sampling (V, 1).
 
     ``logits`` (V,) are the policy's (grad flows to them), ``ref_logits`` the anchor's,
     ``samp_logits`` the sampling policy's (default: the policy's own, detached). The index set
-    is the top-k of the estimator's ``topk_source`` unless ``topk_idx`` (k,) is given.
+    is the top-k of the estimator's ``topk_source`` unless ``topk_idx`` (k,) is given (``est`` may
+    then be None: the inputs do not depend on it).
     """
     V = logits.shape[-1]
     samp_logits = logits.detach() if samp_logits is None else samp_logits
@@ -27,10 +28,9 @@ def enumeration_inputs(est: Estimator, logits: Tensor, ref_logits: Tensor, samp_
     lr = torch.log_softmax(ref_logits, -1).detach()  # (V,)
     lo = torch.log_softmax(samp_logits, -1).detach()  # (V,)
     tokens = torch.arange(V).view(V, 1)  # (B=V, T=1)
-    k = est.k
-    if topk_idx is None and k > 0:
+    if topk_idx is None and est is not None and est.k > 0:
         src = {"policy_old": lo, "anchor": lr}[est.topk_source]
-        topk_idx = torch.topk(src, min(k, V)).indices  # (k,)
+        topk_idx = torch.topk(src, min(est.k, V)).indices  # (k,)
     q = None if topk_idx is None else topk_idx.view(1, 1, -1).expand(V, 1, -1)  # (V, 1, k)
     inp = KLInputs(
         logp=lp[tokens],  # (V, 1)

@@ -3,7 +3,9 @@
     adv = ADVANTAGES[name](AdvantageInputs(rewards, group_size, tokens, mask, world, ...))
 
 ``group``         GRPO's Monte-Carlo group baseline, scaled by ``algo.adv_norm`` (Appendix A, Fig 9):
-                  :func:`ema_pg.losses.advantages`; ``global`` z-scores over the whole batch, all ranks;
+                  :func:`ema_pg.losses.advantages`; ``global`` z-scores over the whole batch, all ranks,
+                  and with ``algo.global_kl_scale`` returns ``kl_scale`` = 1 / (that std + 1e-6), by which
+                  the step divides the token KL too (the authors' code: PG and KL keep their balance);
 ``rloo``          REINFORCE leave-one-out: A_i = R_i - mean_{j != i} R_j over the prompt's group, unscaled;
 ``reinforce_pp``  REINFORCE++-baseline: A_i = R_i - mean(group), broadcast to the response's tokens and
                   whitened over every policy token of the batch (one process);
@@ -26,6 +28,7 @@ from .critic import last_token_rewards
 from .critic import whiten
 from .dist import World
 from .losses import advantages as group_advantages
+from .losses import global_std
 
 
 @dataclass
@@ -39,19 +42,29 @@ class AdvantageInputs:
     values: Tensor | None = None  # (N, T) the critic's values (gae)
     gamma: float = 1.0
     lam: float = 1.0
+    global_kl_scale: bool = False  # algo.global_kl_scale (group estimator, norm=global)
+
+
+KL_STD_EPS = 1e-6  #: the authors' kld / (adv_batch_std + 1e-6)
 
 
 @dataclass
 class Advantages:
     adv: Tensor  # (N,) or (N, T)
     returns: Tensor | None = None  # (N, T) value targets (gae)
+    kl_scale: float = 1.0  # the factor on the token KL term (global_kl_scale)
 
 
 def group(inp: AdvantageInputs) -> Advantages:
     r, w = inp.rewards, inp.world
-    if inp.norm == "global" and w.size > 1:  # mean and std over the whole batch, all ranks
-        return Advantages(group_advantages(w.all_gather_cat(r), inp.group_size, inp.norm)[w.block(w.size * len(r))])
-    return Advantages(group_advantages(r, inp.group_size, inp.norm))
+    if inp.norm != "global":
+        return Advantages(group_advantages(r, inp.group_size, inp.norm))
+    everyone = w.all_gather_cat(r) if w.size > 1 else r  # mean and std over the whole batch, all ranks
+    adv = group_advantages(everyone, inp.group_size, inp.norm)
+    if w.size > 1:
+        adv = adv[w.block(w.size * len(r))]
+    scale = 1.0 / (global_std(everyone, inp.group_size) + KL_STD_EPS) if inp.global_kl_scale else 1.0
+    return Advantages(adv, kl_scale=scale)
 
 
 def rloo(inp: AdvantageInputs) -> Advantages:

@@ -158,7 +158,7 @@ class KLConfig:
     iw_clip: list[float] | None = None  #: [s_min, s_max] clip of the off-policy weight; [1, 1] = none
     divergence: str | None = None  #: topk_fdiv only: Table 5 divergence
     alpha: float | None = None  #: topk_fdiv alpha-divergence only
-    clamp: bool | None = None  #: k3/k3pp: the authors' clamp (log w to [-20, 20], K3 to [-10, 10])
+    clamp: bool | None = None  #: k3/k3pp/k5: the authors' clamp (log w to [-20, 20]; K3 to [-10, 10])
     straight_through: bool | None = None  #: sampled estimators: the "+" variant, K_n's value with K2's gradient
 
 
@@ -199,6 +199,7 @@ class AlgoConfig:
     eps_low: float = 0.2  #: lower clip (Appendix A)
     eps_high: float = 0.28  #: clip-higher upper clip (Appendix A)
     adv_norm: str = "group"  #: group | global | none (Appendix A, Fig 9)
+    global_kl_scale: bool = True  #: adv_norm=global (group estimator): the token KL / batch std too, the authors' code
     loss_agg: str = "seq-mean-token-mean"  #: seq-mean-token-mean | token-mean | seq-mean-token-sum-norm
     ppo_epochs: int = 1  #: Lambda: passes over each batch (Alg 3, line 13)
     minibatch_size: int = 0  #: sequences per update; 0 = the whole batch (one update per epoch)

@@ -49,10 +49,19 @@ def advantages(rewards: Tensor, group_size: int, norm: str = "group", eps: float
         out = centered / (r.std(-1, unbiased=True, keepdim=True) + eps)
     elif norm == "global":
         flat = centered.flatten()
-        out = (flat - flat.mean()) / (flat.std(unbiased=True) + eps) if flat.numel() > 1 else flat
+        out = (flat - flat.mean()) / (global_std(rewards, group_size) + eps) if flat.numel() > 1 else flat
     else:
         out = centered
     return out.flatten().to(rewards.dtype)
+
+
+def global_std(rewards: Tensor, group_size: int) -> float:
+    """The batch standard deviation of R - V(x) that ``global`` normalization divides by (unbiased; 0 for one entry).
+
+    With ``algo.global_kl_scale`` the token KL is divided by it too (+ 1e-6), as the authors' code does.
+    """
+    flat = (lambda r: r - r.mean(-1, keepdim=True))(rewards.view(-1, group_size).to(torch.float64)).flatten()
+    return float(flat.std(unbiased=True)) if flat.numel() > 1 else 0.0
 
 
 def clip_masks(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:

@@ -282,8 +282,10 @@ def engine_mismatch(old: TokenScores, rollouts: Rollouts, mask: Tensor, tis_cap:
 
 
 def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, estimator, updater, algo, rollout, world,
-            chunk, critic, values, returns, grad_ratio) -> dict[str, float]:
-    """``algo.ppo_epochs`` passes of minibatch updates (Alg 3, lines 13-23); the mean of each update's metrics."""
+            chunk, critic, values, returns, grad_ratio, beta) -> dict[str, float]:
+    """``algo.ppo_epochs`` passes of minibatch updates (Alg 3, lines 13-23); the mean of each update's metrics.
+
+    ``beta`` is the token KL's weight: ``algo.beta``, over the batch std under ``algo.global_kl_scale``."""
     old, anchor = scores.old, scores.anchor
     n_rows = len(rollouts)
     minibatch = algo.minibatch_size // world.size or n_rows  # per rank
@@ -311,7 +313,7 @@ def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, e
             loss_args = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg, surrogate=algo.loss,
                              clip_ratio_c=algo.clip_ratio_c, entropy_coef=algo.entropy_coef, entropy=cur.entropy,
                              norm_len=rollout.max_new_tokens, pg_weight=None if tis is None else tis[rows])
-            loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=algo.beta, **loss_args)
+            loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=beta, **loss_args)
             if grad_ratio and n_updates == 0:  # measured once, not averaged over the updates
                 without_kl, _ = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], None, beta=0.0, **loss_args)
                 diagnostics.update(grad_norms_pg_kl(policy, loss, without_kl))
@@ -327,6 +329,7 @@ def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, e
     metrics = {f"train/{key}": total / max(n_updates, 1) for key, total in sums.items()}
     metrics.update({f"train/{key}": float(v) for key, v in diagnostics.items()})
     metrics["train/skipped_steps"] = sums.get("skipped_steps", 0.0)  # a count, not a mean
+    metrics["train/kl_beta"] = beta  # the KL weight in force (algo.beta, or over the batch std: global_kl_scale)
     return metrics
 
 
@@ -389,14 +392,15 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     rewards, shaped = shape_rewards(rewards, rollouts, old, anchor, algo, rollout)
     values = critic.values(rollouts) if algo.advantage in NEEDS_CRITIC else None  # (N, T)
     est = ADVANTAGES[algo.advantage](AdvantageInputs(shaped, algo.group_size, rollouts.response_mask, mask, world,
-                                                     algo.adv_norm, values, algo.gamma, algo.lam))
+                                                     algo.adv_norm, values, algo.gamma, algo.lam, algo.global_kl_scale))
     adv, returns = est.adv, est.returns  # (N,) or (N, T)
     engine_gap, tis = engine_mismatch(old, rollouts, mask, rollout.tis_cap)  # vLLM's numerics vs the trainer's
 
     # 3. Lambda passes of minibatch updates (Alg 3, lines 13-23)
     updates = _update(it_seed, policy=policy, rollouts=rollouts, scores=scores, scorer=scorer, adv=adv, mask=mask,
                       tis=tis, estimator=estimator, updater=updater, algo=algo, rollout=rollout, world=world,
-                      chunk=chunk, critic=critic, values=values, returns=returns, grad_ratio=grad_ratio)
+                      chunk=chunk, critic=critic, values=values, returns=returns, grad_ratio=grad_ratio,
+                      beta=algo.beta * est.kl_scale)
     t3 = time.perf_counter()
 
     # 4. metrics (namespaced; docs/training.md has the table)

@@ -149,3 +149,42 @@ def test_the_kl_to_policy_gradient_ratio_scales_with_beta_and_leaves_the_run_unc
     assert "train/kl_pg_grad_ratio" not in off.dropna().index
     for key in ("train/loss", "train/grad_norm", "train/kl", "eval/avg/em"):  # the measurement changes nothing
         assert off[key] == a[key], key
+
+
+def test_global_normalization_scales_the_kl_by_the_batch_std_as_the_authors_do(setup):
+    """algo.global_kl_scale (adv_norm=global): PG uses (R - V)/(sigma + eps) and the KL beta/(sigma + eps), so the
+    whole loss is the unnormalized one (adv_norm=none, KL at beta) over sigma + eps: the same gradient direction."""
+    policy, anchor, tok, task, cfg = setup
+    params = [p for p in policy.parameters() if p.requires_grad]
+    est = get_estimator("k3")
+
+    def grads(norm, scale):
+        algo = copy.deepcopy(cfg.algo)
+        algo.adv_norm, algo.global_kl_scale = norm, scale
+        up = RecordingUpdater(params)
+        res = rl_step(0, policy=policy, anchor_model=anchor, task=task, sampler=HFSampler(tok), estimator=est,
+                      updater=up, algo=algo, rollout=cfg.rollout, seed=0, chunk=lambda n: 7)
+        return res.metrics, torch.cat([g.flatten() for g in up.grads[0] if g is not None])
+
+    m_none, g_none = grads("none", True)
+    m_glob, g_glob = grads("global", True)
+    m_off, g_off = grads("global", False)
+    beta = cfg.algo.beta
+    assert m_none["train/kl_beta"] == beta and m_off["train/kl_beta"] == beta  # no scale without both settings
+    over = beta / m_glob["train/kl_beta"]  # sigma + eps
+    assert over < 1.0  # rewards in [0, 1]: the batch std of R - V(x) is below 1, so the KL weight grows
+    assert torch.allclose(g_glob * over, g_none, rtol=1e-4, atol=1e-7)
+    assert not torch.allclose(g_off * over, g_none, rtol=1e-3, atol=1e-6)  # the KL left at beta: another balance
+
+
+def test_group_estimator_returns_the_kl_scale_by_hand():
+    """R = (1,0,0,0 | 1,1,0,0): R - V = (.75,-.25,-.25,-.25 | .5,.5,-.5,-.5), unbiased std sqrt(1.75/7) = 0.5."""
+    from ema_pg.advantages import ADVANTAGES, AdvantageInputs
+
+    r = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0])
+    mask = torch.ones(8, 3)
+    on = ADVANTAGES["group"](AdvantageInputs(r, 4, mask, mask, norm="global", global_kl_scale=True))
+    assert on.kl_scale == pytest.approx(1 / (0.5 + 1e-6), rel=1e-12)
+    assert torch.allclose(on.adv, torch.tensor([.75, -.25, -.25, -.25, .5, .5, -.5, -.5]) / (0.5 + 1e-6))
+    for norm, flag in (("global", False), ("group", True), ("none", True)):
+        assert ADVANTAGES["group"](AdvantageInputs(r, 4, mask, mask, norm=norm, global_kl_scale=flag)).kl_scale == 1.0

@@ -4,6 +4,8 @@ KL options by exact enumeration (float64, V = 7, as in test_kl_enumeration); sur
 aggregations against hand-worked values and a direct, per-sequence formula.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -53,7 +55,7 @@ def test_k3_plus_differs_from_k3_in_gradient_only():
 
 
 # ---------------------------------------------------------------- the authors' clamp of K3 / K3++
-@pytest.mark.parametrize("name", ["k3", "k3pp"])
+@pytest.mark.parametrize("name", ["k3", "k3pp", "k5"])
 def test_clamp_is_exact_inside_its_range(name):
     theta, ref, _ = triplet(5)
     theta, ref = theta * 0.5, ref * 0.5  # every |log w| < 20 and every K3 < 10
@@ -85,6 +87,25 @@ def test_clamp_bounds_the_value_and_stops_the_gradient_where_it_bites(name):
     assert float(per_row[1].detach()) < 10
     (g1,) = torch.autograd.grad(per_row[1], th)
     assert float(g1.abs().max()) > 0.0  # the other tokens keep theirs
+
+
+def test_k5_clamp_bounds_log_w_as_the_authors_do():
+    """K5 with clamp: sg(w) log w + log r with log w clamped to [-20, 20]; the tail token's log w = +40 reads 20."""
+    theta, ref, _ = triplet(8)
+    theta, ref = theta * 0.5, ref * 0.5
+    theta[0] = -45.0  # pi(0) ~ e^-45 where the anchor gives it ~e^-1: log w ~ +44 at token 0
+    est, plain = get_estimator("k5", clamp=True), get_estimator("k5")
+    th = theta.clone().requires_grad_(True)
+    inp, _ = enumeration_inputs(est, th, ref)
+    lw = float((inp.logp_ref - inp.logp)[0, 0])
+    assert lw > 40
+    assert float(est(inp)[0, 0]) == pytest.approx(math.exp(20.0) * 20.0, rel=1e-12)
+    assert float(plain(inp)[0, 0]) == pytest.approx(math.exp(lw) * lw, rel=1e-9)
+    (g0,) = torch.autograd.grad(est(inp)[0, 0], th)
+    (score,) = torch.autograd.grad(torch.log_softmax(th, -1)[0], th)
+    assert close(g0, score)  # the clamped log w is constant: only log r's score is left
+    rows = slice(1, None)  # elsewhere the clamp changes nothing
+    assert torch.allclose(est(inp)[rows], plain(inp)[rows])
 
 
 # ---------------------------------------------------------------- abs

@@ -9,7 +9,7 @@ Every estimator is a pure function of the tensors in :class:`KLInputs` that retu
 per-token estimate. Names follow Table 1, Alg 1-2 and Appendix H of the paper:
 
 - ``k1 k2 k3 k3pp k4 k5 abs`` (sampled, :mod:`ema_pg.kl.sampled`), parameters ``iw_clip``,
-  ``straight_through`` (the "+" variants) and, for k3/k3pp, ``clamp``;
+  ``straight_through`` (the "+" variants) and, for k3/k3pp/k5, ``clamp``;
 - ``exact_reverse exact_forward`` (full logits, :mod:`ema_pg.kl.exact`);
 - ``topk_reverse topk_forward`` (:mod:`ema_pg.kl.topk`), parameters ``k``, ``tail``, ``iw_clip``;
 - ``topk_fdiv`` (:mod:`ema_pg.kl.fdiv`), parameters ``k``, ``divergence``, ``alpha``, ``iw_clip``;
@@ -58,7 +58,7 @@ class EstimatorSpec:
 
 _SAMPLED_OFF = {"iw_clip": (1.0, 1.0), "straight_through": False}  # k1-k3: GRPO practice, no off-policy correction
 _SAMPLED_ON = {"iw_clip": (0.0, 10.0), "straight_through": False}  # our unbiased estimators: lenient clip (Fig 9)
-_CLAMP = {"clamp": False}  # the authors' numerical clamp of K3 / K3++ (off: exact)
+_CLAMP = {"clamp": False}  # the authors' numerical clamp of K3 / K3++ / K5 (off: exact)
 
 ESTIMATORS: dict[str, EstimatorSpec] = {
     "none": EstimatorSpec(no_kl),
@@ -67,7 +67,7 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
     "k3": EstimatorSpec(k3, {**_SAMPLED_OFF, **_CLAMP}, direction="forward"),  # unbiased reverse value, forward grad
     "k3pp": EstimatorSpec(k3pp, {**_SAMPLED_ON, **_CLAMP}, direction="reverse"),  # r K3 (eq. 22)
     "k4": EstimatorSpec(k4, _SAMPLED_ON, direction="reverse"),  # r sg(-log w) (eq. 23)
-    "k5": EstimatorSpec(k5, _SAMPLED_ON, direction="forward"),  # sg(w) log w + log r (eq. 24)
+    "k5": EstimatorSpec(k5, {**_SAMPLED_ON, **_CLAMP}, direction="forward"),  # sg(w) log w + log r (eq. 24)
     "abs": EstimatorSpec(abs_kl, _SAMPLED_OFF),  # |log w|: the peers' "abs", biased
     "exact_reverse": EstimatorSpec(exact_reverse, needs_full_logits=True, direction="reverse"),
     "exact_forward": EstimatorSpec(exact_forward, needs_full_logits=True, direction="forward"),

@@ -23,8 +23,8 @@ Two options of the authors' code and the peers, off by default:
 
 - ``straight_through`` (the "+" variants, e.g. K3+): the value of K_n with the gradient of K2,
   sg(K_n) + K2 - sg(K2); on-policy it keeps K_n's value and gets K2's unbiased reverse-KL gradient.
-- ``clamp`` (K3 and K3++): the authors' numerical guard, log w clamped to [-20, 20] and K3 to
-  [-10, 10]; exact wherever |log w| and K3 are inside those ranges, gradient 0 where clamped.
+- ``clamp`` (K3, K3++ and K5): the authors' numerical guard, log w clamped to [-20, 20] (and K3 to
+  [-10, 10]); exact wherever |log w| and K3 are inside those ranges, gradient 0 where clamped.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _log_w(inp: KLInputs) -> Tensor:
     return inp.logp_ref - inp.logp  # (B, T) log w, differentiable through logp
 
 
-CLAMP_LOG_W, CLAMP_VALUE = 20.0, 10.0  #: the authors' clamp of K3 / K3++ (``clamp=True``)
+CLAMP_LOG_W, CLAMP_VALUE = 20.0, 10.0  #: the authors' clamp of K3 / K3++ / K5 (``clamp=True``; K5: log w only)
 
 
 def _finish(inp: KLInputs, core: Tensor, iw_clip: tuple[float, float], straight_through: bool) -> Tensor:
@@ -91,16 +91,16 @@ def k4(inp: KLInputs, *, iw_clip: tuple[float, float], straight_through: bool) -
     return _finish(inp, k4_core(inp), iw_clip, straight_through)
 
 
-def k5_core(inp: KLInputs) -> Tensor:
-    """sg(w) log w + log r (eq. 24), without the off-policy weight."""
-    log_w = _log_w(inp)
+def k5_core(inp: KLInputs, clamp: bool = False) -> Tensor:
+    """sg(w) log w + log r (eq. 24), without the off-policy weight; ``clamp``: log w to [-20, 20] first."""
+    log_w = _log_w(inp) if not clamp else _log_w(inp).clamp(-CLAMP_LOG_W, CLAMP_LOG_W)
     log_r = inp.logp - inp.logp.detach()  # value 0, gradient = score
     return torch.exp(log_w.detach()) * log_w + log_r
 
 
-def k5(inp: KLInputs, *, iw_clip: tuple[float, float], straight_through: bool) -> Tensor:
+def k5(inp: KLInputs, *, iw_clip: tuple[float, float], clamp: bool, straight_through: bool) -> Tensor:
     """K5 = sg(w) log w + log r (eq. 24): unbiased forward-KL value and gradient."""
-    return _finish(inp, k5_core(inp), iw_clip, straight_through)
+    return _finish(inp, k5_core(inp, clamp), iw_clip, straight_through)
 
 
 def abs_kl(inp: KLInputs, *, iw_clip: tuple[float, float], straight_through: bool) -> Tensor:

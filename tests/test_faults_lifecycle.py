@@ -311,6 +311,13 @@ def test_a_sweep_checks_every_job_first_and_survives_a_job_that_fails_at_run_tim
     r = _run(["-m", *base, "rollout.max_new_tokens=600,4", f"hydra.sweep.dir={ctx}"])
     assert r.returncode == 1 and "sweep: 1 of 2 jobs finished" in r.stderr and "context is 512 tokens" in r.stderr
     assert [json.loads(f.read_text())["kind"] for f in ctx.glob("*/failed.json")] == ["config"]
+    # several multiruns may fill one sweep folder a cell each (the reproductions do): each judges its own jobs,
+    # not another one's that is still running there
+    shared = tmp_path / "shared"
+    (shared / "other_cell_s9").mkdir(parents=True)
+    (shared / "other_cell_s9" / "config.yaml").write_text("seed: 9\n")  # another multirun's job, under way
+    r = _run(["-m", *base, "seed=0", f"hydra.sweep.dir={shared}"])
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -65,16 +65,19 @@ def failed_record(run_dir: Path) -> dict | None:
         return None
 
 
-def sweep_state(sweep_dir: Path) -> tuple[list[Path], list[Path], list[Path]]:
+def sweep_state(sweep_dir: Path, runs: list[Path] | None = None, n_jobs: int | None = None
+                ) -> tuple[list[Path], list[Path], list[Path]]:
     """(finished, failed, unfinished) run folders of a sweep folder written by this callback; unfinished also
-    counts the jobs that never made a folder (as ``<sweep>/<job #>?``)."""
+    counts the jobs that never made a folder (as ``<sweep>/<job #>?``). ``runs`` and ``n_jobs`` restrict it to
+    one multirun's own jobs (several multiruns may write into one sweep folder, one cell each)."""
     sweep_dir = Path(sweep_dir)
-    runs = sorted({p.parent for pattern in ("*/config.yaml", f"*/{FAILED}") for p in sweep_dir.glob(pattern)})
+    if runs is None:
+        runs = sorted({p.parent for pattern in ("*/config.yaml", f"*/{FAILED}") for p in sweep_dir.glob(pattern)})
     finished = [r for r in runs if (r / "eval.json").is_file()]
     failed = [r for r in runs if r not in finished and (r / FAILED).is_file()]
     unfinished = [r for r in runs if r not in finished and r not in failed]
     try:
-        n = len(json.loads((sweep_dir / SWEEP).read_text())["jobs"])
+        n = n_jobs if n_jobs is not None else len(json.loads((sweep_dir / SWEEP).read_text())["jobs"])
     except (OSError, ValueError, KeyError):
         n = len(runs)
     unfinished += [sweep_dir / f"<job {i}?>" for i in range(len(runs), n)]
@@ -88,8 +91,15 @@ except ImportError:  # pragma: no cover - Hydra < 1.1
 
 
 class SweepGuard(Callback):
+    """Checks every job first; at the end judges this multirun's own jobs (not other multiruns' in the folder)."""
+
+    def __init__(self) -> None:
+        self.n_jobs: int | None = None
+        self.mine: list[Path] = []  # the job folders this process launched (in-process launchers)
+
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         jobs = sweep_jobs(config)
+        self.n_jobs, self.mine = len(jobs), []
         check_jobs(config, jobs)
         sweep_dir = Path(config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -98,8 +108,15 @@ class SweepGuard(Callback):
         atomic_write(sweep_dir / SWEEP, json.dumps({"jobs": jobs}, indent=1))
         log.info("sweep: %d jobs checked, writing to %s", len(jobs), sweep_dir)
 
+    def on_job_start(self, config: DictConfig, **kwargs) -> None:
+        out = OmegaConf.select(config, "hydra.runtime.output_dir")
+        if out:
+            self.mine.append(Path(out))
+
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        finished, failed, unfinished = sweep_state(Path(config.hydra.sweep.dir))
+        # a launcher that runs jobs elsewhere (submitit) calls on_job_start there: then the folder is judged whole
+        own = (sorted(set(self.mine)), self.n_jobs) if self.mine else (None, None)
+        finished, failed, unfinished = sweep_state(Path(config.hydra.sweep.dir), *own)
         if not failed and not unfinished:
             return
         lines = [f"  {r}: {(failed_record(r) or {}).get('error', '?')}" for r in failed]

@@ -164,10 +164,14 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean"
     ``seq-mean-token-mean``     mean over sequences of the mean over each one's tokens
                                 (the paper's 1/N 1/L, Appendix A);
     ``token-mean``              sum over all tokens / number of tokens (DAPO);
-    ``seq-mean-token-sum``      mean over sequences of each one's token sum (the authors' code);
+    ``seq-mean-token-sum``      mean over sequences of each one's token sum (verl's mode of that name);
     ``seq-mean-token-sum-norm`` mean over sequences of the token sum / ``norm_len``
-                                (Dr. GRPO; default norm_len = T, the padded length).
-    Positions outside the mask contribute nothing, even if they hold inf or nan.
+                                (Dr. GRPO; default norm_len = T, the padded length). This equals TRL's
+                                ``dr_grpo``; verl's mode of the same name is B times it (a sum over
+                                sequences, not a mean).
+    Positions outside the mask contribute nothing, even if they hold inf or nan. A sequence with no
+    token in the mask counts as 0 in the ``seq-mean-*`` means (it is one of the B); verl leaves such
+    rows out of the mean, so with fully masked rows (DAPO's overlong filtering) the two differ.
     """
     if mode not in LOSS_AGGS:
         raise ValueError(f"unknown loss aggregation {mode!r}; choose one of: {', '.join(LOSS_AGGS)}")

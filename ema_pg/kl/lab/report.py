@@ -119,7 +119,10 @@ def figure(verd: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame, out: P
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(1, 3, figsize=(17, 7.2), gridspec_kw={"width_ratios": [1.25, 1, 1]})
+    fig = plt.figure(figsize=(17, 10))
+    gs = fig.add_gridspec(2, 3, width_ratios=[1.25, 1, 1])
+    ax = [fig.add_subplot(gs[:, 0]), fig.add_subplot(gs[0, 1]), fig.add_subplot(gs[0, 2]), fig.add_subplot(gs[1, 1]),
+          fig.add_subplot(gs[1, 2])]
     cols = [("value_on", "value\non-policy"), ("value_off", "value\noff-policy"),
             ("gradient_on", "gradient\non-policy"), ("gradient_off", "gradient\noff-policy")]
     mat = np.array([[0.0 if r[c] == "unbiased" else math.log10(max(r[c + "_rel"], 1e-3)) + 3.5 for c, _ in cols]
@@ -146,18 +149,35 @@ def figure(verd: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame, out: P
     a.set_title("Top-k reverse lowers gradient variance\nby k and distance to the anchor", fontsize=10)
     a.legend(fontsize=7)
 
-    a = ax[2]
-    piv = region.pivot(index="anchor_0", columns="pi_0", values="ratio[topk_reverse[corrected]]")
-    z = np.log2(piv.values.astype(float))
-    im = a.imshow(z, origin="lower", extent=(0.02, 0.98, 0.02, 0.98), cmap="RdBu_r", vmin=-4, vmax=4, aspect="auto")
-    a.contour(piv.columns, piv.index, z, levels=[0.0], colors="black", linewidths=1)
-    a.plot([0.6], [0.9], marker="*", color="gold", markersize=14, markeredgecolor="black")
-    a.annotate("counterexample\npi=(0.6, 0.4)\nanchor=(0.9, 0.1)", (0.6, 0.9), (0.7, 0.6), fontsize=8,
-               arrowprops={"arrowstyle": "->"}, bbox={"boxstyle": "round", "fc": "white", "alpha": 0.85})
-    a.set_xlabel("pi_theta(token 0)")
-    a.set_ylabel("anchor(token 0)")
-    a.set_title("V = 2, k = 1: log2 Var ratio Top-1 / K4\nred = Top-k has MORE gradient variance", fontsize=10)
-    fig.colorbar(im, ax=a, fraction=0.046)
+    a = ax[3]
+    for name, style in (("topk_reverse[paper]", "-"), ("nemo-rl:topk_score_tail", ":")):
+        sub = sweep[(sweep.entry == name) & (sweep.t > 0) & sweep.k.isin([1, 3, 5])]
+        for k, g in sub.groupby("k"):
+            a.plot(g.kl_reverse, g.rel_grad_bias, marker="o", ls=style, label=f"{name}, k = {k}")
+    a.set_xscale("log")
+    a.set_yscale("log")
+    a.set_xlabel("KL(pi || anchor)")
+    a.set_ylabel("||E[grad] - grad KL|| / ||grad KL||")
+    a.set_title("The printed tail's gradient bias grows as the anchor nears the policy\n"
+                "(corrected tail: 0 to 1e-15 everywhere)", fontsize=10)
+    a.legend(fontsize=7)
+
+    for a, col, base, mark in ((ax[2], "ratio[topk_reverse[corrected]]", "K4", True),
+                               (ax[4], "ratio[topk_forward[corrected]]", "K5", False)):
+        piv = region.pivot(index="anchor_0", columns="pi_0", values=col)
+        z = np.log2(piv.values.astype(float))
+        im = a.imshow(z, origin="lower", extent=(0.02, 0.98, 0.02, 0.98), cmap="RdBu_r", vmin=-4, vmax=4, aspect="auto")
+        a.contour(piv.columns, piv.index, z, levels=[0.0], colors="black", linewidths=1)
+        if mark:
+            a.plot([0.6], [0.9], marker="*", color="gold", markersize=14, markeredgecolor="black")
+            a.annotate("counterexample\npi=(0.6, 0.4)\nanchor=(0.9, 0.1)", (0.6, 0.9), (0.7, 0.6), fontsize=8,
+                       arrowprops={"arrowstyle": "->"}, bbox={"boxstyle": "round", "fc": "white", "alpha": 0.85})
+        a.set_xlabel("pi_theta(token 0)")
+        a.set_ylabel("anchor(token 0)")
+        kind = "reverse, top-1 of pi" if mark else "forward, top-1 of the anchor"
+        a.set_title(f"V = 2, {kind}: log2 Var[Top-1] / Var[{base}]\nred = Top-k has MORE gradient variance",
+                    fontsize=10)
+        fig.colorbar(im, ax=a, fraction=0.046)
     fig.tight_layout()
     fig.savefig(out / "estimator_lab.png", dpi=130)
     fig.savefig(out / "estimator_lab.pdf")

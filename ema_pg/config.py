@@ -120,7 +120,8 @@ class RolloutConfig:
     max_model_len: int = 0  #: vllm: longest prompt + response the engine holds (0 = the model's context length)
     enforce_eager: bool = True  #: vllm: no CUDA graphs / compilation (start-up in seconds)
     engine_dtype: str = "auto"  #: vllm: engine weights' dtype (auto = the policy's)
-    tis_cap: float = 0.0  #: truncated importance sampling of the PG term, w = min(pi_old/pi_engine, cap); 0 = off
+    correction: str = "none"  #: rollout=vllm: weights on the PG term for the engine's mismatch (ema_pg.corrections)
+    correction_cap: float = 2.0  #: C > 1 of the correction: the cap of token_tis / seq_tis, the band [1/C, C] else
 
     def check(self) -> None:
         if self.name not in ("hf", "vllm"):
@@ -140,11 +141,16 @@ class RolloutConfig:
         if self.static_cache and self.name != "hf":
             _bad(f"rollout.static_cache is a setting of the HF sampler (rollout=hf); rollout={self.name} has its own "
                  "cache: drop rollout.static_cache")
-        if self.tis_cap < 0:
-            _bad(f"rollout.tis_cap must be >= 0 (0 = off; peers use 2-5); got {self.tis_cap}")
-        if self.tis_cap > 0 and self.name == "hf":
-            _bad("rollout.tis_cap corrects the engine/trainer log-prob mismatch of rollout=vllm; the HF sampler has "
-                 "none (it samples with the trainer's own numerics): set rollout.tis_cap=0 or rollout=vllm")
+        from .corrections import CORRECTIONS
+
+        if self.correction not in CORRECTIONS:
+            _bad(f"rollout.correction={self.correction!r}; choose one of: {', '.join(CORRECTIONS)}")
+        if not self.correction_cap > 1:
+            _bad(f"rollout.correction_cap must be > 1 (the band is [1/C, C]; peers use 2-5); got {self.correction_cap}")
+        if self.correction != "none" and self.name == "hf":
+            _bad(f"rollout.correction={self.correction} corrects the engine/trainer log-prob mismatch of rollout=vllm; "
+                 "the HF sampler has none (it samples with the trainer's own numerics): set rollout.correction=none "
+                 "or rollout=vllm")
 
 
 

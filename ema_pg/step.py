@@ -39,6 +39,7 @@ from .kl import Estimator, KLInputs, sequence_kl_penalty
 from .kl.sampled import k3_core
 from .dist import World
 from .advantages import ADVANTAGES, NEEDS_CRITIC, AdvantageInputs
+from .corrections import correct
 from .losses import grpo_loss, masked_mean
 from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
@@ -272,13 +273,12 @@ def grad_norms_pg_kl(policy, loss: torch.Tensor, loss_without_kl: torch.Tensor) 
     return {"grad_norm_pg": g_pg, "grad_norm_kl": g_kl, "kl_pg_grad_ratio": g_kl / g_pg.clamp(min=1e-30)}
 
 
-def engine_mismatch(old: TokenScores, rollouts: Rollouts, mask: Tensor, tis_cap: float):
-    """(log pi_old_train - log pi_engine (N, T), its truncated IS weight min(pi_old / pi_engine, tis_cap) or None)
-    when an inference engine sampled with its own numerics; (None, None) otherwise."""
+def engine_mismatch(old: TokenScores, rollouts: Rollouts, mask: Tensor, rollout) -> tuple[Tensor | None, dict]:
+    """When an inference engine sampled with its own numerics: the rollout correction's weights on the PG term
+    (``rollout.correction``, :mod:`ema_pg.corrections`; None for ``none``) and the mismatch metrics; else (None, {})."""
     if rollouts.engine_logp is None:
-        return None, None
-    gap = (old.logp - rollouts.engine_logp) * mask
-    return gap, gap.exp().clamp(max=tis_cap) if tis_cap > 0 else None
+        return None, {}
+    return correct(rollout.correction, old.logp, rollouts.engine_logp, mask, rollout.correction_cap)
 
 
 def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, estimator, updater, algo, rollout, world,
@@ -333,7 +333,7 @@ def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, e
     return metrics
 
 
-def _batch_metrics(rollouts, rewards, old, anchor, mask, engine_gap, tis, world) -> dict[str, float]:
+def _batch_metrics(rollouts, rewards, old, anchor, mask, world) -> dict[str, float]:
     """What the batch was: rewards, entropy, length, KL(pi_old || anchor) from the samples, the engine's gap."""
     all_rewards = world.all_gather_cat(rewards)
     metrics = {
@@ -346,12 +346,6 @@ def _batch_metrics(rollouts, rewards, old, anchor, mask, engine_gap, tis, world)
         log_w = anchor.logp - old.logp
         metrics["train/kl_k1"] = float(masked_mean(-log_w, mask))
         metrics["train/kl_k3"] = float(masked_mean(k3_core(log_w), mask))
-    if engine_gap is not None:
-        m = mask.bool()
-        metrics["rollout/logp_gap_mean"] = float(engine_gap.abs()[m].mean()) if m.any() else 0.0
-        metrics["rollout/logp_gap_max"] = float(engine_gap.abs()[m].max()) if m.any() else 0.0
-        if tis is not None:
-            metrics["rollout/tis_weight_mean"] = float(masked_mean(tis, mask))
     if rollouts.truncated is not None:
         metrics["train/frac_truncated"] = float(rollouts.truncated.float().mean())
     return metrics
@@ -394,7 +388,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     est = ADVANTAGES[algo.advantage](AdvantageInputs(shaped, algo.group_size, rollouts.response_mask, mask, world,
                                                      algo.adv_norm, values, algo.gamma, algo.lam, algo.global_kl_scale))
     adv, returns = est.adv, est.returns  # (N,) or (N, T)
-    engine_gap, tis = engine_mismatch(old, rollouts, mask, rollout.tis_cap)  # vLLM's numerics vs the trainer's
+    tis, mismatch = engine_mismatch(old, rollouts, mask, rollout)  # vLLM's numerics vs the trainer's
 
     # 3. Lambda passes of minibatch updates (Alg 3, lines 13-23)
     updates = _update(it_seed, policy=policy, rollouts=rollouts, scores=scores, scorer=scorer, adv=adv, mask=mask,
@@ -404,7 +398,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     t3 = time.perf_counter()
 
     # 4. metrics (namespaced; docs/training.md has the table)
-    metrics = {**updates, **_batch_metrics(rollouts, rewards, old, anchor, mask, engine_gap, tis, world), **sampling,
+    metrics = {**updates, **_batch_metrics(rollouts, rewards, old, anchor, mask, world), **mismatch, **sampling,
                "train/lr": updater.lr, "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
                "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)}
     return StepResult(world.reduce_metrics(metrics), rollouts)

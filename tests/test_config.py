@@ -114,11 +114,13 @@ def test_vllm_knobs_are_checked_before_the_engine_starts():
         validate(compose_cfg(["rollout=vllm"]), head_dim=32)
 
 
-def test_tis_cap_is_for_an_engine_only():
-    with pytest.raises(ConfigError, match="rollout.tis_cap must be >= 0"):
-        validate(compose_cfg(["rollout.tis_cap=-1"]))
+def test_rollout_corrections_are_for_an_engine_only():
+    with pytest.raises(ConfigError, match="rollout.correction_cap must be > 1"):
+        validate(compose_cfg(["rollout=vllm", "rollout.correction=token_tis", "rollout.correction_cap=1"]))
+    with pytest.raises(ConfigError, match="rollout.correction='icepop'; choose one of: none, token_tis"):
+        validate(compose_cfg(["rollout=vllm", "rollout.correction=icepop"]))
     with pytest.raises(ConfigError, match="the HF sampler has none"):
-        validate(compose_cfg(["rollout.tis_cap=2"]))
+        validate(compose_cfg(["rollout.correction=seq_mask"]))
 
 
 def test_missing_logger_package_says_how_to_install(tmp_path):

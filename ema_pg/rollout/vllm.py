@@ -14,7 +14,7 @@ with the whole conversation as its prompt (the prefix cache reuses the earlier t
 The engine's kernels differ from the trainer's, so pi_old's log-probs are recomputed by the
 trainer; the engine's own log-probs of the sampled tokens come back in ``Rollouts.engine_logp``
 for the mismatch metrics and the optional truncated importance-sampling correction
-(``rollout.tis_cap``). Each request gets its own engine seed, derived from its prompt's seed,
+(``rollout.correction``, :mod:`ema_pg.corrections`). Each request gets its own engine seed, derived from its prompt's seed,
 its sample number and the turn, so a batch is reproducible and independent of how it is split.
 """
 

@@ -111,3 +111,29 @@ def test_training_with_vllm_rollouts_raises_the_reward(tmp_path):
     gap = d["rollout/logp_gap_max"].dropna()
     assert len(gap) == n and gap.max() < 1e-3  # fp32 engine: the mismatch is rounding
     assert objs["module"].sampler.syncs >= n - 1  # the engine got the weights after every update
+
+
+def test_a_bf16_engine_run_with_a_correction_has_a_quiet_console_and_its_metrics(tmp_path):
+    """The engine's start-up output (dozens of INFO/WARNING lines, C++ warnings, a loading bar) goes to a file, its
+    per-push info lines are off; a bfloat16 engine against the float32 trainer gives a real mismatch, which the
+    correction weighs and the metrics report."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm", "rollout.engine_dtype=bfloat16",
+                        "rollout.correction=token_mask", "rollout.correction_cap=1.05", "algo.iterations=3",
+                        "algo.eval_every=3", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=50",
+                        f"run_dir={run}", f"hydra.run.dir={run}"],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    console = r.stdout + r.stderr
+    for noise in ("INFO 1", "WARNING 1", "Triton", "[W1", "Loading safetensors", "FutureWarning", "non-default args"):
+        assert noise not in console, noise
+    d = pd.read_csv(run / "metrics.csv")
+    assert d["rollout/mismatch_kl_k3"].dropna().gt(0).all()
+    assert d["rollout/frac_masked"].dropna().gt(0).any()  # a band of [1/1.05, 1.05] masks some bf16 tokens
+    assert d["rollout/is_weight_mean"].dropna().lt(1.05).all()

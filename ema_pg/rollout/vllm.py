@@ -54,6 +54,37 @@ class WeightSyncExtension:
 
 
 @contextlib.contextmanager
+def _engine_output_to(path: str):
+    """Send what the engine prints while it starts (its start-up log, C++ warnings, a weight-loading bar: dozens of
+    lines that tell a user of this sampler nothing) to ``path``, at the file-descriptor level so that C++ and
+    child-thread output go too; if the start fails, the file's last lines are printed with the error."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            with open(path, errors="replace") as g:
+                tail = g.read()[-4000:]
+            print(f"vLLM engine output while it started (the whole of it: {path}):\n{tail}", file=sys.stderr)
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
+@contextlib.contextmanager
 def _llvmlite_hidden():
     """Hide llvmlite's ``lib`` object from the module namespaces while the engine starts.
 
@@ -98,6 +129,8 @@ class VLLMSampler:
 
     def __init__(self, tokenizer, cfg):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its info lines (one per weight push); set it to see them
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # before vLLM configures it
         try:
             import vllm  # noqa: F401
         except ImportError:
@@ -111,8 +144,6 @@ class VLLMSampler:
 
     # ------------------------------------------------------------------ the engine
     def _start(self, model) -> None:
-        from vllm import LLM
-
         c = self.cfg
         self._dir = tempfile.mkdtemp(prefix="ema_pg_vllm_")
         model.save_pretrained(self._dir)
@@ -123,7 +154,9 @@ class VLLMSampler:
             kw["gpu_memory_utilization"] = c.gpu_memory_utilization
         else:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(c.kv_cache_gb)  # the knob is the one home of this size
-        with _llvmlite_hidden():
+        with _llvmlite_hidden(), _engine_output_to(os.path.join(self._dir, "engine_start.log")):
+            from vllm import LLM  # its first use imports the engine, which logs its platform checks
+
             self.llm = LLM(model=self._dir, dtype=dtype, enforce_eager=c.enforce_eager, seed=0,
                            max_model_len=c.max_model_len or model.config.max_position_embeddings,
                            logprobs_mode="processed_logprobs",  # log-probs of the tempered distribution sampled from

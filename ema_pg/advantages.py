@@ -28,7 +28,7 @@ from .critic import last_token_rewards
 from .critic import whiten
 from .dist import World
 from .losses import advantages as group_advantages
-from .losses import global_std
+from .losses import ADV_EPS, global_std
 
 
 @dataclass
@@ -43,9 +43,6 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 1.0
     global_kl_scale: bool = False  # algo.global_kl_scale (group estimator, norm=global)
-
-
-KL_STD_EPS = 1e-6  #: the authors' kld / (adv_batch_std + 1e-6)
 
 
 @dataclass
@@ -63,7 +60,7 @@ def group(inp: AdvantageInputs) -> Advantages:
     adv = group_advantages(everyone, inp.group_size, inp.norm)
     if w.size > 1:
         adv = adv[w.block(w.size * len(r))]
-    scale = 1.0 / (global_std(everyone, inp.group_size) + KL_STD_EPS) if inp.global_kl_scale else 1.0
+    scale = 1.0 / (global_std(everyone, inp.group_size) + ADV_EPS) if inp.global_kl_scale else 1.0
     return Advantages(adv, kl_scale=scale)
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 LOG_CLAMP = 30.0  #: |log rho| beyond this is clamped before exp (the weight is then capped or masked anyway)
 
 
-def _token(log_rho: Tensor, cap: float) -> Tensor:
+def _token(log_rho: Tensor) -> Tensor:
     return torch.exp(log_rho.clamp(-LOG_CLAMP, LOG_CLAMP))
 
 
@@ -46,12 +46,8 @@ def _seq(log_rho: Tensor, mask: Tensor) -> Tensor:
     return (log_rho * mask).sum(-1, keepdim=True)  # (N, 1) log of the sequence ratio
 
 
-def none(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
-    return torch.ones_like(log_rho)
-
-
 def token_tis(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
-    return _token(log_rho, cap).clamp(max=cap)
+    return _token(log_rho).clamp(max=cap)
 
 
 def seq_tis(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
@@ -61,7 +57,7 @@ def seq_tis(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
 
 def token_mask(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
     inside = log_rho.abs() <= math.log(cap)
-    return torch.where(inside, _token(log_rho, cap), torch.zeros_like(log_rho))
+    return torch.where(inside, _token(log_rho), torch.zeros_like(log_rho))
 
 
 def seq_mask(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
@@ -75,8 +71,8 @@ def seq_reject(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
     return (worst <= math.log(cap)).to(log_rho.dtype).expand_as(log_rho)
 
 
-CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {
-    "none": none, "token_tis": token_tis, "seq_tis": seq_tis, "token_mask": token_mask, "seq_mask": seq_mask,
+CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Tensor] | None] = {  # none: no weight at all
+    "none": None, "token_tis": token_tis, "seq_tis": seq_tis, "token_mask": token_mask, "seq_mask": seq_mask,
     "seq_reject": seq_reject,
 }
 
@@ -89,16 +85,17 @@ def correct(name: str, logp_old: Tensor, logp_behaviour: Tensor, mask: Tensor, c
     m = mask.bool()
     log_rho = torch.where(m, (logp_old - logp_behaviour).detach().to(torch.float32), torch.zeros_like(logp_old))
     n_tok = max(int(m.sum()), 1)
-    rho = torch.exp(log_rho.clamp(-LOG_CLAMP, LOG_CLAMP))
+    rho = _token(log_rho)
     metrics = {
         "rollout/mismatch_kl_k1": float((-log_rho)[m].sum()) / n_tok,
         "rollout/mismatch_kl_k3": float((rho - 1 - log_rho)[m].sum()) / n_tok,
         "rollout/logp_gap_mean": float(log_rho.abs()[m].sum()) / n_tok,
         "rollout/logp_gap_max": float(log_rho.abs()[m].max()) if m.any() else 0.0,
     }
-    if name == "none":
+    weigh = CORRECTIONS[name]
+    if weigh is None:
         return None, metrics
-    w = CORRECTIONS[name](log_rho, mask.to(log_rho.dtype), cap) * mask
+    w = weigh(log_rho, mask.to(log_rho.dtype), cap) * mask
     has = m.any(-1)
     metrics.update({
         "rollout/is_weight_mean": float(w[m].sum()) / n_tok,

@@ -28,7 +28,16 @@ ADV_NORMS = ("group", "global", "none")
 LOSS_AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
-def advantages(rewards: Tensor, group_size: int, norm: str = "group", eps: float = 1e-6) -> Tensor:
+ADV_EPS = 1e-6  #: the advantages' std guard; also the authors' kld / (adv_batch_std + 1e-6)
+
+
+def _centered(rewards: Tensor, group_size: int) -> Tensor:
+    """R - V(x), (B, G) in float64, V the mean of the prompt's group."""
+    r = rewards.view(-1, group_size).to(torch.float64)
+    return r - r.mean(-1, keepdim=True)
+
+
+def advantages(rewards: Tensor, group_size: int, norm: str = "group", eps: float = ADV_EPS) -> Tensor:
     """Monte-Carlo advantages, (B*G,) from rewards (B*G,) laid out prompt-major.
 
     ``group``  (R - V(x)) / (std(x) + eps), V the mean and std the unbiased (N-1) standard
@@ -43,9 +52,9 @@ def advantages(rewards: Tensor, group_size: int, norm: str = "group", eps: float
         raise ValueError(f"group_size must be >= 2 for group-baselined advantages; got {group_size}")
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries; got shape {tuple(rewards.shape)}")
-    r = rewards.view(-1, group_size).to(torch.float64)  # (B, G)
-    centered = r - r.mean(-1, keepdim=True)  # (B, G)
+    centered = _centered(rewards, group_size)  # (B, G)
     if norm == "group":
+        r = rewards.view(-1, group_size).to(torch.float64)
         out = centered / (r.std(-1, unbiased=True, keepdim=True) + eps)
     elif norm == "global":
         flat = centered.flatten()
@@ -58,9 +67,9 @@ def advantages(rewards: Tensor, group_size: int, norm: str = "group", eps: float
 def global_std(rewards: Tensor, group_size: int) -> float:
     """The batch standard deviation of R - V(x) that ``global`` normalization divides by (unbiased; 0 for one entry).
 
-    With ``algo.global_kl_scale`` the token KL is divided by it too (+ 1e-6), as the authors' code does.
+    With ``algo.global_kl_scale`` the token KL is divided by it too (+ ``ADV_EPS``), as the authors' code does.
     """
-    flat = (lambda r: r - r.mean(-1, keepdim=True))(rewards.view(-1, group_size).to(torch.float64)).flatten()
+    flat = _centered(rewards, group_size).flatten()
     return float(flat.std(unbiased=True)) if flat.numel() > 1 else 0.0
 
 

@@ -77,6 +77,18 @@ def test_index_set_entries_any_set_verdict():
         assert _verdicts(name)["any_index_set"] == want, name
 
 
+def test_every_equals_of_the_entries_holds_row_by_row():
+    """An entry that says it coincides with another has the same bias and variance at every case and k."""
+    from ema_pg.kl.lab.report import panel_rows, same_rows
+
+    eq = {n: e.equals for n, e in ENTRIES.items() if e.equals}
+    assert len(eq) >= 4
+    rows = panel_rows({n: ENTRIES[n] for n in set(eq) | set(eq.values()) | {"verl:low_var_kl", "k3"}})
+    for a, b in eq.items():
+        assert same_rows(rows, a, b), (a, b)
+    assert not same_rows(rows, "verl:low_var_kl", "k3")  # its clamp binds on the panel: not an equal
+
+
 # ------------------------------------------------------------------------------------ hand-worked moments
 def test_counterexample_variances_by_hand():
     """V = 2, pi = (0.6, 0.4), anchor = (0.9, 0.1), head = token 0. With d = e0 - e1:

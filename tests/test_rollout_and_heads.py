@@ -151,3 +151,26 @@ def test_ragged_observations_are_packed_and_scored_exactly(policy):
     assert (h.logp - ro.old.logp)[mask].abs().max() < 1e-5
     obs_tokens = ((am == 1) & (ro.response_mask == 0)).sum(1).tolist()
     assert obs_tokens[0] > obs_tokens[1] > 0 and obs_tokens[2] == 0
+
+
+def test_the_engine_start_output_goes_to_a_file_and_its_tail_is_shown_if_the_start_fails(tmp_path, capfd):
+    """What vLLM prints at start-up (through file descriptors 1 and 2: C++, and Python's streams in a real process)
+    lands in a file, not on the console; when the start fails, the file's tail is printed with the error."""
+    import os
+
+    from ema_pg.rollout.vllm import _engine_output_to
+
+    log = tmp_path / "engine_start.log"
+    with _engine_output_to(str(log)):
+        os.write(2, b"C++ noise\n")
+        os.write(1, b"stdout noise\n")
+    seen = capfd.readouterr()
+    assert "noise" not in seen.out + seen.err
+    assert "C++ noise" in log.read_text() and "stdout noise" in log.read_text()
+    with pytest.raises(RuntimeError, match="no engine"):
+        with _engine_output_to(str(log)):
+            os.write(2, b"the engine's own reason\n")
+            raise RuntimeError("no engine")
+    assert "the engine's own reason" in capfd.readouterr().err
+    os.write(1, b"after\n")  # the console is the console again
+    assert capfd.readouterr().out == "after\n"

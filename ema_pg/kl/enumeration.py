@@ -13,6 +13,13 @@ from torch import Tensor
 from .base import Estimator, KLInputs
 
 
+def index_set(source: str, k: int, logits: Tensor, ref_logits: Tensor, samp_logits: Tensor | None = None) -> Tensor:
+    """The top-k indices (k,) of ``source``'s distribution: "policy_old" (the sampling policy; the policy's own
+    on-policy) or "anchor"; k = 0 gives the empty set."""
+    src = {"policy_old": logits if samp_logits is None else samp_logits, "anchor": ref_logits}[source]
+    return torch.topk(src.detach(), min(k, src.shape[-1])).indices
+
+
 def enumeration_inputs(est: Estimator | None, logits: Tensor, ref_logits: Tensor, samp_logits: Tensor | None = None,
                        topk_idx: Tensor | None = None) -> tuple[KLInputs, Tensor]:
     """KLInputs for one position enumerated over every token, and the weights pi_sampling (V, 1).
@@ -29,8 +36,7 @@ def enumeration_inputs(est: Estimator | None, logits: Tensor, ref_logits: Tensor
     lo = torch.log_softmax(samp_logits, -1).detach()  # (V,)
     tokens = torch.arange(V).view(V, 1)  # (B=V, T=1)
     if topk_idx is None and est is not None and est.k > 0:
-        src = {"policy_old": lo, "anchor": lr}[est.topk_source]
-        topk_idx = torch.topk(src, min(est.k, V)).indices  # (k,)
+        topk_idx = index_set(est.topk_source, est.k, logits, ref_logits, samp_logits)  # (k,)
     q = None if topk_idx is None else topk_idx.view(1, 1, -1).expand(V, 1, -1)  # (V, 1, k)
     inp = KLInputs(
         logp=lp[tokens],  # (V, 1)

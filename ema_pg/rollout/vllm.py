@@ -60,28 +60,25 @@ def _engine_output_to(path: str):
     child-thread output go too; if the start fails, the file's last lines are printed with the error."""
     sys.stdout.flush()
     sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
+    saved, failed = [os.dup(1), os.dup(2)], False
     with open(path, "ab") as f:
         os.dup2(f.fileno(), 1)
         os.dup2(f.fileno(), 2)
         try:
             yield
         except BaseException:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            with open(path, errors="replace") as g:
-                tail = g.read()[-4000:]
-            print(f"vLLM engine output while it started (the whole of it: {path}):\n{tail}", file=sys.stderr)
+            failed = True
             raise
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
+            for fd, orig in zip(saved, (1, 2)):
+                os.dup2(fd, orig)
                 os.close(fd)
+            if failed:
+                with open(path, errors="replace") as g:
+                    tail = g.read()[-4000:]
+                print(f"vLLM engine output while it started (the whole of it: {path}):\n{tail}", file=sys.stderr)
 
 
 @contextlib.contextmanager

@@ -33,7 +33,9 @@ import torch
 from torch import Tensor
 
 from ..base import KLInputs
-from ..enumeration import enumeration_inputs, true_kl_and_grad
+from ..enumeration import enumeration_inputs
+from ..enumeration import index_set as top_indices
+from ..enumeration import true_kl_and_grad
 
 TOL = 1e-9  #: |bias| at or below this (float64, quantities of order 1) counts as exactly unbiased
 DIRECTIONS = ("reverse", "forward")
@@ -171,13 +173,7 @@ def index_set(case: Case, source: str | None, k: int) -> Tensor | None:
     k = 0 gives the empty index set (every token is tail), not None: an estimator with an index set
     reads the (V, 1, 0) tensors.
     """
-    if source is None:
-        return None
-    if k == 0:
-        return torch.empty(0, dtype=torch.long)
-    src = {"policy_old": case.samp_logits if case.samp_logits is not None else case.logits,
-           "anchor": case.ref_logits}[source]
-    return torch.topk(src, min(k, case.V)).indices
+    return None if source is None else top_indices(source, k, case.logits, case.ref_logits, case.samp_logits)
 
 
 # ---------------------------------------------------------------------------------------------- entries
@@ -335,6 +331,8 @@ class Claims:
 class Finding:
     ok: bool
     message: str
+    what: str = ""  # "value" | "gradient"
+    setting: str = ""  # "on" | "off"
 
 
 def _kl_name(direction: str) -> str:
@@ -344,11 +342,8 @@ def _kl_name(direction: str) -> str:
 def check(fn: EstimatorFn, claims: Claims, panel: Iterable[Case] = PANEL) -> list[Finding]:
     """Each claim against the panel: one finding per claim and setting, the worst case named."""
     settings = ("on", "off") if claims.off_policy else ("on",)
-    entry = Entry("estimator", lambda k: fn, claims.direction, "", index_source=claims.index_source,
-                  ks=claims.ks if claims.index_source else (0,))
-    cases = [c for c in panel if c.setting in settings]
-    rs = measure(entry, cases, any_set=False)
-    by_case = {c.name + c.setting: c for c in cases}
+    entry = Entry("estimator", lambda k: fn, claims.direction, "", index_source=claims.index_source, ks=claims.ks)
+    rs = measure(entry, [c for c in panel if c.setting in settings], any_set=False)
     findings = []
     for setting in settings:
         sub = [r for r in rs if r.setting == setting]
@@ -362,7 +357,7 @@ def check(fn: EstimatorFn, claims: Claims, panel: Iterable[Case] = PANEL) -> lis
             size = abs(getattr(worst, attr))
             truth = f"the true {'value' if what == 'value' else 'gradient'} of {_kl_name(claims.direction)}"
             at = (f"at k={worst.k}, " if claims.index_source else "") + \
-                f"{where} (case '{worst.case}', V={by_case[worst.case + setting].V})"
+                f"{where} (case '{worst.case}', V={worst.V})"
             if claim == "unbiased":
                 ok = size <= TOL
                 msg = (f"{label} equals {truth} on all {len(sub)} cases, {where}" if ok else
@@ -372,7 +367,7 @@ def check(fn: EstimatorFn, claims: Claims, panel: Iterable[Case] = PANEL) -> lis
                 ok = size > TOL
                 msg = (f"{label} is biased for {truth}: up to {size:.3g} {at}" if ok else
                        f"claimed biased, but {label} equals {truth} to {abs(getattr(best, attr)):.1e} on every case, {where}")
-            findings.append(Finding(ok, f"{what} {claim}, {setting}-policy: {msg}"))
+            findings.append(Finding(ok, f"{what} {claim}, {setting}-policy: {msg}", what, setting))
     return findings
 
 

@@ -70,7 +70,7 @@ def _entries() -> dict[str, Entry]:
         # ---------------------------------------------------------------- the field
         Entry("verl:low_var_kl", _ours("k3", iw_clip=NO_IW, clamp=True), "reverse",
               "verl core_algos.kl_penalty 'low_var_kl'/'k3' (log-ratio clamp 20, value clamp 10)", "field",
-              documented="K3 with a numerical clamp", equals="k3"),
+              documented="K3 with a numerical clamp"),  # = k3 only where its clamp does not bind
         Entry("verl:k3+", _ours("k3", iw_clip=NO_IW, clamp=True, straight_through=True), "reverse",
               "verl core_algos.kl_penalty 'k3+' (straight-through K2 gradient)", "field",
               documented="K3's value, an unbiased reverse-KL gradient"),
@@ -83,7 +83,7 @@ def _entries() -> dict[str, Entry]:
               documented="unbiased reverse-KL gradient, on- and off-policy"),
         Entry("trl:bias_corrected_k3", _plain(peers.iw_k3, log_ratio_clamp=None), "reverse",
               "TRL GRPOConfig.use_bias_correction_kl (PRs #4638, #6503)", "field",
-              documented="unbiased reverse-KL gradient (token-level ratio)"),
+              documented="unbiased reverse-KL gradient (token-level ratio)", equals="k3pp"),
         Entry("deepseek-v3.2:iw_k3", _plain(peers.iw_k3, log_ratio_clamp=None), "reverse",
               "DeepSeek-V3.2 report §3.1; slime --use-unbiased-kl (PR #1004)", "field",
               documented="unbiased KL estimate under pi_old", equals="trl:bias_corrected_k3"),

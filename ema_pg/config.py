@@ -122,6 +122,10 @@ class RolloutConfig:
     engine_dtype: str = "auto"  #: vllm: engine weights' dtype (auto = the policy's)
     correction: str = "none"  #: rollout=vllm: weights on the PG term for the engine's mismatch (ema_pg.corrections)
     correction_cap: float = 2.0  #: C > 1 of the correction: the cap of token_tis / seq_tis, the band [1/C, C] else
+    #: asynchronous training: a rollout worker process samples batch t with the policy of version max(0, t - k)
+    #: while the trainer updates (0 = synchronous: sampled by the current policy in the trainer; docs/async.md)
+    max_staleness: int = 0
+    worker_threads: int = 1  #: max_staleness > 0: torch CPU threads of the rollout worker process
 
     def check(self) -> None:
         if self.name not in ("hf", "vllm"):
@@ -147,6 +151,10 @@ class RolloutConfig:
             _bad(f"rollout.correction={self.correction!r}; choose one of: {', '.join(CORRECTIONS)}")
         if not self.correction_cap > 1:
             _bad(f"rollout.correction_cap must be > 1 (the band is [1/C, C]; peers use 2-5); got {self.correction_cap}")
+        _at_least(("rollout.max_staleness", self.max_staleness, 0), ("rollout.worker_threads", self.worker_threads, 1))
+        if self.max_staleness and self.name != "hf":
+            _bad(f"rollout.max_staleness={self.max_staleness} runs the HF sampler in a worker process; a vLLM engine "
+                 "as the worker is not built: use rollout=hf, or rollout.max_staleness=0 with rollout=vllm")
         if self.correction != "none" and self.name == "hf":
             _bad(f"rollout.correction={self.correction} corrects the engine/trainer log-prob mismatch of rollout=vllm; "
                  "the HF sampler has none (it samples with the trainer's own numerics): set rollout.correction=none "
@@ -168,6 +176,10 @@ class KLConfig:
     straight_through: bool | None = None  #: sampled estimators: the "+" variant, K_n's value with K2's gradient
 
 
+#: anchor.align: which anchor scores a rollout sampled by an older policy (rollout.max_staleness > 0)
+ANCHOR_ALIGNS = ("current", "behaviour")
+
+
 @dataclass
 class AnchorConfig:
     """The anchor (reference) policy: a scheme of the registry ``ema_pg.anchors.SCHEMES`` (or none). The
@@ -177,6 +189,9 @@ class AnchorConfig:
     name: str = "ema"  #: fixed | ema | reset | sync | bema | teacher (ema_pg.anchors) | none (no anchor, no KL)
     eval_every: int = 0  #: evaluate the anchor policy itself every N iterations (0 = never)
     path: str | None = None  #: the anchor's initial weights from a local model folder (None = the initial policy)
+    #: rollout.max_staleness > 0: a rollout sampled by version v is scored by the anchor as it is now (current)
+    #: or as it was at version v (behaviour); the same at staleness 0
+    align: str = "current"
     eta: float | None = None  #: ema: theta_ema <- eta theta_ema + (1 - eta) theta (eq. 2); fixed pins 1, reset 0
     update_every: int | None = None  #: ema, reset, bema: T_ema, iterations between updates (Alg 3, line 25)
     sync_alpha: float | None = None  #: sync: theta_ref <- (1 - alpha) theta_ref + alpha theta (TRL ref_model_mixup_alpha)
@@ -191,6 +206,8 @@ class AnchorConfig:
     def check(self) -> None:
         """The scheme's own check (its registry entry), and what a teacher needs."""
         _at_least(("anchor.eval_every", self.eval_every, 0))
+        if self.align not in ANCHOR_ALIGNS:
+            _bad(f"anchor.align={self.align!r}; choose one of: {', '.join(ANCHOR_ALIGNS)}")
         scheme = build_scheme(self)
         if scheme is not None and not scheme.spec.follows and not self.path:
             _bad("anchor=teacher needs model.teacher_path=DIR, a local model folder (save_pretrained) with the "
@@ -610,6 +627,12 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if tiny and est.k > m.tokenizer_vocab:  # known before the cold start builds anything
         _bad(f"kl.k={est.k} is larger than the vocabulary of the tiny model (model.tokenizer_vocab="
              f"{m.tokenizer_vocab}); choose kl.k <= {m.tokenizer_vocab}")
+    if ro.max_staleness and ("deepspeed" in strategy or "ddp" in strategy or cfg.trainer.devices not in (1, "1")):
+        _bad(f"rollout.max_staleness={ro.max_staleness} (a rollout worker beside one trainer process) is not built for "
+             f"several processes or DeepSpeed (trainer.strategy={strategy}); use trainer=cpu or gpu, or max_staleness=0")
+    if ro.max_staleness and m.lora_rank:
+        _bad("rollout.max_staleness > 0 with model.lora_rank > 0 is not built (the worker copies whole weights); "
+             "set model.lora_rank=0 or rollout.max_staleness=0")
     if ro.name == "vllm" and strategy == "deepspeed_stage_3":
         _bad("rollout=vllm with deepspeed_stage_3 is not built: pushing weights would gather the whole model on "
              "every rank; use deepspeed_stage_2 (full weights on each rank) or rollout=hf")

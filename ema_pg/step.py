@@ -83,6 +83,7 @@ class OldAndAnchorScorer:
 
     @torch.no_grad()
     def __call__(self, policy, anchor_model, rollouts: Rollouts) -> OldAndAnchor:
+        """``rollouts.old`` (the sampler's scores) is pi_old when present; else ``policy`` is scored here."""
         ch, kw = self.chunk(rollouts.response_mask.numel()), {"temperature": self.temperature}
         old = rollouts.old
         if old is None:
@@ -248,6 +249,41 @@ def _collect(it_seed: int, *, policy, task, sampler, algo, rollout, score, world
     return batch, rewards, metrics
 
 
+@dataclass
+class Sampled:
+    """One iteration's batch sampled ahead of its update, by a rollout worker (``rollout.max_staleness`` > 0):
+    the rollouts with pi_old's scores (``rollouts.old``: the behaviour policy's, the policy of version
+    ``version`` that sampled them), the rewards, the sampling metrics and, under ``anchor.align=behaviour``,
+    the anchor's scores as the anchor was at that version (``scores``; None: the trainer scores its current
+    anchor)."""
+
+    rollouts: Rollouts
+    rewards: Tensor  # (N,)
+    metrics: dict[str, float]
+    version: int  # RL iterations applied to the weights that sampled it
+    scores: OldAndAnchor | None = None
+    rollout_s: float = 0.0  # the worker's time to sample and score it
+
+
+@torch.no_grad()
+def sample_ahead(iteration: int, version: int, *, policy, anchor_model, task, sampler: Sampler, estimator: Estimator,
+                 algo, rollout, seed: int, chunk: Callable[[int], int], encode=None) -> Sampled:
+    """Iteration ``iteration``'s batch as :func:`rl_step` would collect it, sampled by ``policy`` (the weights of
+    version ``version``): the prompts, sampling seeds and DAPO refills of ``iteration``; pi_old's scores are
+    always filled in (the trainer's policy has moved on); ``anchor_model`` (the anchor of the same version, or
+    None) is scored too. One process (a worker serves one trainer)."""
+    t0 = time.perf_counter()
+    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk)
+    device = next(policy.parameters()).device
+    rollouts, rewards, metrics = _collect(step_seed(seed, iteration), policy=policy, task=task, sampler=sampler,
+                                          algo=algo, rollout=rollout, score=scorer.request(), world=World(),
+                                          device=device, encode=encode)
+    scores = scorer(policy, anchor_model, rollouts)
+    rollouts.old = scores.old
+    return Sampled(rollouts, rewards, metrics, version, scores if anchor_model is not None else None,
+                   time.perf_counter() - t0)
+
+
 # ---------------------------------------------------------------------- the step
 @dataclass
 class StepResult:
@@ -353,7 +389,8 @@ def _batch_metrics(rollouts, rewards, old, anchor, mask, world) -> dict[str, flo
 
 def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, estimator: Estimator,
             updater: Updater, algo, rollout, seed: int, chunk: Callable[[int], int],
-            world: World = World(), critic=None, grad_ratio: bool = False, encode=None) -> StepResult:
+            world: World = World(), critic=None, grad_ratio: bool = False, encode=None,
+            sampled: Sampled | None = None) -> StepResult:
     """Run RL iteration ``iteration`` (0-based) and return its metrics (namespaced) and rollouts.
 
     ``algo`` and ``rollout`` are the config nodes of the same names; ``chunk(n_tokens)`` gives the
@@ -364,6 +401,9 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     ``grad_ratio``: also measure, on the first minibatch, the gradient norms of the loss's policy-gradient
     part and of its KL part (:func:`grad_norms_pg_kl`; two extra backward passes).
     ``encode``: the run's :class:`ema_pg.prompts.PromptEncoder` (None: prompts as plain text).
+    ``sampled``: the batch as a rollout worker sampled it ahead (:func:`sample_ahead`; asynchronous training):
+    pi_old is then the behaviour policy's scores, and the anchor is scored here only when the worker did not.
+    None (synchronous): the batch is sampled here by the current policy.
     """
     device = next(policy.parameters()).device
     it_seed = step_seed(seed, iteration)
@@ -371,16 +411,22 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     t0 = time.perf_counter()
 
     # 1. prompts, rollouts from pi_old (= the current policy), rewards; DAPO's dynamic sampling refills
-    rollouts, rewards, sampling = _collect(it_seed, policy=policy, task=task, sampler=sampler, algo=algo,
-                                          rollout=rollout, score=scorer.request(), world=world, device=device,
-                                          encode=encode)
+    if sampled is None:
+        rollouts, rewards, sampling = _collect(it_seed, policy=policy, task=task, sampler=sampler, algo=algo,
+                                              rollout=rollout, score=scorer.request(), world=world, device=device,
+                                              encode=encode)
+    else:  # sampled ahead by an older policy (rollout.max_staleness): pi_old is the behaviour policy
+        rollouts, rewards = sampled.rollouts, sampled.rewards.to(device)
+        sampling = {**sampled.metrics, "rollout/staleness": float(iteration - sampled.version),
+                    "time/rollout_worker_s": sampled.rollout_s}
     mask = rollouts.response_mask  # (N, T): policy tokens only (no prompt, observation or padding)
     if algo.mask_truncated and rollouts.truncated is not None:  # DAPO's overlong filtering: no loss on them
         mask = mask * (~rollouts.truncated).to(mask.dtype)[:, None]
     t1 = time.perf_counter()
 
     # 2. pi_old, the anchor and the index set (Alg 3, lines 6-11); shaped rewards; advantages
-    scores = scorer(policy, anchor_model, rollouts)
+    scores = sampled.scores if sampled is not None and sampled.scores is not None else scorer(policy, anchor_model,
+                                                                                               rollouts)
     old, anchor = scores.old, scores.anchor
     t2 = time.perf_counter()
     rewards, shaped = shape_rewards(rewards, rollouts, old, anchor, algo, rollout)

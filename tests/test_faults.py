@@ -259,12 +259,15 @@ def test_a_sweep_with_a_group_overlay_continues_its_killed_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["model.compile=true"]], ids=["eager", "compiled"])
+@pytest.mark.parametrize("extra", [[], ["model.compile=true"], ["rollout.max_staleness=2", "anchor.align=behaviour"]],
+                         ids=["eager", "compiled", "async"])
 def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrupted_run_does(tmp_path, extra):
     """Three runs each SIGKILLed once at a random moment (cold start, an iteration, an evaluation or a
     checkpoint write), then continued by the same command (``if_exists=resume``): the final policy and
     anchor are bit-identical to an uninterrupted run's. With ``model.compile=true`` too: the resumed
-    process compiles afresh and must still repeat the uninterrupted run bit for bit."""
+    process compiles afresh and must still repeat the uninterrupted run bit for bit. Asynchronous
+    (a rollout worker two versions behind, the anchor aligned): the batches in flight travel with the
+    checkpoint, and the worker dies with its trainer."""
     import random
     import signal
     import subprocess

@@ -101,6 +101,9 @@ class GRPOModule(L.LightningModule):
             self.value_model = self.critic.model  # a submodule: it moves with the module
         self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, cfg.anchor.eta, cfg.algo.beta)
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
+        self.ahead = None  # rollout.max_staleness > 0: the rollout worker (ema_pg.engine.ahead), started at the first step
+        self._restored_in_flight: dict[int, bytes] = {}  # the batches in flight at the checkpoint resumed from
+        self.staleness_counts: dict[int, int] = {}  # iterations per staleness of their batch (the run's histogram)
         self.eval_history: list[dict] = []
         self.last_metrics: dict = {}
         self._collapse_warned, self._was_peaked = False, False
@@ -143,11 +146,42 @@ class GRPOModule(L.LightningModule):
         self.last_metrics = metrics
 
     def _rl_step(self, iteration: int):
-        return rl_step(iteration, policy=self.policy, anchor_model=None if self.anchor is None else self.anchor.model,
-                       task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
-                       algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk,
-                       world=World.current(), critic=self.critic, grad_ratio=self._grad_ratio_due(iteration),
-                       encode=self.encode)
+        anchor_model = None if self.anchor is None else self.anchor.model
+        sampled = None
+        if self.cfg.rollout.max_staleness:  # sampled ahead by the worker, with the weights of max(0, t - k)
+            if self.ahead is None:
+                self.ahead = self._rollouts_ahead()
+            sampled = self.ahead.next(iteration, self.policy, anchor_model)
+        res = rl_step(iteration, policy=self.policy, anchor_model=anchor_model,
+                      task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
+                      algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk,
+                      world=World.current(), critic=self.critic, grad_ratio=self._grad_ratio_due(iteration),
+                      encode=self.encode, sampled=sampled)
+        if sampled is not None:
+            lag = iteration - sampled.version
+            self.staleness_counts[lag] = self.staleness_counts.get(lag, 0) + 1
+            res.metrics["time/rollout_wait_s"] = self.ahead.last_wait_s
+            res.metrics["time/step_s"] += self.ahead.last_wait_s
+        return res
+
+    def _rollouts_ahead(self):
+        from .ahead import HeadChunk, RolloutsAhead
+
+        m = self.cfg.model
+        chunk = HeadChunk(m.head_chunk_tokens, full_shape(self.policy.get_output_embeddings().weight)[0],
+                          m.head_chunk_mb)
+        ahead = RolloutsAhead(self.cfg, self.policy, None if self.anchor is None else self.anchor.model,
+                              self.tokenizer, self.task, self.encode, chunk)
+        ahead.restore(self._restored_in_flight)
+        return ahead
+
+    def teardown(self, stage: str) -> None:
+        if self.ahead is not None:
+            if self.staleness_counts:
+                log.info("rollouts by staleness (iterations): %s",
+                         ", ".join(f"{k}: {v}" for k, v in sorted(self.staleness_counts.items())))
+            self.ahead.close()
+            self.ahead = None
 
     def _grad_ratio_due(self, iteration: int) -> bool:
         every = self.cfg.monitor.grad_ratio_every
@@ -246,6 +280,10 @@ class GRPOModule(L.LightningModule):
                                 "settings": settings(self.cfg)}  # what a resume must continue (runs.check_trained_with)
         if self.critic is not None:  # its weights are in the module's state_dict; its optimizer is not Lightning's
             checkpoint["ema_pg"]["critic_opt"] = self.critic.opt.state_dict()
+        if self.cfg.rollout.max_staleness:  # the batches sampled ahead, awaited: a resume takes them as they are
+            checkpoint["ema_pg"]["in_flight"] = (self.ahead.state() if self.ahead is not None
+                                                 else dict(self._restored_in_flight))
+            checkpoint["ema_pg"]["staleness_counts"] = dict(self.staleness_counts)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         st = checkpoint.get("ema_pg", {})
@@ -259,5 +297,7 @@ class GRPOModule(L.LightningModule):
             if current is not None:
                 current.update(ready=0, started=0, processed=0, completed=-1)
         self.eval_history = list(st.get("eval_history", []))
+        self._restored_in_flight = dict(st.get("in_flight", {}))
+        self.staleness_counts = dict(st.get("staleness_counts", {}))
         if self.critic is not None and "critic_opt" in st:
             self.critic.opt.load_state_dict(st["critic_opt"])

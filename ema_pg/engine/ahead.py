@@ -1,0 +1,225 @@
+"""Asynchronous rollouts (``rollout.max_staleness = k > 0``): a rollout worker in its own process samples the
+batches ahead of the trainer.
+
+The schedule is fixed, not raced: batch t is always sampled by the policy of version max(0, t - k), where a
+version counts the RL iterations applied to the weights. At the start of iteration t the trainer pushes the
+weights of version t (and, under ``anchor.align=behaviour``, the anchor of version t) and asks for batch t + k;
+then it takes batch t (asked for k iterations earlier) and updates on it, while the worker samples. The
+batches, their pi_old scores (the behaviour policy's) and, aligned, their anchor scores therefore do not depend
+on how fast either process runs: a run repeats itself exactly, and a resumed run repeats an uninterrupted one.
+
+Checkpoints: the batches in flight (t .. t + k - 1 after iteration t - 1) are awaited and saved with the
+checkpoint, as the worker returned them. Regenerating them instead would need the k older weights (and
+anchors) in the checkpoint: k model copies against k small batches.
+
+Messages travel as ``torch.save`` bytes over a pipe: a snapshot of the weights at the moment of the push
+(the trainer goes on updating its own), and nothing shared between the processes.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing as mp
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from ..chunked import auto_chunk
+from ..config import build_estimator
+from ..rollout import build_sampler
+from ..step import Sampled, sample_ahead
+from . import attention  # noqa: F401 - registers the attention kernel a policy may name
+
+log = logging.getLogger(__name__)
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes):
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+
+@dataclass
+class HeadChunk:
+    """The head's chunk size as the trainer computes it (``GRPOModule.head_chunk``), picklable."""
+
+    fixed: int
+    vocab: int
+    budget_mb: float
+
+    def __call__(self, n_tokens: int) -> int:
+        return self.fixed or auto_chunk(n_tokens, self.vocab, self.budget_mb)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the parameters and buffers, under the names of the uncompiled model."""
+    return {k.replace("_orig_mod.", ""): v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _blank(model: torch.nn.Module):
+    """How to build the model again in the worker: its class's ``from_config``, its dtype and attention kernel."""
+    cfg = model.config
+    return {"config": cfg, "dtype": next(model.parameters()).dtype,
+            "attn": getattr(cfg, "_attn_implementation", None)}
+
+
+def _build(blank: dict) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    kw = {"attn_implementation": blank["attn"]} if blank["attn"] else {}
+    return AutoModelForCausalLM.from_config(blank["config"], dtype=blank["dtype"], **kw).eval()
+
+
+def _serve(conn, threads: int) -> None:
+    """The worker: builds its models from the first message, then serves weights and sample requests in order."""
+    torch.set_num_threads(threads)
+    try:
+        spec = _loads(conn.recv_bytes())
+        cfg = spec["cfg"]
+        policy = _build(spec["policy"])
+        anchor = _build(spec["anchor"]) if spec["anchor"] is not None else None
+        sampler = build_sampler(cfg.rollout, spec["tokenizer"])
+        estimator = build_estimator(cfg.kl)
+        version = -1
+        conn.send_bytes(_dumps(("ready", None)))
+        while True:
+            try:
+                msg = _loads(conn.recv_bytes())
+            except EOFError:  # the trainer is gone (finished, killed): so is the worker
+                return
+            kind = msg[0]
+            if kind == "stop":
+                return
+            if kind == "weights":
+                version = msg[1]
+                policy.load_state_dict(msg[2])
+                if anchor is not None:
+                    anchor.load_state_dict(msg[3])
+            elif kind == "sample":
+                t, want = msg[1], msg[2]
+                if want != version:  # the schedule is the trainer's; a mismatch is a bug, never a silent race
+                    raise RuntimeError(f"batch {t} asked for version {want}, but the worker holds version {version}")
+                out = sample_ahead(t, version, policy=policy, anchor_model=anchor, task=spec["task"], sampler=sampler,
+                                   estimator=estimator, algo=cfg.algo, rollout=cfg.rollout, seed=cfg.seed,
+                                   chunk=spec["chunk"], encode=spec["encode"])
+                conn.send_bytes(_dumps(("batch", t, out)))
+    except Exception:  # noqa: BLE001 - reported to the trainer, which stops with it
+        try:
+            conn.send_bytes(_dumps(("error", traceback.format_exc())))
+        except (BrokenPipeError, OSError):
+            pass
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker failed or died; the message holds its traceback or exit code."""
+
+
+class RolloutsAhead:
+    """The trainer's side of the rollout worker: pushes versions, asks for batches, takes them in order.
+
+    ``in_flight`` maps an iteration to its batch as the worker's bytes (restored from a checkpoint, or received);
+    ``asked`` holds the iterations asked for and not yet received."""
+
+    def __init__(self, cfg, policy, anchor_model, tokenizer, task, encode, chunk: HeadChunk):
+        self.cfg, self.k = cfg, int(cfg.rollout.max_staleness)
+        self.aligned = anchor_model is not None and cfg.anchor.align == "behaviour"
+        self._spec = {"cfg": cfg, "policy": _blank(policy), "anchor": _blank(anchor_model) if self.aligned else None,
+                      "tokenizer": tokenizer, "task": task, "encode": encode, "chunk": chunk}
+        self.in_flight: dict[int, bytes] = {}
+        self.asked: set[int] = set()
+        self.proc = None
+        self.conn = None
+        self.last_wait_s = 0.0
+
+    def version_of(self, t: int) -> int:
+        """The version that samples batch t: max(0, t - k)."""
+        return max(0, t - self.k)
+
+    # ------------------------------------------------------------------ the process
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads, locks or CUDA state
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, int(self.cfg.rollout.worker_threads)), daemon=True,
+                                name="ema-pg-rollout-worker")
+        self.proc.start()
+        child.close()
+        self._send(self._spec)
+        self._recv()  # "ready": the models are built
+
+    def _send(self, obj) -> None:
+        try:
+            self.conn.send_bytes(_dumps(obj))
+        except (BrokenPipeError, OSError) as e:
+            raise RolloutWorkerError(f"the rollout worker is gone (exit code {self.proc.exitcode}): {e}") from None
+
+    def _recv(self):
+        try:
+            kind, *rest = _loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self.proc.join(5)
+            raise RolloutWorkerError(f"the rollout worker died (exit code {self.proc.exitcode}) before answering; "
+                                     "its last batch is lost, the run stops at its last checkpoint") from None
+        if kind == "error":
+            raise RolloutWorkerError("the rollout worker failed:\n" + rest[0])
+        return kind, rest
+
+    def _receive_one(self) -> None:
+        kind, (t, out) = self._recv()
+        self.asked.discard(t)
+        self.in_flight[t] = _dumps(out)
+
+    # ------------------------------------------------------------------ the schedule
+    def next(self, t: int, policy, anchor_model) -> Sampled:
+        """Iteration t's batch. First pushes version t and asks for batch t + k and any batch before it that no one
+        has asked for (at t = 0: batches 0 .. k, all of version 0); then waits for batch t. Batches past the run's
+        last iteration are sampled too: the final checkpoint keeps them, so a run continued with more iterations
+        repeats the longer uninterrupted run exactly."""
+        if self.proc is None:
+            self._start()
+        wanted = [j for j in range(t, t + self.k + 1) if j not in self.in_flight and j not in self.asked]
+        for j in wanted:
+            if self.version_of(j) != t:
+                raise RolloutWorkerError(f"batch {j} should have been sampled by version {self.version_of(j)}, but it "
+                                         f"is neither saved nor in flight at iteration {t}; the checkpoint lacks it")
+        if wanted:
+            self._send(("weights", t, _weights(policy), _weights(anchor_model) if self.aligned else None))
+            for j in wanted:
+                self._send(("sample", j, t))
+                self.asked.add(j)
+        t0 = time.perf_counter()
+        while t not in self.in_flight:
+            if t not in self.asked:
+                raise RolloutWorkerError(f"batch {t} was never asked for")
+            self._receive_one()
+        self.last_wait_s = time.perf_counter() - t0
+        return _loads(self.in_flight.pop(t))
+
+    def state(self) -> dict[int, bytes]:
+        """The batches in flight, each awaited: what a checkpoint saves so that a resume repeats them."""
+        while self.asked:
+            self._receive_one()
+        return dict(self.in_flight)
+
+    def restore(self, saved: dict[int, bytes]) -> None:
+        self.in_flight = dict(saved)
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self._send(("stop",))
+        except RolloutWorkerError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.conn.close()
+        self.proc = None

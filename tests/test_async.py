@@ -1,0 +1,190 @@
+"""Asynchronous rollouts (``rollout.max_staleness``): the step reads what the behaviour policy sampled and scored,
+the worker keeps the schedule max(0, t - k), and what a checkpoint saves repeats the uninterrupted run.
+
+A test fails if: a batch taken from elsewhere changes the step's numerics; pi_old (or the aligned anchor) in the
+loss is the current model's instead of the behaviour version's; the worker samples with another version than
+max(0, t - k); a restored worker does not continue with the same batches; a bad combination starts a run.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from helpers import compose_cfg
+
+from ema_pg.config import ConfigError, validate
+from ema_pg.engine.ahead import HeadChunk, RolloutsAhead, RolloutWorkerError
+from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.heads import head
+from ema_pg.kl import KLInputs, get_estimator
+from ema_pg.prompts import PromptEncoder
+from ema_pg.rollout import HFSampler
+from ema_pg.step import TorchUpdater, rl_step, sample_ahead
+from ema_pg.tasks import build_task
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def world():
+    task = build_task({"name": "toy_add", "eval_size": 8})
+    tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
+    policy = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=0,
+                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    cfg = compose_cfg(["algo.prompts_per_step=3", "algo.group_size=2", "rollout.max_new_tokens=5", "algo.beta=1.0",
+                       f"kl.k={K}"])
+    return policy, tok, task, cfg
+
+
+def moved(model, scale: float, seed: int):
+    """A copy of ``model`` with every weight moved: another version of it."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
+    return out
+
+
+def frozen(model):
+    out = copy.deepcopy(model).eval()
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out
+
+
+def step(world, policy, anchor, *, sampled=None, estimator=None, updater=None, iteration=0):
+    _, tok, task, cfg = world
+    est = estimator or get_estimator("topk_reverse", k=K)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    upd = updater or TorchUpdater(params, torch.optim.AdamW(params, lr=1e-2))
+    return rl_step(iteration, policy=policy, anchor_model=anchor, task=task, sampler=HFSampler(tok), estimator=est,
+                   updater=upd, algo=cfg.algo, rollout=cfg.rollout, seed=0, chunk=lambda n: 7, sampled=sampled)
+
+
+def ahead(world, policy, anchor, iteration, version, estimator=None):
+    _, tok, task, cfg = world
+    return sample_ahead(iteration, version, policy=policy, anchor_model=anchor, task=task, sampler=HFSampler(tok),
+                        estimator=estimator or get_estimator("topk_reverse", k=K), algo=cfg.algo, rollout=cfg.rollout,
+                        seed=0, chunk=lambda n: 7)
+
+
+def test_a_batch_sampled_ahead_by_the_same_weights_gives_the_synchronous_step_bit_for_bit(world):
+    """Staleness 0 through the asynchronous path (sample, hand over, update) = today's step: same weights after the
+    update, same metrics. The synchronous step itself is unchanged by rollout.max_staleness=0 (no worker)."""
+    policy = world[0]
+    anchor = frozen(moved(policy, 0.3, 1))
+    a, b = copy.deepcopy(policy), copy.deepcopy(policy)
+    sync = step(world, a, anchor, iteration=3)
+    handed = step(world, b, anchor, iteration=3, sampled=ahead(world, b, None, 3, 3))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert handed.metrics["rollout/staleness"] == 0.0
+    for key, value in sync.metrics.items():
+        if not key.startswith("time/"):
+            assert handed.metrics[key] == value or (value != value and handed.metrics[key] != handed.metrics[key]), key
+
+
+def recording(name="topk_reverse"):
+    real, seen = get_estimator(name, k=K), {}
+
+    def fn(inputs: KLInputs, **p):
+        seen["inputs"] = inputs
+        return real.fn(inputs, **p)
+
+    return dataclasses.replace(real, fn=fn), seen
+
+
+@pytest.mark.parametrize("align", ["current", "behaviour"])
+def test_with_staleness_1_the_loss_reads_the_behaviour_versions_logprobs_and_the_aligned_anchor(world, align):
+    """Batch 1 sampled by version 0, updated on by version 1: pi_old (the ratio's denominator and the KL's
+    logp_old) is version 0's, and the anchor is version 0's under align=behaviour, version 1's under current."""
+    v0 = world[0]
+    v1 = moved(v0, 0.2, 7)  # the policy after iteration 0's update
+    anchor_v0, anchor_v1 = frozen(moved(v0, 0.3, 1)), frozen(moved(v0, 0.3, 2))
+    batch = ahead(world, v0, anchor_v0 if align == "behaviour" else None, 1, 0)
+    est, seen = recording()
+    params = list(v1.parameters())  # lr 0: every update of the iteration sees the same ratio
+    res = step(world, v1, anchor_v1, sampled=batch, estimator=est, iteration=1,
+               updater=TorchUpdater(params, torch.optim.SGD(params, lr=0.0)))
+    assert res.metrics["rollout/staleness"] == 1.0
+    ro, inputs = batch.rollouts, seen["inputs"]
+    mask = ro.response_mask.bool()
+    score = torch.no_grad()(lambda m, **kw: head(m, ro, temperature=1.0, chunk=7, **kw))
+    b0, b1 = score(v0, topk=K), score(v1, topk=K)
+    assert torch.allclose(inputs.logp_old[mask], b0.logp[mask], atol=1e-5)
+    assert (inputs.logp_old[mask] - b1.logp[mask]).abs().max() > 1e-2
+    assert torch.equal(inputs.topk_idx, b0.index)  # Alg 1's index set: the behaviour policy's top-k
+    ratio = torch.exp(b1.logp - b0.logp)[mask]
+    assert res.metrics["train/ratio_max"] == pytest.approx(float(ratio.max()), rel=1e-4)
+    assert res.metrics["train/ratio_mean"] == pytest.approx(float(ratio.mean()), rel=1e-4)
+    want, other = (anchor_v0, anchor_v1) if align == "behaviour" else (anchor_v1, anchor_v0)
+    ref = score(want, index=b0.index)
+    assert torch.allclose(inputs.logp_ref[mask], ref.logp[mask], atol=1e-5)
+    assert torch.allclose(inputs.topk_logp_ref, ref.index_logp, atol=1e-5)
+    assert (inputs.logp_ref[mask] - score(other, index=b0.index).logp[mask]).abs().max() > 1e-2
+
+
+def _ahead(world, k, policy, anchor, align):
+    _, tok, task, cfg = world
+    cfg = copy.deepcopy(cfg)
+    cfg.rollout.max_staleness, cfg.anchor.align = k, align
+    return RolloutsAhead(cfg, policy, anchor, tok, task, PromptEncoder(tok, "off"), HeadChunk(7, 300, 256.0))
+
+
+def test_the_worker_samples_batch_t_with_version_t_minus_k_and_a_restored_one_continues_alike(world):
+    """A real worker process, k = 2: versions 0, 0, 0, 1, 2; batch 3's pi_old and aligned anchor are version 1's; a
+    worker restored from the batches in flight after iteration 2 hands out what the first one would have."""
+    v = [world[0]] + [moved(world[0], 0.2, 10 + i) for i in range(5)]
+    anchors = [frozen(moved(world[0], 0.3, 20 + i)) for i in range(6)]
+    first = _ahead(world, 2, v[0], anchors[0], "behaviour")
+    try:
+        got = [first.next(t, v[t], anchors[t]) for t in range(3)]
+        saved = first.state()  # the checkpoint after iteration 2: batches 3 and 4 (3 asked at t=1, 4 at t=2)
+        assert sorted(saved) == [3, 4]
+        got += [first.next(t, v[t], anchors[t]) for t in range(3, 5)]
+    finally:
+        first.close()
+    assert [b.version for b in got] == [0, 0, 0, 1, 2]
+    ro = got[3].rollouts
+    mask = ro.response_mask.bool()
+    with torch.no_grad():
+        b1 = head(v[1], ro, temperature=1.0, chunk=7, topk=K)
+        a1 = head(anchors[1], ro, temperature=1.0, chunk=7, index=b1.index)
+    assert torch.allclose(ro.old.logp[mask], b1.logp[mask], atol=1e-5)
+    assert torch.equal(ro.old.index, b1.index)
+    assert torch.allclose(got[3].scores.anchor.logp[mask], a1.logp[mask], atol=1e-5)
+    resumed = _ahead(world, 2, v[0], anchors[0], "behaviour")
+    resumed.restore(saved)
+    try:
+        again = [resumed.next(t, v[t], anchors[t]) for t in range(3, 5)]
+    finally:
+        resumed.close()
+    for a, b in zip(got[3:], again):
+        assert a.version == b.version and torch.equal(a.rollouts.input_ids, b.rollouts.input_ids)
+        assert torch.equal(a.rollouts.old.logp, b.rollouts.old.logp)
+        assert torch.equal(a.scores.anchor.logp, b.scores.anchor.logp)
+
+
+def test_a_worker_without_the_batches_it_should_have_sampled_refuses_to_guess(world):
+    """Resumed at iteration 3 with nothing in flight: batch 3 was version 1's, which is gone: a clear error."""
+    worker = _ahead(world, 2, world[0], None, "current")
+    try:
+        with pytest.raises(RolloutWorkerError, match="batch 3 should have been sampled by version 1"):
+            worker.next(3, world[0], None)
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout=vllm", "rollout.max_staleness=1"], "rollout.max_staleness=1 runs the HF sampler"),
+    (["rollout.max_staleness=-1"], "rollout.max_staleness"),
+    (["anchor.align=old"], "anchor.align='old'; choose one of: current, behaviour"),
+    (["rollout.max_staleness=1", "trainer=ddp"], "not built for several processes"),
+    (["rollout.max_staleness=1", "model.lora_rank=4"], "model.lora_rank > 0 is not built"),
+])
+def test_bad_async_settings_stop_at_start_naming_the_knob(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(overrides))

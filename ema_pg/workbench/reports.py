@@ -50,6 +50,12 @@ def _table2(runs_dir: str, out: str, extra: list[str]) -> dict:
     return main(["--runs", runs_dir, "--out", out, *extra])
 
 
+def _async_anchor(runs_dir: str, out: str, extra: list[str]) -> dict:
+    from .async_study import main
+
+    return main(["--runs", runs_dir, "--out", out, *extra])
+
+
 def _table3(runs_dir: str, out: str, extra: list[str]) -> dict:
     from .table3 import main
 
@@ -81,6 +87,7 @@ REPORTS: dict[str, Report | Callable] = {
                               "k3_plus", "k3_clamp", "abs", "token_sum", "lora", "ppo")),
     "beta0_collapse": Report("§6: beta = 0 collapses where a small beta with the EMA anchor does not (lr 7e-4)",
                              x="algo.beta", order=("0.0", "0.01", "0.05")),
+    "async_anchor": _async_anchor,
     "table2": _table2,
     "table3": _table3,
 }

@@ -20,7 +20,10 @@ optimizer step (:class:`ema_pg.anchors.follow.Anchor`; in a run, :class:`ema_pg.
   processes (each with its block of prompts, :mod:`ema_pg.dist`) sample what one process does;
 - log-probs are those of softmax(logits / temperature), the distribution sampled from;
 - pi_old's scores come from the sampler when it can give them (it evaluated pi_old's whole
-  next-token distribution while sampling); otherwise from one no-grad pass of the policy.
+  next-token distribution while sampling); otherwise from one no-grad pass of the policy;
+- asynchronous (``rollout.max_staleness`` = k > 0): the batch arrives sampled ahead (:func:`sample_ahead`,
+  in a rollout worker) by the policy of version max(0, t - k), and pi_old is that behaviour policy's
+  (the anchor too under ``anchor.align=behaviour``); the step then starts at its line 2.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from ema_pg.step import TorchUpdater, rl_step, sample_ahead
 from ema_pg.tasks import build_task
 
 K = 4
+WAIT_S = 120  # a schedule of five small batches takes seconds; this long means the two processes are stuck
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +128,9 @@ def test_with_staleness_1_the_loss_reads_the_behaviour_versions_logprobs_and_the
     assert (inputs.logp_ref[mask] - score(other, index=b0.index).logp[mask]).abs().max() > 1e-2
 
 
-def _ahead(world, k, policy, anchor, align):
-    _, tok, task, cfg = world
-    cfg = copy.deepcopy(cfg)
+def _ahead(world, k, policy, anchor, align, cfg=None):
+    _, tok, task, base = world
+    cfg = copy.deepcopy(cfg if cfg is not None else base)
     cfg.rollout.max_staleness, cfg.anchor.align = k, align
     return RolloutsAhead(cfg, policy, anchor, tok, task, PromptEncoder(tok, "off"), HeadChunk(7, 300, 256.0))
 
@@ -188,3 +189,30 @@ def test_a_worker_without_the_batches_it_should_have_sampled_refuses_to_guess(wo
 def test_bad_async_settings_stop_at_start_naming_the_knob(overrides, match):
     with pytest.raises(ConfigError, match=match):
         validate(compose_cfg(overrides))
+
+
+def test_weights_larger_than_the_pipes_buffer_flow_both_ways_without_a_deadlock(world):
+    """The demo's sizes: a 1M-parameter policy (4 MB of weights a push) and batches of 128 responses with their
+    top-32 index sets (~200 kB each) coming back: the trainer pushes while the worker returns a batch. Before the
+    pipe had a thread per direction, both sides blocked on their sends (found by the study's first sweep)."""
+    import threading
+
+    _, tok, _, _ = world
+    big = build_tiny_model(len(tok), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, seed=0,
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    versions = [big] + [moved(big, 0.05, 30 + i) for i in range(4)]
+    demo = compose_cfg(["algo.prompts_per_step=16", "algo.group_size=8", "rollout.max_new_tokens=6", "kl.k=32"])
+    worker = _ahead(world, 2, big, None, "current", cfg=demo)
+    got: list[int] = []
+
+    def drive():
+        got.extend(worker.next(t, versions[t], None).version for t in range(5))
+
+    th = threading.Thread(target=drive, daemon=True)
+    th.start()
+    th.join(WAIT_S)
+    if th.is_alive():
+        worker.proc.kill()  # frees the hung send, so the test ends
+        pytest.fail(f"the trainer and the worker blocked each other (nothing moved for {WAIT_S} s)")
+    worker.close()
+    assert got == [0, 0, 0, 1, 2]

@@ -24,7 +24,8 @@ SWEEPS = sorted(p.stem for p in (ROOT / "sweeps").glob("*.yaml"))
 # the run columns that tell a sweep's configurations apart (their number is counted from the file)
 SWEPT = {"method": ["method"], "kl.k": ["kl.k"], "anchor.eta": ["anchor.eta"], "tail_variant": ["tail_variant"],
          "kl.iw_clip": ["kl.iw_clip"], "algo.adv_norm": ["algo.adv_norm"], "kl.tail": ["kl.tail"],
-         "anchor": ["anchor_scheme"], "variant": ["name"], "algo.beta": ["algo.beta"]}
+         "anchor": ["anchor_scheme"], "variant": ["name"], "algo.beta": ["algo.beta"],
+         "+async_arm": ["anchor_scheme", "anchor.align"], "rollout.max_staleness": ["rollout.max_staleness"]}
 
 
 def shape(name):

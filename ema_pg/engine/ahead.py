@@ -21,6 +21,8 @@ from __future__ import annotations
 import io
 import logging
 import multiprocessing as mp
+import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -124,8 +126,11 @@ class RolloutWorkerError(RuntimeError):
 class RolloutsAhead:
     """The trainer's side of the rollout worker: pushes versions, asks for batches, takes them in order.
 
-    ``in_flight`` maps an iteration to its batch as the worker's bytes (restored from a checkpoint, or received);
-    ``asked`` holds the iterations asked for and not yet received."""
+    Both directions of the pipe are served by threads (a sender with a FIFO queue, a receiver that files each
+    batch as it arrives), so neither process ever blocks on a send while the other does: the trainer only
+    waits when it takes a batch that is not there yet. ``in_flight`` maps an iteration to its batch as the
+    worker's bytes (restored from a checkpoint, or received); ``asked`` holds the iterations asked for and not
+    yet received."""
 
     def __init__(self, cfg, policy, anchor_model, tokenizer, task, encode, chunk: HeadChunk):
         self.cfg, self.k = cfg, int(cfg.rollout.max_staleness)
@@ -137,12 +142,16 @@ class RolloutsAhead:
         self.proc = None
         self.conn = None
         self.last_wait_s = 0.0
+        self._cond = threading.Condition()
+        self._outbox: queue.Queue = queue.Queue()
+        self._failure: RolloutWorkerError | None = None
+        self._threads: list[threading.Thread] = []
 
     def version_of(self, t: int) -> int:
         """The version that samples batch t: max(0, t - k)."""
         return max(0, t - self.k)
 
-    # ------------------------------------------------------------------ the process
+    # ------------------------------------------------------------------ the process and its pipe
     def _start(self) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads, locks or CUDA state
         self.conn, child = ctx.Pipe()
@@ -150,30 +159,65 @@ class RolloutsAhead:
                                 name="ema-pg-rollout-worker")
         self.proc.start()
         child.close()
+        self._threads = [threading.Thread(target=self._sending, daemon=True, name="rollout-send"),
+                         threading.Thread(target=self._receiving, daemon=True, name="rollout-receive")]
+        for th in self._threads:
+            th.start()
         self._send(self._spec)
-        self._recv()  # "ready": the models are built
+        with self._cond:  # "ready": the models are built
+            self._cond.wait_for(lambda: self._ready or self._failure is not None)
+        self._raise()
+
+    _ready = False
 
     def _send(self, obj) -> None:
-        try:
-            self.conn.send_bytes(_dumps(obj))
-        except (BrokenPipeError, OSError) as e:
-            raise RolloutWorkerError(f"the rollout worker is gone (exit code {self.proc.exitcode}): {e}") from None
+        """Queue a message (serialized now: a snapshot of whatever tensors it holds)."""
+        self._outbox.put(_dumps(obj))
 
-    def _recv(self):
-        try:
-            kind, *rest = _loads(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            self.proc.join(5)
-            raise RolloutWorkerError(f"the rollout worker died (exit code {self.proc.exitcode}) before answering; "
-                                     "its last batch is lost, the run stops at its last checkpoint") from None
-        if kind == "error":
-            raise RolloutWorkerError("the rollout worker failed:\n" + rest[0])
-        return kind, rest
+    def _sending(self) -> None:
+        while True:
+            data = self._outbox.get()
+            if data is None:
+                return
+            try:
+                self.conn.send_bytes(data)
+            except (BrokenPipeError, OSError) as e:
+                self._fail(f"the rollout worker is gone (exit code {self.proc.exitcode}): {e}")
+                return
 
-    def _receive_one(self) -> None:
-        kind, (t, out) = self._recv()
-        self.asked.discard(t)
-        self.in_flight[t] = _dumps(out)
+    def _receiving(self) -> None:
+        while True:
+            try:
+                kind, *rest = _loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                self.proc.join(5)
+                self._fail(f"the rollout worker died (exit code {self.proc.exitcode}) before answering; its batches "
+                           "in flight are lost, the run stops at its last checkpoint")
+                return
+            with self._cond:
+                if kind == "error":
+                    self._failure = RolloutWorkerError("the rollout worker failed:\n" + rest[0])
+                elif kind == "ready":
+                    self._ready = True
+                else:
+                    t, out = rest
+                    self.asked.discard(t)
+                    self.in_flight[t] = _dumps(out)
+                self._cond.notify_all()
+            if kind == "error":
+                return
+
+    def _fail(self, message: str) -> None:
+        with self._cond:
+            if self._failure is None and not self._closing:
+                self._failure = RolloutWorkerError(message)
+            self._cond.notify_all()
+
+    _closing = False
+
+    def _raise(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
     # ------------------------------------------------------------------ the schedule
     def next(self, t: int, policy, anchor_model) -> Sampled:
@@ -183,29 +227,33 @@ class RolloutsAhead:
         repeats the longer uninterrupted run exactly."""
         if self.proc is None:
             self._start()
-        wanted = [j for j in range(t, t + self.k + 1) if j not in self.in_flight and j not in self.asked]
-        for j in wanted:
-            if self.version_of(j) != t:
-                raise RolloutWorkerError(f"batch {j} should have been sampled by version {self.version_of(j)}, but it "
-                                         f"is neither saved nor in flight at iteration {t}; the checkpoint lacks it")
+        with self._cond:  # the receiver moves batches from asked to in_flight under the same lock
+            wanted = [j for j in range(t, t + self.k + 1) if j not in self.in_flight and j not in self.asked]
+            for j in wanted:
+                if self.version_of(j) != t:
+                    raise RolloutWorkerError(f"batch {j} should have been sampled by version {self.version_of(j)}, but "
+                                             f"it is neither saved nor in flight at iteration {t}; the checkpoint lacks it")
+            self.asked.update(wanted)
         if wanted:
             self._send(("weights", t, _weights(policy), _weights(anchor_model) if self.aligned else None))
             for j in wanted:
                 self._send(("sample", j, t))
-                self.asked.add(j)
         t0 = time.perf_counter()
-        while t not in self.in_flight:
-            if t not in self.asked:
+        with self._cond:
+            if t not in self.in_flight and t not in self.asked:
                 raise RolloutWorkerError(f"batch {t} was never asked for")
-            self._receive_one()
+            self._cond.wait_for(lambda: t in self.in_flight or self._failure is not None)
+            self._raise()
+            data = self.in_flight.pop(t)
         self.last_wait_s = time.perf_counter() - t0
-        return _loads(self.in_flight.pop(t))
+        return _loads(data)
 
     def state(self) -> dict[int, bytes]:
         """The batches in flight, each awaited: what a checkpoint saves so that a resume repeats them."""
-        while self.asked:
-            self._receive_one()
-        return dict(self.in_flight)
+        with self._cond:
+            self._cond.wait_for(lambda: not self.asked or self._failure is not None)
+            self._raise()
+            return dict(self.in_flight)
 
     def restore(self, saved: dict[int, bytes]) -> None:
         self.in_flight = dict(saved)
@@ -213,13 +261,14 @@ class RolloutsAhead:
     def close(self) -> None:
         if self.proc is None:
             return
-        try:
-            self._send(("stop",))
-        except RolloutWorkerError:
-            pass
+        self._closing = True
+        self._send(("stop",))
+        self._outbox.put(None)
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+        for th in self._threads:
+            th.join(5)
         self.conn.close()
         self.proc = None

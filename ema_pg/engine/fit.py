@@ -22,6 +22,7 @@ from ..step import NonFiniteUpdates
 from ..heads import check_head
 from ..prompts import PromptEncoder
 from ..tasks import ServiceError, build_task
+from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
 from .console import IterationBar, quiet_third_party
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
@@ -175,7 +176,7 @@ def command(cfg: DictConfig) -> float:
     except RunInterrupted as e:
         log.warning("%s", e)
         raise SystemExit(EXIT_INTERRUPTED) from None  # a sweep stops here too: the same command continues it
-    except (NonFiniteUpdates, ServiceError, OSError) as e:
+    except (NonFiniteUpdates, ServiceError, RolloutWorkerError, OSError) as e:
         if isinstance(e, OSError) and not isinstance(e, NoRoom):  # a full disk outside our own writers (a log)
             if no_room_errno(e) is None:
                 raise

@@ -44,8 +44,8 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
-def _loads(data: bytes):
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+def _loads(data: bytes, device: str = "cpu"):
+    return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
 
 @dataclass
@@ -66,17 +66,19 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _blank(model: torch.nn.Module):
-    """How to build the model again in the worker: its class's ``from_config``, its dtype and attention kernel."""
-    cfg = model.config
-    return {"config": cfg, "dtype": next(model.parameters()).dtype,
-            "attn": getattr(cfg, "_attn_implementation", None)}
+    """How to build the model again in the worker: its class's ``from_config``, its dtype, attention kernel and
+    device (a policy on a GPU gets a worker sampling on the same GPU)."""
+    cfg, first = model.config, next(model.parameters())
+    return {"config": cfg, "dtype": first.dtype, "attn": getattr(cfg, "_attn_implementation", None),
+            "device": str(first.device)}
 
 
 def _build(blank: dict) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     kw = {"attn_implementation": blank["attn"]} if blank["attn"] else {}
-    return AutoModelForCausalLM.from_config(blank["config"], dtype=blank["dtype"], **kw).eval()
+    model = AutoModelForCausalLM.from_config(blank["config"], dtype=blank["dtype"], **kw)
+    return model.to(blank.get("device", "cpu")).eval()
 
 
 def _serve(conn, threads: int) -> None:
@@ -135,6 +137,7 @@ class RolloutsAhead:
     def __init__(self, cfg, policy, anchor_model, tokenizer, task, encode, chunk: HeadChunk):
         self.cfg, self.k = cfg, int(cfg.rollout.max_staleness)
         self.aligned = anchor_model is not None and cfg.anchor.align == "behaviour"
+        self.device = str(next(policy.parameters()).device)  # where the batches are handed to the trainer
         self._spec = {"cfg": cfg, "policy": _blank(policy), "anchor": _blank(anchor_model) if self.aligned else None,
                       "tokenizer": tokenizer, "task": task, "encode": encode, "chunk": chunk}
         self.in_flight: dict[int, bytes] = {}
@@ -246,7 +249,7 @@ class RolloutsAhead:
             self._raise()
             data = self.in_flight.pop(t)
         self.last_wait_s = time.perf_counter() - t0
-        return _loads(data)
+        return _loads(data, self.device)
 
     def state(self) -> dict[int, bytes]:
         """The batches in flight, each awaited: what a checkpoint saves so that a resume repeats them."""

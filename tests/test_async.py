@@ -216,3 +216,35 @@ def test_weights_larger_than_the_pipes_buffer_flow_both_ways_without_a_deadlock(
         pytest.fail(f"the trainer and the worker blocked each other (nothing moved for {WAIT_S} s)")
     worker.close()
     assert got == [0, 0, 0, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_stops_the_run_with_one_line_and_leaves_no_process(tmp_path):
+    """kill -9 of the rollout worker mid-run: the run exits non-zero naming the worker, records the failure in its
+    folder, keeps its last checkpoint, and leaves no process behind."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+    from test_faults import cli_tiny
+
+    root = Path(__file__).resolve().parent.parent
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "algo.iterations=400", "algo.eval_every=100",
+           "rollout.max_staleness=1", f"run_dir={run}", f"hydra.run.dir={run}"]
+    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer = psutil.Process(p.pid)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any("spawn_main" in " ".join(c.cmdline()) for c in trainer.children()):
+        time.sleep(0.2)
+    workers = [c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline())]
+    assert workers, "no rollout worker started"
+    time.sleep(2)  # a few iterations in
+    workers[0].kill()
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode != 0
+    assert "rollout worker" in out and "died" in out, out[-2000:]
+    assert (run / "failed.json").is_file()
+    assert not psutil.pid_exists(workers[0].pid) or workers[0].status() == psutil.STATUS_ZOMBIE

@@ -116,6 +116,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         raise RunInterrupted(f"stopped by SIGTERM after iteration {module.iteration} of {cfg.algo.iterations}; "
                              "its checkpoint is saved") from None
     finally:
+        module.teardown("fit")  # the rollout worker ends with its run, whatever ended the run (Lightning skips it on errors)
         for lg in trainer.loggers:
             try:
                 lg.finalize("success")

@@ -13,7 +13,8 @@ evaluation only at the start and the end, not timed), ``--iterations`` iteration
 - ``wall_s``: the whole run (start-up, cold start load and the two evaluations included).
 
 Rows: synchronous on all threads (``trainer.num_threads`` = the machine's cores) and on one thread; asynchronous
-with one thread for the trainer and one for the worker (``rollout.worker_threads``). On a 2-core CPU the two
+with one thread for the trainer and one for the worker (``rollout.worker_threads``), at staleness 1 and 2, and at 1
+with the anchor aligned to the behaviour version (the worker then scores the anchor as well). On a 2-core CPU the two
 processes share the cores, so the asynchronous rows trade a thread of the update for overlap.
 
     python benchmarks/async_step.py --out benchmarks/results/async_step_cpu.json
@@ -43,6 +44,9 @@ def rows(cores: int) -> dict[str, list[str]]:
         "sync, 1 thread": ["rollout.max_staleness=0", "trainer.num_threads=1"],
         "staleness 1, 1 + 1 threads": ["rollout.max_staleness=1", "trainer.num_threads=1", "rollout.worker_threads=1"],
         "staleness 2, 1 + 1 threads": ["rollout.max_staleness=2", "trainer.num_threads=1", "rollout.worker_threads=1"],
+        # the anchor's pass moves to the worker too: the trainer only updates
+        "staleness 1, anchor aligned behaviour, 1 + 1 threads": ["rollout.max_staleness=1", "anchor.align=behaviour",
+                                                                 "trainer.num_threads=1", "rollout.worker_threads=1"],
     }
 
 

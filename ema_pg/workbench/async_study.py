@@ -145,16 +145,20 @@ def _figure(runs: pd.DataFrame, table: pd.DataFrame, res: pd.DataFrame, out: Pat
     curves = load_curves(runs)
     fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     colors = {"fixed": "tab:grey", "ema_current": "tab:blue", "ema_behaviour": "tab:orange"}
+    em = curves[curves.metric == "eval/avg/em"].pivot_table(index="step", columns=["arm", "staleness", "seed"],
+                                                             values="value")
+    for ax in axes[1:3]:
+        ax.sharey(axes[0])
     for ax, s in zip(axes[:3], STALENESS):
-        for arm, label in ARMS.items():
-            ids = runs[(runs.arm == arm) & (runs.staleness == s)].run_dir
-            em = curves[(curves.metric == "eval/avg/em") & curves.run_dir.isin(ids)]
-            c = em.groupby("step")["value"].agg(["mean", "std"])
-            ax.plot(c.index, c["mean"], color=colors[arm], label=label)
-            ax.fill_between(c.index, c["mean"] - c["std"], c["mean"] + c["std"], color=colors[arm], alpha=0.15)
+        for arm in ("ema_current", "ema_behaviour"):  # paired by seed: the same cold start and prompt stream
+            d = em[arm][s] - em["fixed"][s]  # (steps, seeds)
+            m, sd = d.mean(axis=1), d.std(axis=1, ddof=1)
+            ax.plot(d.index, m, color=colors[arm], label=f"{ARMS[arm]} - fixed")
+            ax.fill_between(d.index, m - sd, m + sd, color=colors[arm], alpha=0.15)
+        ax.axhline(0, color="black", lw=0.8)
         ax.set_title(f"staleness {s}")
         ax.set_xlabel("RL iteration")
-        ax.set_ylabel("held-out EM (mean ± sd over seeds)")
+        ax.set_ylabel("EMA - fixed, held-out EM (paired; mean ± sd)")
     axes[0].legend(fontsize=8)
     ax = axes[3]
     for arm, off in (("ema_current", -0.05), ("ema_behaviour", 0.05)):

@@ -356,3 +356,31 @@ def test_machine_names_the_cpu_and_the_torch_build():
         model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), None)
         assert model is None or m.startswith(model)
+
+
+def test_table2_transfer_column_reads_each_runs_transfer_evaluation_by_hand(tmp_path):
+    """The Table 2 report's unseen-worlds table: per method the mean own-world and unseen-world avg EM over the
+    runs that have ``evaluations/policy_transfer<N>.json`` (the largest N), and their ratio."""
+    import json
+
+    import pandas as pd
+
+    from ema_pg.workbench.table2 import transfer_markdown, transfer_scores
+
+    def run(name, method, seed, files):
+        d = tmp_path / name
+        (d / "evaluations").mkdir(parents=True)
+        for fname, own, unseen, n in files:
+            (d / "evaluations" / fname).write_text(json.dumps({"avg": own, "transfer": {"avg": unseen,
+                                                                                         "seeds": list(range(n))}}))
+        return {"run": name, "method": method, "seed": seed, "run_dir": str(d)}
+
+    runs = pd.DataFrame([
+        run("a", "GRPO", 1, [("policy_transfer2.json", 0.4, 0.1, 2), ("policy_transfer5.json", 0.4, 0.2, 5)]),
+        run("b", "GRPO", 2, [("policy_transfer5.json", 0.2, 0.1, 5), ("policy_transfer5_task.seed-3.json", 0.9, 0.9, 5)]),
+        run("c", "EMA", 1, []),
+    ])
+    tr = transfer_scores(runs)
+    assert list(tr["run"]) == ["a", "b"] and list(tr["transfer"]) == [0.2, 0.1]  # the largest N; no override files
+    md = "\n".join(transfer_markdown(tr))
+    assert "| GRPO | 0.300 ± 0.141 | 0.150 ± 0.071 | 0.500 | 5 | 2 |" in md and "| EMA |" not in md

@@ -302,3 +302,77 @@ def test_demo_people_are_disjoint_from_rl_prompts_and_the_eval_splits_stay_put()
     assert plain.demo_set == plain.train_set
     with pytest.raises(ValueError, match="demo_people"):
         build_task({**kw, "demo_people": 1.0})
+
+
+def test_mean_results_averages_worlds_split_by_split_by_hand():
+    from ema_pg.engine.evaluate import mean_results
+
+    a = {"splits": {"nq": {"em": 0.5, "n": 4, "diagnostics": {"gold_seen": 1.0, "read_em": None}}}, "avg": 0.5,
+         "metric": "em", "avg_scores": {"em": 0.5}, "avg_diagnostics": {"gold_seen": 1.0}}
+    b = {"splits": {"nq": {"em": 0.0, "n": 4, "diagnostics": {"gold_seen": 0.5, "read_em": 0.25}}}, "avg": 0.0,
+         "metric": "em", "avg_scores": {"em": 0.0}, "avg_diagnostics": {"gold_seen": 0.5}}
+    m = mean_results([a, b])
+    assert m["splits"]["nq"]["em"] == 0.25 and m["splits"]["nq"]["n"] == 8 and m["avg"] == 0.25
+    assert m["splits"]["nq"]["diagnostics"] == {"gold_seen": 0.75, "read_em": 0.25}  # None: not defined there
+    assert m["per_world"] == [0.5, 0.0] and m["avg_diagnostics"] == {"gold_seen": 0.75}
+
+
+def test_evaluate_transfer_builds_the_transfer_worlds_and_refuses_a_task_without_one(tmp_path, capsys):
+    """--transfer N: the policy also on N worlds rebuilt from the fixed transfer seeds (new names and facts), printed
+    apart from the run's own world; a task with no generated world is refused with one line."""
+    import json
+
+    from ema_pg.engine.evaluate import main, transfer_seeds
+    from ema_pg.engine.models import build_tiny_model, save_model_dir, train_bpe_tokenizer
+
+    own = build_task({"name": "search_qa", "seed": 0, "n_people": 40, "n_orgs": 10, "per_split": 3})
+    tok = train_bpe_tokenizer(own.corpus()[:400], vocab_size=400)
+    model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=0,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    folder = save_model_dir(model, tok, tmp_path / "model")
+    main([str(folder), *TRANSFER_OVER, "--transfer", "2", "--out", str(tmp_path / "ev.json")])
+    out = json.loads((tmp_path / "ev.json").read_text())
+    assert out["transfer"]["seeds"] == transfer_seeds(2) and len(out["transfer"]["per_world"]) == 2
+    assert set(out["transfer"]["splits"]) == set(out["splits"])
+    for seed in transfer_seeds(2):  # other names: none of the own world's questions is asked there
+        other = build_task({"name": "search_qa", "seed": seed, "n_people": 40, "n_orgs": 10, "per_split": 3})
+        assert not {p.text for p in other.eval_splits()["nq"]} & {p.text for p in own.eval_splits()["nq"]}
+    assert "worlds it never saw (task seeds 1000000..1000001, mean over 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="task=toy_add has none"):
+        main([str(folder), "task=toy_add", "--transfer", "1"])
+
+
+TRANSFER_OVER = ["task=search_qa", "task.n_people=40", "task.n_orgs=10", "task.per_split=3", "rollout.max_new_tokens=24",
+                 'rollout.stop=["</search>","</answer>"]', "model.tokenizer_vocab=400"]
+
+
+@pytest.mark.slow
+def test_evaluate_transfer_numbers_are_each_worlds_own_evaluation_averaged(tmp_path):
+    """A cold-start policy that searches: --transfer's per-world averages and per-split diagnostics are those of
+    evaluating each transfer world directly, and its average is their mean."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from ema_pg.config import compose
+    from ema_pg.engine.evaluate import evaluate_policy, main, transfer_seeds
+    from ema_pg.engine.policy import build_policy
+    from ema_pg.prompts import PromptEncoder
+    from ema_pg.rollout import build_sampler
+
+    over = [*TRANSFER_OVER, "sft.steps=150", f"sft.cache_dir={tmp_path / 'cache'}"]
+    main(["base", *over, "--transfer", "2", "--out", str(tmp_path / "ev.json")])
+    out = json.loads((tmp_path / "ev.json").read_text())["transfer"]
+    cfg = compose(over)
+    model, tok = build_policy(cfg, build_task(cfg.task))  # the same cold start, from its cache
+    direct = []
+    for seed in transfer_seeds(2):
+        other = build_task({**OmegaConf.to_container(cfg.task), "seed": seed})
+        direct.append(evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), other, cfg.rollout, progress=False,
+                                      encode=PromptEncoder(tok, cfg.task.chat_template)))
+    assert out["per_world"] == [d["avg"] for d in direct]
+    assert out["avg_diagnostics"]["searches"] > 0  # it searches: the numbers compared are not all 0
+    for split in direct[0]["splits"]:
+        for key in ("searches", "recalled"):
+            assert out["splits"][split]["diagnostics"][key] == pytest.approx(
+                sum(d["splits"][split]["diagnostics"][key] for d in direct) / 2), (split, key)

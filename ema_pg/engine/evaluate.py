@@ -219,9 +219,46 @@ def format_table(result: dict) -> str:
     return "\n".join([head, sep, *rows])
 
 
-def eval_label(which: str, baseline: str, overrides) -> str:
-    """The file name of a run's evaluation (never the run's own eval.json, its record of the final result)."""
-    return "_".join([which] + ([baseline] if baseline != "none" else [])
+#: the task seeds of the worlds ``--transfer`` evaluates on: the same for every run, so that runs compare paired, and
+#: far from any seed a run trains in (a run whose ``task.seed`` is one of them is refused)
+TRANSFER_SEED0 = 1_000_000
+
+
+def transfer_seeds(n: int) -> list[int]:
+    return [TRANSFER_SEED0 + i for i in range(n)]
+
+
+def mean_results(results: list[dict]) -> dict:
+    """Evaluations of several worlds as one: every per-split score, ``avg``, ``avg_scores`` and diagnostic is the mean
+    over the worlds (a diagnostic over those where it is defined); ``n`` is summed. The worlds' own ``avg`` are kept
+    under ``per_world``."""
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else None
+
+    first = results[0]
+    splits = {}
+    for name, sp in first["splits"].items():
+        each = [r["splits"][name] for r in results]
+        row = {k: (sum(e[k] for e in each) if k == "n" else mean([e.get(k) for e in each]))
+               for k, v in sp.items() if isinstance(v, (int, float))}
+        diags = {k for e in each for k in e.get("diagnostics", {})}
+        if diags:
+            row["diagnostics"] = {k: mean([e.get("diagnostics", {}).get(k) for e in each]) for k in sorted(diags)}
+        splits[name] = row
+    out = {"splits": splits, "avg": mean([r["avg"] for r in results]), "metric": first.get("metric", "em"),
+           "avg_scores": {k: mean([r["avg_scores"][k] for r in results]) for k in first.get("avg_scores", {})},
+           "per_world": [r["avg"] for r in results]}
+    if any("avg_diagnostics" in r for r in results):
+        keys = {k for r in results for k in r.get("avg_diagnostics", {})}
+        out["avg_diagnostics"] = {k: mean([r.get("avg_diagnostics", {}).get(k) for r in results]) for k in sorted(keys)}
+    return out
+
+
+def eval_label(which: str, baseline: str, overrides, transfer: int = 0) -> str:
+    """The file name of a run's evaluation (never the run's own eval.json, its record of the final result);
+    ``transferN`` when it holds N transfer worlds (the Table 2 report reads those)."""
+    return "_".join([which] + ([baseline] if baseline != "none" else []) + ([f"transfer{transfer}"] if transfer else [])
                     + [o.replace("/", "-").replace("=", "-") for o in overrides])
 
 
@@ -266,13 +303,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="of a run folder: the last checkpoint's policy or EMA anchor, or the initial policy")
     ap.add_argument("--initial", action="store_const", const="initial", dest="which", help="= --which initial")
     ap.add_argument("--show", type=int, default=0, help="print this many sample rollouts per split")
+    ap.add_argument("--transfer", type=int, default=0, metavar="N",
+                    help="also score the policy on N worlds it never saw (search tasks with the synthetic world: the "
+                         "world rebuilt from other seeds, the same N for every run; under 'transfer', not in avg): "
+                         "held-out EM there next to its own world's tells reading from recalling")
     ap.add_argument("--train", type=int, default=0, metavar="N",
                     help="also score N distinct prompts of the RL training distribution (kept apart from the eval "
                          "splits and their avg, under 'train'): a gain there that the eval splits do not share is "
                          "specific to what RL trained on, not a skill")
     a = ap.parse_args(argv)
-    if a.train < 0:
-        raise SystemExit(f"--train {a.train}: give a number of training prompts >= 0")
+    if a.train < 0 or a.transfer < 0:
+        raise SystemExit(f"--train {a.train} / --transfer {a.transfer}: give numbers >= 0")
     target = Path(a.target)
     is_run = (target / "config.yaml").is_file()
     if a.target != "base" and not is_run and not (target / "config.json").is_file():
@@ -286,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"config error: {e}") from None
     iteration, live = None, False
     if is_run:
-        out = Path(a.out) if a.out else target / "evaluations" / f"{eval_label(a.which, a.baseline, a.overrides)}.json"
+        out = Path(a.out) if a.out else target / "evaluations" / f"{eval_label(a.which, a.baseline, a.overrides, a.transfer)}.json"
         iteration = None if a.which == "initial" else checkpoint_iteration(target)
         live = run_is_live(target)
         if live:
@@ -307,6 +348,12 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"evaluate: {e}") from None
     task = build_task(cfg.task)
+    if a.transfer and getattr(task, "world", None) is None:
+        raise SystemExit(f"--transfer scores the policy on other generated worlds; task={cfg.task.name} has none (the "
+                         "synthetic search world has: task=search_qa without task.data_dir)")
+    if a.transfer and cfg.task.seed in transfer_seeds(a.transfer):
+        raise SystemExit(f"--transfer: the run's own world is task.seed={cfg.task.seed}, one of the transfer worlds "
+                         f"({TRANSFER_SEED0}..); train on another task.seed")
     splits = None
     if a.baseline != "none":
         splits = {k: task.baseline_prompts(v, a.baseline) for k, v in task.eval_splits().items()}
@@ -325,6 +372,20 @@ def main(argv: list[str] | None = None) -> None:
             prompts = task.baseline_prompts(prompts, a.baseline)
         result["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
                                           desc="train", encode=encode)["splits"]["train"]
+    if a.transfer:  # the same questions' shapes, in worlds of other names and facts
+        from omegaconf import open_dict
+
+        each = []
+        for seed in transfer_seeds(a.transfer):
+            tc = cfg.task.copy()
+            with open_dict(tc):
+                tc.seed = seed
+            other = build_task(tc)
+            sp = None if a.baseline == "none" else {k: other.baseline_prompts(v, a.baseline)
+                                                    for k, v in other.eval_splits().items()}
+            each.append(evaluate_policy(model, sampler, other, cfg.rollout, splits=sp, desc=f"world {seed}",
+                                        encode=encode))
+        result["transfer"] = {**mean_results(each), "seeds": transfer_seeds(a.transfer)}
     result.update(baseline=a.baseline, which=a.which, overrides=list(a.overrides))
     if is_run:  # which checkpoint was read: the final policy and a live run's snapshot are told apart
         result.update(iteration=iteration, run_live=live)
@@ -341,6 +402,10 @@ def main(argv: list[str] | None = None) -> None:
         train = {"splits": {"train": t}, "avg": t[result["metric"]], "metric": result["metric"],
                  "avg_diagnostics": t.get("diagnostics", {})}
         print(f"\ntraining questions ({t['n']} distinct; not in avg):\n" + format_table(train))
+    if "transfer" in result:
+        t = result["transfer"]
+        print(f"\nworlds it never saw (task seeds {t['seeds'][0]}..{t['seeds'][-1]}, mean over {len(t['seeds'])}; not in "
+              f"avg; own world {result['avg']:.3f}):\n" + format_table(t))
     print(f"wrote {out}")
 
 

@@ -226,6 +226,39 @@ def answer_sources_markdown(src: pd.DataFrame) -> list[str]:
     return md + [""]
 
 
+def transfer_scores(runs: pd.DataFrame) -> pd.DataFrame:
+    """Held-out avg EM of each run's final policy on its own world and on worlds it never saw, from the run's
+    ``evaluations/policy_transfer<N>.json`` (``python -m ema_pg.evaluate RUN --transfer N``; the largest N if
+    several): one row per run that has one (run, method, seed, own, transfer, worlds)."""
+    rows = []
+    for r in runs.itertuples():
+        found = {int(n): f for f in Path(r.run_dir).glob("evaluations/policy_transfer*.json")
+                 if (n := f.stem.removeprefix("policy_transfer")).isdigit()}  # not those with overrides in the name
+        if found:
+            ev = json.loads(found[max(found)].read_text())
+            rows.append({"run": r.run, "method": r.method, "seed": r.seed, "own": ev["avg"],
+                         "transfer": ev["transfer"]["avg"], "worlds": len(ev["transfer"]["seeds"])})
+    return pd.DataFrame(rows, columns=["run", "method", "seed", "own", "transfer", "worlds"])
+
+
+def transfer_markdown(tr: pd.DataFrame) -> list[str]:
+    """The transfer column: per method, held-out avg EM on its own world and on unseen worlds, and their ratio
+    (the paired ratio of the means over seeds)."""
+    if not len(tr):
+        return []
+    md = ["## Worlds never seen in training", "",
+          "Held-out avg EM of the final policy on its own world and on worlds built from other seeds (other names and "
+          "facts; the same worlds for every run: `python -m ema_pg.evaluate RUN --transfer N`), mean ± std over seeds. "
+          "A policy that reads scores alike on both; one that recalls its world's facts does not.", "",
+          "| Method | own world | unseen worlds | unseen / own | worlds | seeds |", "|---|---:|---:|---:|---:|---:|"]
+    for m, g in tr.groupby("method", sort=False):
+        ratio = g["transfer"].mean() / g["own"].mean() if g["own"].mean() > 0 else np.nan
+        md.append(f"| {m} | {fmt(g['own'].mean(), g['own'].std(), len(g))} | "
+                  f"{fmt(g['transfer'].mean(), g['transfer'].std(), len(g))} | {_num(ratio)} | {int(g['worlds'].max())} | "
+                  f"{len(g)} |")
+    return md + [""]
+
+
 def _num(x: float) -> str:
     return "—" if np.isnan(x) else f"{x:.3f}"
 
@@ -321,6 +354,10 @@ def main(argv=None) -> dict:
                "run's measurements, `monitor.grad_ratio_every`; mean [min, max] over seeds): "
                + "; ".join(f"{m} {r['mean']:.3g} [{r['min']:.3g}, {r['max']:.3g}]"
                            for m, r in ratio.reindex([m for m in METHODS if m in ratio.index]).iterrows()) + "."]
+    tr = transfer_scores(runs)
+    if len(tr):
+        tr.to_csv(out / "transfer.csv", index=False)
+    md += ["", *transfer_markdown(tr)]
     src = answer_sources(scores)
     src.to_csv(out / "answer_sources.csv", index=False)
     md += ["", *answer_sources_markdown(src)]

@@ -428,8 +428,10 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     t1 = time.perf_counter()
 
     # 2. pi_old, the anchor and the index set (Alg 3, lines 6-11); shaped rewards; advantages
-    scores = sampled.scores if sampled is not None and sampled.scores is not None else scorer(policy, anchor_model,
-                                                                                               rollouts)
+    if sampled is not None and sampled.scores is not None:  # scored by the worker: the anchor of the behaviour version
+        scores = sampled.scores
+    else:
+        scores = scorer(policy, anchor_model, rollouts)
     old, anchor = scores.old, scores.anchor
     t2 = time.perf_counter()
     rewards, shaped = shape_rewards(rewards, rollouts, old, anchor, algo, rollout)

@@ -113,7 +113,7 @@ def _serve(conn, threads: int) -> None:
                 out = sample_ahead(t, version, policy=policy, anchor_model=anchor, task=spec["task"], sampler=sampler,
                                    estimator=estimator, algo=cfg.algo, rollout=cfg.rollout, seed=cfg.seed,
                                    chunk=spec["chunk"], encode=spec["encode"])
-                conn.send_bytes(_dumps(("batch", t, out)))
+                conn.send_bytes(_dumps(("batch", t, _dumps(out))))  # the batch stays bytes until the trainer takes it
     except Exception:  # noqa: BLE001 - reported to the trainer, which stops with it
         try:
             conn.send_bytes(_dumps(("error", traceback.format_exc())))
@@ -148,6 +148,7 @@ class RolloutsAhead:
         self._cond = threading.Condition()
         self._outbox: queue.Queue = queue.Queue()
         self._failure: RolloutWorkerError | None = None
+        self._ready = self._closing = False  # the worker has built its models; close() has begun
         self._threads: list[threading.Thread] = []
 
     def version_of(self, t: int) -> int:
@@ -170,8 +171,6 @@ class RolloutsAhead:
         with self._cond:  # "ready": the models are built
             self._cond.wait_for(lambda: self._ready or self._failure is not None)
         self._raise()
-
-    _ready = False
 
     def _send(self, obj) -> None:
         """Queue a message (serialized now: a snapshot of whatever tensors it holds)."""
@@ -203,9 +202,9 @@ class RolloutsAhead:
                 elif kind == "ready":
                     self._ready = True
                 else:
-                    t, out = rest
+                    t, data = rest
                     self.asked.discard(t)
-                    self.in_flight[t] = _dumps(out)
+                    self.in_flight[t] = data
                 self._cond.notify_all()
             if kind == "error":
                 return
@@ -215,8 +214,6 @@ class RolloutsAhead:
             if self._failure is None and not self._closing:
                 self._failure = RolloutWorkerError(message)
             self._cond.notify_all()
-
-    _closing = False
 
     def _raise(self) -> None:
         if self._failure is not None:

@@ -325,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         validate(cfg)  # the overrides are checked as a run's are, before anything is loaded or evaluated
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"config error: {e}") from None
+    if cfg.trainer.num_threads:  # as a run does (an evaluation beside a run: trainer.num_threads=1)
+        torch.set_num_threads(cfg.trainer.num_threads)
     iteration, live = None, False
     if is_run:
         out = Path(a.out) if a.out else target / "evaluations" / f"{eval_label(a.which, a.baseline, a.overrides, a.transfer)}.json"
@@ -348,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"evaluate: {e}") from None
     task = build_task(cfg.task)
-    if a.transfer and getattr(task, "world", None) is None:
+    if a.transfer and not getattr(task, "generated", False):
         raise SystemExit(f"--transfer scores the policy on other generated worlds; task={cfg.task.name} has none (the "
                          "synthetic search world has: task=search_qa without task.data_dir)")
     if a.transfer and cfg.task.seed in transfer_seeds(a.transfer):

@@ -24,10 +24,11 @@ from __future__ import annotations
 import random
 import re
 import string
+from functools import lru_cache
 
 from ..base import Prompt, Task
 from .retriever import BM25Retriever, HTTPRetriever
-from .world import build_world, comparison_question, questions
+from .world import WORLDS, World, build_world, comparison_question, episode_question, episode_world, questions
 
 SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -86,8 +87,23 @@ def format_passages(docs: list[dict]) -> str:
     return f"\n\n<information>{ref.strip()}</information>\n\n"
 
 
+CORPUS_EPISODES = 60  #: episode worlds per question shape in the tokenizer's corpus (task.world=episode)
+
+
+@lru_cache(maxsize=4096)
+def _episode_world(key: str, people: int) -> World:
+    return episode_world(key, people)
+
+
+@lru_cache(maxsize=4096)
+def _episode_index(key: str, people: int) -> BM25Retriever:
+    """One episode world's passages, indexed (about 1 ms)."""
+    return BM25Retriever(_episode_world(key, people).docs)
+
+
 class SearchQATask(Task):
-    """``task=search_qa``: the synthetic world by default, Search-R1 parquet files with ``data_dir``."""
+    """``task=search_qa``: the synthetic world by default (one per ``task.seed``, or with ``task.world=episode`` a
+    fresh one for every question, each with its own BM25 corpus), Search-R1 parquet files with ``data_dir``."""
 
     name = "search_qa"
     format_version = 2  #: the observation layout of its demonstrations (2: Search-R1's); part of the cold-start key
@@ -95,7 +111,20 @@ class SearchQATask(Task):
     def __init__(self, *, seed: int, topk: int, max_turns: int, per_split: int, retriever: str,
                  retriever_url: str | None, retriever_timeout: float, retriever_retries: int, data_dir: str | None,
                  n_people: int, n_orgs: int, prompt_template: str, multihop_demos: float, demo_people: float,
-                 comparison_demos: float):
+                 comparison_demos: float, world: str, episode_people: int):
+        if world not in WORLDS:
+            raise ValueError(f"task.world={world!r}; choose one of {', '.join(WORLDS)}")
+        if world == "episode":
+            problems = [(data_dir, "task.data_dir reads Search-R1 data, whose questions share one corpus; unset it"),
+                        (retriever != "bm25", "task.retriever=http searches one server's corpus, but each question "
+                                              "has its own; use task.retriever=bm25"),
+                        (demo_people, f"task.demo_people={demo_people}: the demonstrations' worlds are apart from "
+                                      "RL's already; set task.demo_people=0"),
+                        (episode_people < 4, f"task.episode_people={episode_people}: a question's world needs at "
+                                             "least 4 people")]
+            for bad, problem in problems:
+                if bad:
+                    raise ValueError(f"task.world=episode draws a fresh world for every question: {problem}")
         if data_dir:  # every knob of the synthetic world's cold start at once, with the fix
             synthetic = {k: v for k, v in (("task.multihop_demos", multihop_demos), ("task.demo_people", demo_people),
                                            ("task.comparison_demos", comparison_demos)) if v}
@@ -123,6 +152,7 @@ class SearchQATask(Task):
         self.seed, self.topk, self.max_turns, self.template = seed, topk, max_turns, prompt_template
         self.multihop_demos, self.demo_people, self.comparison_demos = multihop_demos, demo_people, comparison_demos
         self.data_dir = data_dir
+        self.episodic, self.episode_people = world == "episode", episode_people
         if retriever not in ("bm25", "http"):
             raise ValueError(f"task.retriever={retriever!r}; choose bm25 or http")
         if retriever == "bm25" and data_dir:
@@ -131,6 +161,12 @@ class SearchQATask(Task):
                              "python -m ema_pg.tasks.search.serve --corpus FILE serves a corpus file with BM25)")
         if retriever == "http" and not retriever_url:
             raise ValueError("task.retriever=http needs task.retriever_url, e.g. http://127.0.0.1:8000/retrieve")
+        if self.episodic:  # prompts are drawn on demand (a stream of worlds), the eval splits once
+            self.world = None
+            self.train_set = self.demo_set = None
+            self.eval_sets = {s: [self._episode(s, i) for i in range(per_split)] for s in SPLITS}
+            self.retriever = None
+            return
         if data_dir:
             from .data import load_search_r1
 
@@ -150,12 +186,40 @@ class SearchQATask(Task):
             else BM25Retriever(docs)
         self.retriever.check()  # a server that is down or speaks another protocol is named now, before any model
 
-    def _prompt(self, question: str, answers: list[str], split: str, hops: int = 1) -> Prompt:
+    def _prompt(self, question: str, answers: list[str], split: str, hops: int = 1, **meta) -> Prompt:
         return Prompt(text=self.template.format(question=question), answer=answers[0],
-                      meta={"answers": list(answers), "split": split, "hops": hops, "question": question})
+                      meta={"answers": list(answers), "split": split, "hops": hops, "question": question, **meta})
+
+    @property
+    def generated(self) -> bool:
+        """The worlds are generated from ``task.seed`` (not read from ``task.data_dir``)."""
+        return not self.data_dir
+
+    def _episode(self, split: str, *index, shape: str | None = None) -> Prompt:
+        """The prompt of one episode world, named by the task seed, the split and ``index``, asking the
+        question of ``shape`` (the split's own by default); ``meta["world"]`` holds the name, from which every
+        process rebuilds the world and its corpus."""
+        key = ":".join(map(str, (self.seed, split, *index)))
+        q = episode_question(_episode_world(key, self.episode_people), key, shape or split)
+        return self._prompt(q.question, q.answers, split, q.hops, world=key, entities=q.entities)
+
+    def world_of(self, prompt: Prompt) -> World:
+        """The world a prompt's question is about."""
+        key = prompt.meta.get("world")
+        return self.world if key is None else _episode_world(key, self.episode_people)
+
+    def retrieve(self, prompts: list[Prompt], queries: list[str]) -> list[list[dict]]:
+        """Per query, the top-``topk`` passages of the corpus its prompt's question is asked in: one batched
+        request to the task's retriever, or each episode world's own BM25 index."""
+        if not self.episodic:
+            return self.retriever.retrieve(queries, self.topk)
+        return [_episode_index(p.meta["world"], self.episode_people).retrieve([q], self.topk)[0]
+                for p, q in zip(prompts, queries)]
 
     # ------------------------------------------------------------------ Task protocol
     def sample(self, n: int, seed: int) -> list[Prompt]:
+        if self.episodic:  # a fresh world for every prompt: a question is never asked twice
+            return [self._episode("train", seed, j) for j in range(n)]
         rng = random.Random(f"search-train-{self.seed}-{seed}")
         return [rng.choice(self.train_set) for _ in range(n)]
 
@@ -189,7 +253,8 @@ class SearchQATask(Task):
                 else:
                     out[j] = INVALID
             if searches:  # one request for every row that searched in this turn
-                for (j, _), docs in zip(searches, self.retriever.retrieve([q for _, q in searches], self.topk)):
+                asked = [prompts[rows[j] // n] for j, _ in searches]
+                for (j, _), docs in zip(searches, self.retrieve(asked, [q for _, q in searches])):
                     out[j] = format_passages(docs)
             return out
 
@@ -198,6 +263,10 @@ class SearchQATask(Task):
     def corpus(self) -> list[str]:
         """Text for the tokenizer: passages, questions and the action format."""
         fmt = "<search> </search> <information>Doc 1(Title: ) </information> <answer> </answer>" + INVALID
+        if self.episodic:  # worlds of their own, drawn like RL's: the tokenizer learns the names' syllables
+            ps = [self._episode(s, "corpus", i) for i in range(CORPUS_EPISODES) for s in ("train", *SPLITS)]
+            docs = [f"{t} {x}" for p in ps for t, x in self.world_of(p).docs]
+            return docs + [p.text for p in ps] + [fmt] * 50
         docs = [] if self.world is None else [f"{t} {x}" for t, x in self.world.docs]
         demo = [] if self.demo_set is self.train_set else [p.text for p in self.demo_set]
         qs = [p.text for p in self.train_set] + demo + [p.text for v in self.eval_sets.values() for p in v]
@@ -220,18 +289,20 @@ class SearchQATask(Task):
         demonstrated, so the cold start never teaches answering from memory.
         ``<information>`` spans are masked out of the SFT loss.
         """
-        if self.world is None:
+        if not self.generated:
             raise ValueError(f"task.data_dir={self.data_dir!r}: Search-R1 data holds no demonstrations, so there is no "
                              "cold start; start from a base model as Search-R1 does: model=local model.path=DIR sft.steps=0 "
                              "(experiment=search_r1 sets sft.steps=0)")
         rng = random.Random(f"search-demo-{self.seed}-{seed}")
-        singles = [p for p in self.demo_set if p.meta["hops"] == 1]
-        bridges = [p for p in self.demo_set if p.meta["hops"] == 2]
-        if self.multihop_demos > 0 and not bridges:
-            raise ValueError(f"task.multihop_demos={self.multihop_demos} needs the synthetic world's bridge questions "
-                             "(their intermediate city is known); with task.data_dir set task.multihop_demos=0")
-        retrieve = lambda q: format_passages(self.retriever.retrieve([q], self.topk)[0])
-        people = sorted({question_entity(p.meta["question"]) for p in self.demo_set}) if self.comparison_demos else []
+        if self.episodic:  # every demonstration in a world of its own, none of them RL's or the eval's
+            singles = bridges = people = None
+        else:
+            singles = [p for p in self.demo_set if p.meta["hops"] == 1]
+            bridges = [p for p in self.demo_set if p.meta["hops"] == 2]
+            if self.multihop_demos > 0 and not bridges:
+                raise ValueError(f"task.multihop_demos={self.multihop_demos} needs the synthetic world's bridge questions "
+                                 "(their intermediate city is known); with task.data_dir set task.multihop_demos=0")
+            people = sorted({question_entity(p.meta["question"]) for p in self.demo_set}) if self.comparison_demos else []
         out, tries = [], 0
         while len(out) < n:  # only trajectories whose passages hold what is answered: reading, never recall
             tries += 1
@@ -239,34 +310,49 @@ class SearchQATask(Task):
                 raise ValueError(f"only {len(out)} of {n} demonstrations found their answer in the top-{self.topk} "
                                  "passages; raise task.topk")
             u = rng.random()
-            if u >= 1.0 - self.comparison_demos:  # (the top of [0, 1): the other draws stay as they were)
-                a, b = rng.sample(people, 2)
-                ya, yb = self.world.people[a].year, self.world.people[b].year
-                first, second = retrieve(a), retrieve(b)
-                if ya != yb and self._states_birth(a, first) and self._states_birth(b, second):
-                    question = self.template.format(question=comparison_question(a, b))
-                    out.append((question, f"<search> {a} </search>{first}<search> {b} </search>{second}"
-                                          f"<answer> {a if ya < yb else b} </answer>"))
-            elif u < self.multihop_demos:
-                p = rng.choice(bridges)
-                person = question_entity(p.meta["question"])
-                city = self.world.people[person].city
-                first, second = retrieve(person), retrieve(city)
-                if city in first and p.answer in second:
-                    out.append((p.text, f"<search> {person} </search>{first}<search> {city} </search>{second}"
-                                        f"<answer> {p.answer} </answer>"))
+            shape = "2wiki" if u >= 1.0 - self.comparison_demos else "bridge" if u < self.multihop_demos else "birthplace"
+            if self.episodic:  # (the top of [0, 1) compares: the other draws stay as they were without it)
+                p = self._episode("demo", seed, tries, shape=shape)
+            elif shape == "2wiki":
+                x, y = rng.sample(people, 2)
+                p = self._prompt(comparison_question(x, y), [x], "demo", 2, entities=[x, y])
             else:
-                p = rng.choice(singles)
-                entity = question_entity(p.meta["question"])
-                obs = retrieve(entity)
-                if p.answer in obs:
-                    out.append((p.text, f"<search> {entity} </search>{obs}<answer> {p.answer} </answer>"))
+                p = rng.choice(bridges if shape == "bridge" else singles)
+            demo = self._demonstrate(p, shape)
+            if demo:
+                out.append(demo)
         return out
 
-    def _states_birth(self, person: str, observation: str) -> bool:
+    def _demonstrate(self, p: Prompt, shape: str) -> tuple[str, str] | None:
+        """The trajectory that answers ``p`` by reading, or None when the passages do not hold what it needs."""
+        w = self.world_of(p)
+        retrieve = lambda q: format_passages(self.retrieve([p], [q])[0])
+        if shape == "2wiki":
+            a, b = p.meta["entities"]
+            ya, yb = w.people[a].year, w.people[b].year
+            first, second = retrieve(a), retrieve(b)
+            if ya != yb and self._states_birth(w, a, first) and self._states_birth(w, b, second):
+                return (self.template.format(question=comparison_question(a, b)),
+                        f"<search> {a} </search>{first}<search> {b} </search>{second}<answer> {a if ya < yb else b} </answer>")
+        elif shape == "bridge":
+            person = question_entity(p.meta["question"])
+            city = w.people[person].city
+            first, second = retrieve(person), retrieve(city)
+            if city in first and p.answer in second:
+                return (p.text, f"<search> {person} </search>{first}<search> {city} </search>{second}"
+                                f"<answer> {p.answer} </answer>")
+        else:
+            entity = question_entity(p.meta["question"])
+            obs = retrieve(entity)
+            if p.answer in obs:
+                return p.text, f"<search> {entity} </search>{obs}<answer> {p.answer} </answer>"
+        return None
+
+    @staticmethod
+    def _states_birth(w: World, person: str, observation: str) -> bool:
         """The passages hold ``person``'s own birth record (their city and year in one passage titled with
         their name), not only a distractor that happens to share the year."""
-        p = self.world.people[person]
+        p = w.people[person]
         return any(f"(Title: {person})" in line and p.city in line and str(p.year) in line
                    for line in observation.splitlines())
 
@@ -296,7 +382,7 @@ class SearchQATask(Task):
         """
         if mode not in ("cot", "rag"):
             raise ValueError(f"unknown baseline {mode!r}; choose cot or rag")
-        docs = self.retriever.retrieve([p.meta["question"] for p in prompts], self.topk) if mode == "rag" else []
+        docs = self.retrieve(prompts, [p.meta["question"] for p in prompts]) if mode == "rag" else []
         out = []
         for j, p in enumerate(prompts):
             prefix = "<answer>" if mode == "cot" else \

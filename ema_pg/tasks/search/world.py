@@ -23,6 +23,13 @@ Training questions come from the nq and hotpotqa analogues, on people disjoint f
 ``demo_frac`` > 0 the training people are split once more: the cold start's demonstrations ask about
 one part ("demo"), RL's prompts about the other ("train"), so an RL reward can only be earned by
 reading the passages, never by recalling a fact the demonstrations taught.
+
+A fixed world is learned by a policy that trains on it: RL's reward then mixes reading with recall of
+the world's facts. ``task.world=episode`` (:func:`episode_world`, :func:`episode_question`) asks every
+question in a small world of its own, drawn from the question's name (task seed, split, index): new
+people, places and organizations, new facts, and a corpus of that world's passages and distractors.
+Nothing learned about one world answers another's question, so the only way to a reward is to search
+and read. The seven splits keep their shapes.
 """
 
 from __future__ import annotations
@@ -124,6 +131,36 @@ def comparison_question(a: str, b: str) -> str:
     return f"Who was born first, {a} or {b}?"
 
 
+PARAPHRASES = ["{p} was born in which city?", "What is the birthplace of {p}?", "Which city is {p} from?"]
+
+
+def birthplace_question(w: World, person: str, template: str = "Where was {p} born?") -> Question:
+    return Question(template.format(p=person), [w.people[person].city], "", 1, [person])
+
+
+def bridge_question(w: World, person: str) -> Question:
+    return Question(f"In which country was {person} born?", [w.city_country[w.people[person].city]], "", 2, [person])
+
+
+def founder_question(w: World, org: str) -> Question:
+    return Question(f"Who founded {org}?", [w.orgs[org].founder], "", 1, [org])
+
+
+def born_first_question(w: World, a: str, b: str) -> Question:
+    """Two people of different birth years; the answer is whoever was born first."""
+    first = a if w.people[a].year < w.people[b].year else b
+    return Question(comparison_question(a, b), [first], "", 2, [a, b])
+
+
+def founder_country_question(w: World, org: str) -> Question:
+    return Question(f"In which country was the founder of {org} born?",
+                    [w.city_country[w.people[w.orgs[org].founder].city]], "", 3, [org])
+
+
+def headquarters_question(w: World, org: str) -> Question:
+    return Question(f"In which country is {org} headquartered?", [w.city_country[w.orgs[org].city]], "", 2, [org])
+
+
 def _people_split(w: World, popular: bool, rng: random.Random) -> tuple[list[str], list[str]]:
     xs = sorted(n for n, p in w.people.items() if p.popular == popular)
     rng.shuffle(xs)
@@ -142,45 +179,88 @@ def questions(w: World, seed: int = 0, per_split: int = 100, demo_frac: float = 
     if demo_frac > 0:  # the last share of each group goes to the demonstrations
         demo_people = set(pop_train[round(len(pop_train) * (1 - demo_frac)):]
                           + tail_train[round(len(tail_train) * (1 - demo_frac)):])
-    country = lambda city: w.city_country[city]
     P = w.people
-
-    def birthplace(n, tmpl="Where was {p} born?"):
-        return Question(tmpl.format(p=n), [P[n].city], "", 1, [n])
-
-    def bridge(n):
-        return Question(f"In which country was {n} born?", [country(P[n].city)], "", 2, [n])
-
-    para = ["{p} was born in which city?", "What is the birthplace of {p}?", "Which city is {p} from?"]
     out: dict[str, list[Question]] = {}
-    train = [birthplace(n) for n in pop_train + tail_train] + [bridge(n) for n in pop_train + tail_train]
+    train = [birthplace_question(w, n) for n in pop_train + tail_train] + \
+        [bridge_question(w, n) for n in pop_train + tail_train]
     rng.shuffle(train)  # (before the split: the eval draws below are the same with or without it)
     out["train"] = [q for q in train if q.entities[0] not in demo_people]
     if demo_people:
         out["demo"] = [q for q in train if q.entities[0] in demo_people]
     pick = lambda xs, k: rng.sample(xs, min(k, len(xs)))
-    out["nq"] = [birthplace(n) for n in pick(pop_eval, per_split)]
-    out["triviaqa"] = [birthplace(n, rng.choice(para)) for n in pick(pop_eval, per_split)]
+    out["nq"] = [birthplace_question(w, n) for n in pick(pop_eval, per_split)]
+    out["triviaqa"] = [birthplace_question(w, n, rng.choice(PARAPHRASES)) for n in pick(pop_eval, per_split)]
     public_orgs = sorted(o for o, v in w.orgs.items() if not v.heldout)
-    pq = [birthplace(n) for n in pick(tail_eval, per_split // 2)]
-    pq += [Question(f"Who founded {o}?", [w.orgs[o].founder], "", 1, [o]) for o in pick(public_orgs, per_split - len(pq))]
+    pq = [birthplace_question(w, n) for n in pick(tail_eval, per_split // 2)]
+    pq += [founder_question(w, o) for o in pick(public_orgs, per_split - len(pq))]
     out["popqa"] = pq
-    out["hotpotqa"] = [bridge(n) for n in pick(pop_eval + tail_eval, per_split)]
+    out["hotpotqa"] = [bridge_question(w, n) for n in pick(pop_eval + tail_eval, per_split)]
     comp = []
     pool = pop_eval + tail_eval
     while len(comp) < per_split:
         a, b = rng.sample(pool, 2)
         if P[a].year != P[b].year:
-            first = a if P[a].year < P[b].year else b
-            comp.append(Question(comparison_question(a, b), [first], "", 2, [a, b]))
+            comp.append(born_first_question(w, a, b))
     out["2wiki"] = comp
-    out["musique"] = [Question(f"In which country was the founder of {o} born?", [country(P[w.orgs[o].founder].city)],
-                               "", 3, [o]) for o in pick(public_orgs, per_split)]
+    out["musique"] = [founder_country_question(w, o) for o in pick(public_orgs, per_split)]
     held = sorted(o for o, v in w.orgs.items() if v.heldout)
-    out["bamboogle"] = [Question(f"In which country is {o} headquartered?", [country(w.orgs[o].city)], "", 2, [o])
-                        for o in pick(held, per_split)]
+    out["bamboogle"] = [headquarters_question(w, o) for o in pick(held, per_split)]
     out.setdefault("demo", out["train"])
     for name, qs in out.items():
         for q in qs:
             q.split = q.split or name
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# task.world=episode: a world of its own for every question
+
+WORLDS = ("fixed", "episode")  #: ``task.world``: one world per task seed, or a fresh world for every question
+
+
+def episode_world(key: str, people: int) -> World:
+    """The small world of one question: ``people`` people (half of them popular, with two passages), half as
+    many cities in three countries, three organizations and as many distractor passages as people. Names and
+    facts are drawn from ``key`` alone, so any process rebuilds the same world, and no two questions share
+    their facts: nothing learned about one world answers another's question."""
+    return build_world(key, n_people=people, n_cities=max(3, people // 2), n_countries=3, n_orgs=3,
+                       popular_frac=0.5, heldout_orgs=0.0, distractors=people)
+
+
+def episode_question(w: World, key: str, split: str) -> Question:
+    """The question of the world ``w`` (built from ``key``) for ``split``: the seven eval splits' shapes as in
+    :func:`questions`; "train" and "demo" ask a birthplace or a bridge (country of birth), half each;
+    "birthplace" and "bridge" ask one of the two (the cold start's demonstrations).
+    Every organization is new to the policy, so ``bamboogle`` keeps its meaning: a question shape training
+    never asks, about an organization no training question mentions."""
+    rng = random.Random(f"episode-question-{key}")
+    people = sorted(w.people)
+    popular = [n for n in people if w.people[n].popular]
+    tail = [n for n in people if not w.people[n].popular]
+    orgs = sorted(w.orgs)
+    if split in ("train", "demo"):
+        q = (birthplace_question if rng.random() < 0.5 else bridge_question)(w, rng.choice(people))
+    elif split == "birthplace":
+        q = birthplace_question(w, rng.choice(people))
+    elif split in ("hotpotqa", "bridge"):
+        q = bridge_question(w, rng.choice(people))
+    elif split == "nq":
+        q = birthplace_question(w, rng.choice(popular))
+    elif split == "triviaqa":
+        q = birthplace_question(w, rng.choice(popular), rng.choice(PARAPHRASES))
+    elif split == "popqa":
+        q = birthplace_question(w, rng.choice(tail)) if rng.random() < 0.5 else founder_question(w, rng.choice(orgs))
+    elif split == "2wiki":
+        pairs = [(a, b) for i, a in enumerate(people) for b in people[i + 1:] if w.people[a].year != w.people[b].year]
+        if not pairs:
+            raise ValueError(f"episode world {key!r}: every person was born in the same year; no comparison to ask")
+        a, b = rng.choice(pairs)
+        q = born_first_question(w, *((a, b) if rng.random() < 0.5 else (b, a)))
+    elif split == "musique":
+        q = founder_country_question(w, rng.choice(orgs))
+    elif split == "bamboogle":
+        q = headquarters_question(w, rng.choice(orgs))
+    else:
+        raise ValueError(f"no question shape for split {split!r}")
+    q.split = split
+    return q

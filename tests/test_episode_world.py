@@ -1,0 +1,186 @@
+"""task.world=episode: a world of its own for every question, so only searching and reading earns a reward."""
+
+import subprocess
+import sys
+
+import pytest
+
+from ema_pg.tasks import build_task
+from ema_pg.tasks.search.task import SPLITS, format_passages, question_entity
+from ema_pg.tasks.search.world import episode_question, episode_world
+
+EPISODE = {"name": "search_qa", "world": "episode", "per_split": 12}
+
+
+@pytest.fixture(scope="module")
+def task():
+    return build_task({**EPISODE, "multihop_demos": 0.3, "comparison_demos": 0.2})
+
+
+def facts(w):
+    """Every (entity, relation, value) a world states, for comparing worlds."""
+    return ({(n, "city", p.city) for n, p in w.people.items()} | {(n, "year", p.year) for n, p in w.people.items()}
+            | {(c, "country", k) for c, k in w.city_country.items()}
+            | {(o, "founder", v.founder) for o, v in w.orgs.items()} | {(o, "hq", v.city) for o, v in w.orgs.items()})
+
+
+def answer_by_hand(w, q: str) -> str:
+    """The answer of a question read off the world's relations, one hop at a time."""
+    country = lambda city: w.city_country[city]
+    for prefix, suffix, f in [("Where was ", " born?", lambda e: w.people[e].city),
+                              ("What is the birthplace of ", "?", lambda e: w.people[e].city),
+                              ("Which city is ", " from?", lambda e: w.people[e].city),
+                              (" was born in which city?", None, lambda e: w.people[e].city),
+                              ("In which country was the founder of ", " born?",
+                               lambda e: country(w.people[w.orgs[e].founder].city)),
+                              ("In which country was ", " born?", lambda e: country(w.people[e].city)),
+                              ("In which country is ", " headquartered?", lambda e: country(w.orgs[e].city)),
+                              ("Who founded ", "?", lambda e: w.orgs[e].founder)]:
+        if suffix is None and q.endswith(prefix):
+            return f(q[:-len(prefix)])
+        if suffix and q.startswith(prefix) and q.endswith(suffix):
+            return f(q[len(prefix):-len(suffix)])
+    a, b = q.removeprefix("Who was born first, ").removesuffix("?").split(" or ")
+    return a if w.people[a].year < w.people[b].year else b
+
+
+def test_every_question_has_a_world_of_its_own_rebuilt_from_its_name_alone(task):
+    prompts = task.sample(64, seed=3) + task.sample(64, seed=4) + [p for v in task.eval_splits().values() for p in v]
+    keys = [p.meta["world"] for p in prompts]
+    assert len(set(keys)) == len(keys)  # no world is asked twice, in training or evaluation
+    assert task.sample(64, seed=3)[5].meta == prompts[5].meta  # the stream is a function of its seed
+    worlds = [task.world_of(p) for p in prompts[:40]]
+    shared = [len(facts(a) & facts(b)) for i, a in enumerate(worlds) for b in worlds[i + 1:]]
+    assert max(shared) <= 1  # (two worlds may draw one equal short name and year by chance; never a fact set)
+    # a fresh interpreter rebuilds the same world and passages from the name (the rollout worker does)
+    code = ("from ema_pg.tasks.search.world import episode_world; import hashlib; "
+            f"print(hashlib.md5(repr(episode_world({keys[7]!r}, 8).docs).encode()).hexdigest())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    import hashlib
+    assert out == hashlib.md5(repr(episode_world(keys[7], 8).docs).encode()).hexdigest()
+
+
+def test_the_seven_splits_keep_their_shapes_and_answers_follow_the_worlds_relations(task):
+    hops = {"nq": 1, "triviaqa": 1, "popqa": 1, "hotpotqa": 2, "2wiki": 2, "musique": 3, "bamboogle": 2}
+    assert list(task.eval_splits()) == list(SPLITS)
+    for split, ps in task.eval_splits().items():
+        assert len(ps) == 12 and {p.meta["hops"] for p in ps} == {hops[split]} and {p.meta["split"] for p in ps} == {split}
+        for p in ps:
+            w = task.world_of(p)
+            assert p.meta["answers"] == [answer_by_hand(w, p.meta["question"])]
+            if split in ("nq", "triviaqa"):  # popular people: two passages each
+                assert w.people[p.meta["entities"][0]].popular
+    popqa = [p.meta["question"] for p in task.eval_splits()["popqa"]]
+    assert any(q.startswith("Who founded") for q in popqa) and any(q.startswith("Where was") for q in popqa)
+    for p in task.eval_splits()["popqa"]:
+        if p.meta["question"].startswith("Where was"):
+            assert not task.world_of(p).people[p.meta["entities"][0]].popular  # the long tail: one passage
+    train = task.sample(200, seed=0)
+    assert {p.meta["hops"] for p in train} == {1, 2} and 60 < sum(p.meta["hops"] == 2 for p in train) < 140
+    for p in train:
+        assert p.meta["answers"] == [answer_by_hand(task.world_of(p), p.meta["question"])]
+
+
+def test_each_row_searches_its_own_questions_world(task):
+    a, b = task.eval_splits()["nq"][:2]
+    name_a = a.meta["entities"][0]
+    env = task.on_stop_fn([a, b], 2)  # rows 0, 1 ask a; rows 2, 3 ask b; all four search a's person
+    obs = env([0, 1, 2, 3], [f"<search> {name_a} </search>"] * 4)
+    assert obs[0] == obs[1] == format_passages(task.retrieve([a], [name_a])[0])
+    assert a.answer in obs[0] and f"(Title: {name_a})" in obs[0]
+    assert name_a not in obs[2] and obs[2] == obs[3] == format_passages(task.retrieve([b], [name_a])[0])
+    rag = task.baseline_prompts([a, b], "rag")  # the RAG baseline retrieves in each question's world too
+    assert a.answer in rag[0].meta["prefix"] and b.meta["question"] in rag[1].meta["prefix"]
+    assert rag[1].meta["prefix"].count("(Title: ") == task.topk and name_a not in rag[1].meta["prefix"]
+
+
+def test_an_answer_from_another_world_is_wrong_and_counted_as_recalled(task):
+    """What a memorizing policy would do: answer with the fact of a world it saw before."""
+    p, other = task.eval_splits()["nq"][3], task.sample(1, seed=0)[0]
+    seen = task.on_stop_fn([p], 1)([0], [f"<search> {p.meta['entities'][0]} </search>"])[0]
+    from_memory = f"<search> {p.meta['entities'][0]} </search>{seen}<answer> {other.answer} </answer>"
+    read = f"<search> {p.meta['entities'][0]} </search>{seen}<answer> {p.answer} </answer>"
+    assert other.answer != p.answer
+    assert task.reward(p, from_memory) == 0.0 and task.diagnostics(p, from_memory)["recalled"] == 1.0
+    assert task.reward(p, read) == 1.0 and task.diagnostics(p, read)["read_em"] == 1.0
+
+
+def test_demonstrations_read_in_worlds_that_neither_rl_nor_evaluation_asks(task):
+    demos = task.demonstrations(300, seed=0)
+    assert demos == task.demonstrations(300, seed=0)
+    rl_and_eval = {p.meta["question"] for p in task.sample(2000, seed=0)} | \
+        {p.meta["question"] for v in task.eval_splits().values() for p in v}
+    assert not {q.removeprefix("Question: ").strip() for q, _ in demos} & rl_and_eval
+    two = [r for _, r in demos if r.count("<search>") == 2]
+    compare = [(q, r) for q, r in demos if "born first" in q]
+    assert 0.35 < len(two) / len(demos) < 0.65 and 0.1 < len(compare) / len(demos) < 0.3  # shares 0.3 + 0.2
+    for q, r in demos:  # every answer is read from the passages the demonstration was shown
+        answer = r.rsplit("<answer> ", 1)[1].removesuffix(" </answer>")
+        assert answer in r.rsplit("<answer>", 1)[0].split("<information>", 1)[1]
+    for q, r in compare:
+        a, b = q.removeprefix("Question: Who was born first, ").strip().removesuffix("?").split(" or ")
+        assert f"<search> {a} </search>" in r and f"<search> {b} </search>" in r
+
+
+def test_the_tokenizers_corpus_draws_worlds_of_every_shape_but_none_of_rls_or_the_evals(task):
+    corpus = task.corpus()
+    text = "\n".join(corpus)
+    assert "Who was born first" in text and "headquartered" in text and "(Title: )" in text
+    for p in task.sample(20, seed=0) + task.eval_splits()["nq"]:
+        assert p.meta["question"] not in text
+
+
+def test_episode_question_names_its_shapes():
+    w = episode_world("k", 8)
+    assert episode_question(w, "k", "bridge").hops == 2 and episode_question(w, "k", "birthplace").hops == 1
+    assert question_entity(episode_question(w, "k", "birthplace").question) in w.people
+    with pytest.raises(ValueError, match="no question shape"):
+        episode_question(w, "k", "trivia")
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"world": "episodes"}, "task.world='episodes'; choose one of fixed, episode"),
+    ({"retriever": "http", "retriever_url": "http://127.0.0.1:1/retrieve"}, "use task.retriever=bm25"),
+    ({"demo_people": 0.5}, "set task.demo_people=0"),
+    ({"episode_people": 3}, "at least 4 people"),
+])
+def test_episode_world_refuses_what_it_cannot_do_with_one_line(over, match):
+    with pytest.raises(ValueError, match=match.replace("(", r"\(").replace(".", r"\.")) as e:
+        build_task({**EPISODE, **over})
+    assert "\n" not in str(e.value)
+
+
+def test_the_fixed_world_is_unchanged():
+    """task.world=fixed draws the same questions and demonstrations as before episode worlds existed."""
+    import hashlib
+
+    t = build_task({"name": "search_qa", "n_people": 60, "n_orgs": 12, "per_split": 5, "multihop_demos": 0.2,
+                    "comparison_demos": 0.2, "demo_people": 0.5})
+    rows = repr([(p.text, p.meta) for p in t.train_set + [p for v in t.eval_splits().values() for p in v]]
+                + t.demonstrations(40, seed=1))
+    assert hashlib.md5(rows.encode()).hexdigest() == FIXED_WORLD_MD5
+
+
+#: computed by the code before task.world existed (commit 0acc27d): the fixed world must not move
+FIXED_WORLD_MD5 = "bf522a3a10d62f5a5a16c4a6a4906099"
+
+
+@pytest.mark.slow
+def test_a_run_in_episode_worlds_trains_with_a_rollout_worker_that_rebuilds_each_world_from_its_name(tmp_path):
+    """End to end: cold start on demonstrations from their own worlds, RL with the sampler in another process
+    (rollout.max_staleness=1: the worker rebuilds every question's world and corpus from meta["world"]), and the
+    seven-split evaluation; the run's training prompts were answered in their own worlds (searches found them)."""
+    import json
+
+    from helpers import compose_cfg
+
+    from ema_pg.train import train
+
+    cfg = compose_cfg(["task=search_qa", "experiment=search_reading", "task.per_split=3", "rollout.max_new_tokens=24",
+                       "model.tokenizer_vocab=400", "sft.steps=150", "sft.batch_size=16", "sft.num_demos=400", "algo.iterations=2",
+                       "algo.eval_every=2", "algo.prompts_per_step=2", "algo.group_size=2", "algo.minibatch_size=4",
+                       "rollout.max_staleness=1", "trainer.progress_bar=false"], tmp_path, tiny=False)
+    metrics, objs = train(cfg)
+    ev = json.loads((objs["run_dir"] / "eval.json").read_text())
+    assert list(ev["splits"]) == list(SPLITS) and all(v["n"] == 3 for v in ev["splits"].values())
+    assert ev["avg_diagnostics"]["searches"] > 0  # the cold start searches: the worlds' corpora were used

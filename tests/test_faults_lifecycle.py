@@ -335,6 +335,14 @@ def test_a_refused_run_leaves_no_folder_and_the_console_has_no_third_party_noise
                   "GPU available", "Writing model shards", "Loading weights"):
         assert noise not in console, noise
     assert "RL iterations" in console and "4/4" in console and "run: tiny cold-start policy" in console
+    # evaluate builds a cold start of its own (another seed: a fresh cache entry) just as quietly
+    r = subprocess.run([sys.executable, "-m", "ema_pg.evaluate", "base", *cli_tiny(tmp_path), "seed=5",
+                        "--out", str(tmp_path / "base.json")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    console = r.stdout + r.stderr
+    for noise in ("Warning:", "WARNING", "Setting accelerator", "Writing model shards", "Loading weights"):
+        assert noise not in console, noise
+    assert "| em |" in console
 
 
 @pytest.mark.slow

@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
 
     from ..config import ConfigError, compose, validate
+    from .console import quiet_third_party
     from .files import atomic_write
     from .models import load_model_dir
     from .policy import WHICH, build_policy, checkpoint_iteration, load_run_model
@@ -292,6 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     from .runs import upgraded
     from ..tasks import build_task
 
+    quiet_third_party()  # as a run is: no DeepSpeed accelerator guess, no shard-writing bars
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", help="a run folder (its last checkpoint), a saved model directory, or 'base' "
                     "(the cold-start base policy of the config given by the overrides)")

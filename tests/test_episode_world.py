@@ -1,5 +1,6 @@
 """task.world=episode: a world of its own for every question, so only searching and reading earns a reward."""
 
+import re
 import subprocess
 import sys
 
@@ -120,6 +121,10 @@ def test_demonstrations_read_in_worlds_that_neither_rl_nor_evaluation_asks(task)
     for q, r in compare:
         a, b = q.removeprefix("Question: Who was born first, ").strip().removesuffix("?").split(" or ")
         assert f"<search> {a} </search>" in r and f"<search> {b} </search>" in r
+        year = lambda who: min(int(y) for line in r.splitlines() if f"(Title: {who})" in line and ("born" in line.lower() or "native" in line)
+                               for y in re.findall(r"\b(1\d{3})\b", line))
+        answer = r.rsplit("<answer> ", 1)[1].removesuffix(" </answer>")
+        assert answer == (a if year(a) < year(b) else b)  # the one born first, read off the passages shown
 
 
 def test_the_tokenizers_corpus_draws_worlds_of_every_shape_but_none_of_rls_or_the_evals(task):

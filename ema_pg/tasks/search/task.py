@@ -28,7 +28,7 @@ from functools import lru_cache
 
 from ..base import Prompt, Task
 from .retriever import BM25Retriever, HTTPRetriever
-from .world import WORLDS, World, build_world, comparison_question, episode_question, episode_world, questions
+from .world import WORLDS, World, born_first_question, build_world, episode_question, episode_world, questions
 
 SEARCH_RE = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -314,8 +314,8 @@ class SearchQATask(Task):
             if self.episodic:  # (the top of [0, 1) compares: the other draws stay as they were without it)
                 p = self._episode("demo", seed, tries, shape=shape)
             elif shape == "2wiki":
-                x, y = rng.sample(people, 2)
-                p = self._prompt(comparison_question(x, y), [x], "demo", 2, entities=[x, y])
+                q = born_first_question(self.world, *rng.sample(people, 2))
+                p = self._prompt(q.question, q.answers, "demo", q.hops, entities=q.entities)
             else:
                 p = rng.choice(bridges if shape == "bridge" else singles)
             demo = self._demonstrate(p, shape)
@@ -329,11 +329,9 @@ class SearchQATask(Task):
         retrieve = lambda q: format_passages(self.retrieve([p], [q])[0])
         if shape == "2wiki":
             a, b = p.meta["entities"]
-            ya, yb = w.people[a].year, w.people[b].year
             first, second = retrieve(a), retrieve(b)
-            if ya != yb and self._states_birth(w, a, first) and self._states_birth(w, b, second):
-                return (self.template.format(question=comparison_question(a, b)),
-                        f"<search> {a} </search>{first}<search> {b} </search>{second}<answer> {a if ya < yb else b} </answer>")
+            if w.people[a].year != w.people[b].year and self._states_birth(w, a, first) and self._states_birth(w, b, second):
+                return p.text, f"<search> {a} </search>{first}<search> {b} </search>{second}<answer> {p.answer} </answer>"
         elif shape == "bridge":
             person = question_entity(p.meta["question"])
             city = w.people[person].city

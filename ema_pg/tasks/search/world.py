@@ -229,7 +229,7 @@ def episode_world(key: str, people: int) -> World:
 
 def episode_question(w: World, key: str, split: str) -> Question:
     """The question of the world ``w`` (built from ``key``) for ``split``: the seven eval splits' shapes as in
-    :func:`questions`; "train" and "demo" ask a birthplace or a bridge (country of birth), half each;
+    :func:`questions`; "train" asks a birthplace or a bridge (country of birth), half each;
     "birthplace" and "bridge" ask one of the two (the cold start's demonstrations).
     Every organization is new to the policy, so ``bamboogle`` keeps its meaning: a question shape training
     never asks, about an organization no training question mentions."""
@@ -238,7 +238,7 @@ def episode_question(w: World, key: str, split: str) -> Question:
     popular = [n for n in people if w.people[n].popular]
     tail = [n for n in people if not w.people[n].popular]
     orgs = sorted(w.orgs)
-    if split in ("train", "demo"):
+    if split == "train":
         q = (birthplace_question if rng.random() < 0.5 else bridge_question)(w, rng.choice(people))
     elif split == "birthplace":
         q = birthplace_question(w, rng.choice(people))

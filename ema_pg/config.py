@@ -81,6 +81,9 @@ class ModelConfig:
                      f"num_heads of model.num_kv_heads={self.num_kv_heads} (each key/value head serves whole query heads)")
 
 
+SFT_SCHEDULES = ("constant", "cosine")  #: the cold start's learning-rate schedules (ema_pg.engine.sft.sft_train)
+
+
 @dataclass
 class SFTConfig:
     steps: int = 1500  #: at most this many cold-start SFT steps (0 = start RL from the random model)
@@ -88,6 +91,8 @@ class SFTConfig:
     check_every: int = 20  #: SFT steps between those checks
     batch_size: int = 64  #: demonstrations per SFT step
     lr: float = 2e-3  #: SFT learning rate
+    #: constant | cosine (linear warm-up over the first 5% of sft.steps, then cosine decay to 0.1 x sft.lr)
+    lr_schedule: str = "constant"
     num_demos: int = 4000  #: size of the demonstration pool
     cache_dir: str = "${oc.env:EMA_PG_CACHE,.cache/ema_pg}/cold_start"  #: where base policies are cached
 
@@ -96,6 +101,8 @@ class SFTConfig:
                   ("sft.check_every", self.check_every, 1), ("sft.num_demos", self.num_demos, 1))
         if self.lr <= 0:
             _bad(f"sft.lr must be > 0; got {self.lr}")
+        if self.lr_schedule not in SFT_SCHEDULES:
+            _bad(f"sft.lr_schedule={self.lr_schedule!r}; choose one of {', '.join(SFT_SCHEDULES)}")
 
 
 MIN_TEMPERATURE = 0.1  #: the lowest training temperature: below it a group's samples are all alike

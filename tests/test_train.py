@@ -192,6 +192,42 @@ def test_cold_start_key_ignores_run_time_knobs():
     assert key(a) == key(b) != key(c)
 
 
+def test_sft_lr_schedule_keys_and_factors():
+    """sft.lr_schedule=constant keeps the key cold starts had before the knob existed; cosine warms up linearly
+    over 5% of the steps, then decays by a half cosine to a tenth of sft.lr."""
+    import math
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from ema_pg.engine.sft import cold_start_key, lr_scheduler
+
+    a, cos = compose_cfg([]), compose_cfg(["sft.lr_schedule=cosine"])
+    before = OmegaConf.create({k: v for k, v in OmegaConf.to_container(a.sft).items() if k != "lr_schedule"})
+    assert cold_start_key(a.model, a.task, a.sft, 0) == cold_start_key(a.model, a.task, before, 0)
+    assert cold_start_key(cos.model, cos.task, cos.sft, 0) != cold_start_key(a.model, a.task, a.sft, 0)
+
+    steps, w = 200, 10
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = lr_scheduler(opt, "cosine", steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    want = [2.0 * (t / w if t < w else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (t - w) / (steps - w))))
+            for t in range(steps)]
+    assert lrs == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert max(lrs) == pytest.approx(2.0) and lrs[-1] == pytest.approx(0.2, rel=1e-3)
+    assert lr_scheduler(opt, "constant", steps) is None
+    with pytest.raises(ValueError, match="constant, cosine"):
+        lr_scheduler(opt, "linear", steps)
+    from ema_pg.config import ConfigError, SFTConfig
+
+    with pytest.raises(ConfigError, match="sft.lr_schedule='linear'; choose one of constant, cosine"):
+        SFTConfig(lr_schedule="linear").check()
+
+
 @pytest.mark.slow
 def test_command_line_errors_are_one_clear_line():
     import subprocess

@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
+from ..config import SFT_SCHEDULES
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ..rollout import HFSampler
 from ..tasks.base import Prompt
@@ -36,6 +37,10 @@ ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_posi
 #: template) and the retrieval client's patience
 RUNTIME_TASK_KEYS = ("chat_template", "retriever_timeout", "retriever_retries")
 
+#: SFT knobs added after the key's version 1, with the value every earlier cold start had: hashed only when they
+#: differ from it, so the base policies cached before them keep their keys
+LATER_SFT_KEYS = {"lr_schedule": "constant"}
+
 
 def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), task_format: int = 0) -> str:
     """Hash of what determines the base policy: architecture, task, SFT knobs, seed (not run-time knobs);
@@ -44,7 +49,8 @@ def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), t
     blob = json.dumps(
         {"model": {k: model_cfg[k] for k in ARCH_KEYS}, "task": task,
          "probe": list(probe),
-         "sft": {k: v for k, v in OmegaConf.to_container(sft_cfg, resolve=True).items() if k != "cache_dir"},
+         "sft": {k: v for k, v in OmegaConf.to_container(sft_cfg, resolve=True).items()
+                 if k != "cache_dir" and (k not in LATER_SFT_KEYS or v != LATER_SFT_KEYS[k])},
          "seed": seed, "version": 1, **({"task_format": task_format} if task_format else {})},
         sort_keys=True,
     )
@@ -76,15 +82,32 @@ def _sft_batch(tokenizer, batch, encode=None, mask_fn=None):
     return {"input_ids": ids, "attention_mask": am}, labels
 
 
+def lr_scheduler(opt, lr_schedule: str, steps: int):
+    """The scheduler of ``sft.lr_schedule`` over ``steps`` optimizer steps (None: constant)."""
+    if lr_schedule == "constant":
+        return None
+    if lr_schedule == "cosine":
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+        return get_cosine_with_min_lr_schedule_with_warmup(opt, num_warmup_steps=max(1, steps // 20),
+                                                           num_training_steps=steps, min_lr_rate=0.1)
+    raise ValueError(f"lr_schedule={lr_schedule!r}; choose one of {', '.join(SFT_SCHEDULES)}")
+
+
 def sft_train(model, tokenizer, demos: list[tuple], steps: int, batch_size: int, lr: float, seed: int,
-              progress: bool = True, stop_fn=None, check_every: int = 20, mask_fn=None, encode=None) -> list[float]:
+              progress: bool = True, stop_fn=None, check_every: int = 20, mask_fn=None, encode=None,
+              lr_schedule: str = "constant") -> list[float]:
     """Cross-entropy on the response tokens (+ EOS) of (prompt, response) pairs; returns losses.
+
+    ``lr_schedule``: ``constant``, or ``cosine``: a linear warm-up over the first 5% of ``steps``, then a cosine
+    decay to a tenth of ``lr`` at ``steps`` (SFT that a ``stop_fn`` ends early stops on the way down).
 
     ``mask_fn(response)`` (optional) gives character spans with no loss (environment text);
     ``stop_fn()`` (optional) is called every ``check_every`` steps; SFT ends when it returns True.
     """
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = lr_scheduler(opt, lr_schedule, steps)
     model.train()
     losses = []
     tok_r = tokenizer.padding_side
@@ -97,6 +120,8 @@ def sft_train(model, tokenizer, demos: list[tuple], steps: int, batch_size: int,
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if sched is not None:
+            sched.step()
         losses.append(float(out.loss.detach()))
         if stop_fn is not None and (step + 1) % check_every == 0:
             tokenizer.padding_side = tok_r
@@ -165,7 +190,8 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
                 return r >= sft_cfg.stop_at_reward
 
         losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
-                           stop_fn=stop_fn, check_every=sft_cfg.check_every, mask_fn=task.masked_spans, encode=encode)
+                           stop_fn=stop_fn, check_every=sft_cfg.check_every, mask_fn=task.masked_spans, encode=encode,
+                           lr_schedule=sft_cfg.get("lr_schedule", "constant"))
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
     save_model_dir(model, tok, tmp)

@@ -226,3 +226,63 @@ def test_decide_strong_is_decide_from_a_stronger_cold_start():
     for name in TABLES:
         with pytest.raises(SystemExit, match=f"sweeps/scale/{name}_decide_strong.yaml"):
             commands(name, "decide_strong", [])
+
+
+def test_a_scale_overlays_transfer_line_asks_for_each_runs_transfer_evaluation(tmp_path, monkeypatch):
+    """`# transfer: N` in a scale overlay: every finished run without evaluations/policy_transfer<N>.json gets
+    `python -m ema_pg.evaluate RUN --transfer N` before the report (those that have it are skipped, so a rerun
+    does not evaluate twice); a line that is not a positive number is refused with one line."""
+    import ema_pg.workbench.reproduce as rp
+
+    (tmp_path / "scale").mkdir()
+    monkeypatch.setattr(rp, "SWEEPS", tmp_path)
+    (tmp_path / "scale" / "t.yaml").write_text("# @package _global_\n# transfer: 3\nseed: 1\n")
+    (tmp_path / "scale" / "plain.yaml").write_text("seed: 1\n")
+    (tmp_path / "scale" / "bad.yaml").write_text("# transfer: some\n")
+    assert rp.overlay_transfer("t") == 3 and rp.overlay_transfer("plain") == 0
+    with pytest.raises(SystemExit, match="give a number of worlds >= 1"):
+        rp.overlay_transfer("bad")
+    runs = [tmp_path / "runs" / r for r in ("b_s1", "a_s1", "c_s1")]
+    (runs[0] / "evaluations").mkdir(parents=True)
+    (runs[0] / "evaluations" / "policy_transfer3.json").write_text("{}")  # done already
+    (runs[1] / "evaluations").mkdir(parents=True)
+    (runs[1] / "evaluations" / "policy_transfer2.json").write_text("{}")  # another N: not this one
+    cmds = rp.transfer_commands(runs, 3)
+    assert [c[3:] for c in cmds] == [[str(runs[1]), "--transfer", "3"], [str(runs[2]), "--transfer", "3"]]
+    assert all(c[1:3] == ["-m", "ema_pg.evaluate"] for c in cmds)
+    assert rp.transfer_commands(runs, 0) == []
+
+
+@pytest.mark.slow
+def test_reproduce_evaluates_each_finished_run_on_unseen_worlds_before_the_report(tmp_path, monkeypatch, capsys):
+    """A real finished search run in a sweep folder and an overlay with `# transfer: 1`: reproduce --analysis-only
+    writes the run's transfer evaluation (the file the Table 2 report reads), and a second call does not redo it."""
+    import json
+    import shutil
+
+    import ema_pg.workbench.reproduce as rp
+    from helpers import compose_cfg
+
+    from ema_pg.train import train
+
+    runs = tmp_path / "runs"
+    cfg = compose_cfg(["task=search_qa", "task.n_people=40", "task.n_orgs=10", "task.per_split=2",
+                       "rollout.max_new_tokens=24", 'rollout.stop=["</search>","</answer>"]', "model.tokenizer_vocab=400",
+                       "algo.iterations=1", "algo.eval_every=1", "method=grpo", "seed=1"], tmp_path)
+    cfg.run_dir = str(runs / "grpo_s1")
+    train(cfg)
+    sweeps = tmp_path / "sweeps"
+    (sweeps / "scale").mkdir(parents=True)
+    shutil.copy(rp.SWEEPS / "scale" / "table2_smoke.yaml", sweeps / "scale" / "table2_smoke.yaml")
+    with open(sweeps / "scale" / "table2_smoke.yaml", "a") as f:
+        f.write("# transfer: 1\n")
+    monkeypatch.setattr(rp, "SWEEPS", sweeps)
+    argv = ["table2", "--scale", "smoke", "--analysis-only", "--runs", str(runs), "--out", str(tmp_path / "out")]
+    rp.main(argv)
+    made = runs / "grpo_s1" / "evaluations" / "policy_transfer1.json"
+    ev = json.loads(made.read_text())
+    assert ev["transfer"]["seeds"] == [1_000_000] and set(ev["transfer"]["splits"]) == set(ev["splits"])
+    assert "transfer evaluation 1/1" in capsys.readouterr().out
+    stamp = made.stat().st_mtime_ns
+    rp.main(argv)
+    assert made.stat().st_mtime_ns == stamp and "transfer evaluation" not in capsys.readouterr().out

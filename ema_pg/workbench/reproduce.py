@@ -50,13 +50,36 @@ def scale_file(name: str, scale: str) -> str:
     raise SystemExit(f"no scale {scale!r} for {name}: add sweeps/scale/{name}_{scale}.yaml (there are: {', '.join(have)})")
 
 
+def overlay_directive(overlay: str, key: str) -> list[str]:
+    """The words of a scale overlay's ``# <key>:`` line ([] without one)."""
+    for line in (SWEEPS / "scale" / f"{overlay}.yaml").read_text().splitlines():
+        if line.startswith(f"# {key}:"):
+            return line.split(":", 1)[1].split()
+    return []
+
+
 def overlay_choices(overlay: str) -> list[str]:
     """Group choices a scale overlay asks for on its ``# choices:`` line (``experiment=search_paper``):
     an overlay cannot re-choose a group the sweep file already chose, the command line can."""
-    for line in (SWEEPS / "scale" / f"{overlay}.yaml").read_text().splitlines():
-        if line.startswith("# choices:"):
-            return line.split(":", 1)[1].split()
-    return []
+    return overlay_directive(overlay, "choices")
+
+
+def overlay_transfer(overlay: str) -> int:
+    """N of a scale overlay's ``# transfer: N`` line: every finished run is also evaluated on N worlds it never
+    saw (``python -m ema_pg.evaluate RUN --transfer N``) before the report, which reads them (0: none)."""
+    words = overlay_directive(overlay, "transfer")
+    if words and not (words[0].isdigit() and int(words[0]) > 0):
+        raise SystemExit(f"sweeps/scale/{overlay}.yaml: '# transfer: {' '.join(words)}'; give a number of worlds >= 1")
+    return int(words[0]) if words else 0
+
+
+def transfer_commands(runs: list[Path], n: int) -> list[list[str]]:
+    """The transfer evaluations of the finished ``runs`` that do not have theirs yet (so a rerun skips them)."""
+    from ..engine.evaluate import eval_label
+
+    name = eval_label("policy", "none", [], transfer=n) + ".json"
+    return [[sys.executable, "-m", "ema_pg.evaluate", str(r), "--transfer", str(n)]
+            for r in sorted(runs) if n and not (Path(r) / "evaluations" / name).is_file()]
 
 
 def commands(name: str, scale: str, overrides: list[str], runs: Path | None = None, out: Path | None = None):
@@ -85,6 +108,9 @@ def main(argv=None) -> int:
     a, overrides = ap.parse_known_args(argv)
     sweep, analysis, runs, out = commands(a.name, a.scale, overrides, a.runs, a.out)
     print("sweep:    " + shlex.join(sweep), "analysis: " + shlex.join(analysis), sep="\n", flush=True)
+    if n := overlay_transfer(scale_file(a.name, a.scale)):
+        print(f"transfer: {sys.executable} -m ema_pg.evaluate <each finished run> --transfer {n}  (before the analysis)",
+              flush=True)
     if a.dry_run:
         return 0
     if a.scale == "full" and a.name in FULL_SCALE_ENV:
@@ -115,6 +141,14 @@ def main(argv=None) -> int:
         print(f"{len(failed) + len(unfinished)} of {len(finished) + len(failed) + len(unfinished)} runs of the sweep "
               "did not finish; no report is written:\n" + "\n".join(missing), file=sys.stderr)
         return 1
+    todo = transfer_commands(finished, overlay_transfer(scale_file(a.name, a.scale)))
+    for i, cmd in enumerate(todo, 1):
+        print(f"transfer evaluation {i}/{len(todo)}: {shlex.join(cmd[1:])}", flush=True)
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        if rc:
+            print(f"the transfer evaluation of {cmd[3]} failed (exit {rc}); no report is written. Run the same command "
+                  "again: the evaluations already written are kept", file=sys.stderr)
+            return rc
     plain = not overrides and a.runs is None and a.out is None
     invoked = (["make", f"reproduce-{a.name}", f"SCALE={a.scale}"] if plain and a.name in TABLES else
                ["python", "-m", "ema_pg.reproduce", *(sys.argv[1:] if argv is None else argv)])

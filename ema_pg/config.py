@@ -94,6 +94,9 @@ class SFTConfig:
     #: constant | cosine (linear warm-up over the first 5% of sft.steps, then cosine decay to 0.1 x sft.lr)
     lr_schedule: str = "constant"
     num_demos: int = 4000  #: size of the demonstration pool
+    #: the cold start's seed (null = the run's seed): one value for all of a sweep's seeds starts every seed's RL
+    #: from the same base policy, as one pretrained model does in the paper
+    seed: int | None = None
     cache_dir: str = "${oc.env:EMA_PG_CACHE,.cache/ema_pg}/cold_start"  #: where base policies are cached
 
     def check(self) -> None:

@@ -192,6 +192,24 @@ def test_cold_start_key_ignores_run_time_knobs():
     assert key(a) == key(b) != key(c)
 
 
+def test_sft_seed_gives_every_run_seed_the_same_base_policy(tmp_path):
+    """sft.seed=S: the cold start of a run of any seed is the one a run of seed S builds by default (the same cache
+    entry and weights); without it the run's seed makes its own."""
+    import torch
+
+    from ema_pg.engine.policy import build_policy
+    from ema_pg.tasks import build_task
+
+    def base(*over):
+        cfg = compose_cfg([*over, f"sft.cache_dir={tmp_path}"])
+        return build_policy(cfg, build_task(cfg.task))[0].state_dict()
+
+    own3, shared, own0 = base("seed=3"), base("seed=0", "sft.seed=3"), base("seed=0")
+    assert len(list(tmp_path.iterdir())) == 2  # seed 3's entry served the run of seed 0 with sft.seed=3
+    assert all(torch.equal(own3[k], shared[k]) for k in own3)
+    assert not all(torch.equal(own3[k], own0[k]) for k in own3)
+
+
 def test_sft_lr_schedule_keys_and_factors():
     """sft.lr_schedule=constant keeps the key cold starts had before the knob existed; cosine warms up linearly
     over 5% of the steps, then decays by a half cosine to a tenth of sft.lr."""

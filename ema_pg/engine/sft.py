@@ -43,14 +43,15 @@ LATER_SFT_KEYS = {"lr_schedule": "constant"}
 
 
 def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), task_format: int = 0) -> str:
-    """Hash of what determines the base policy: architecture, task, SFT knobs, seed (not run-time knobs);
+    """Hash of what determines the base policy: architecture, task, SFT knobs, ``seed`` (the one it is built with:
+    ``sft.seed`` is not hashed apart; not run-time knobs);
     ``task_format`` > 0: the version of the task's demonstration layout (``Task.format_version``)."""
     task = {k: v for k, v in OmegaConf.to_container(task_cfg, resolve=True).items() if k not in RUNTIME_TASK_KEYS}
     blob = json.dumps(
         {"model": {k: model_cfg[k] for k in ARCH_KEYS}, "task": task,
          "probe": list(probe),
          "sft": {k: v for k, v in OmegaConf.to_container(sft_cfg, resolve=True).items()
-                 if k != "cache_dir" and (k not in LATER_SFT_KEYS or v != LATER_SFT_KEYS[k])},
+                 if k not in ("cache_dir", "seed") and (k not in LATER_SFT_KEYS or v != LATER_SFT_KEYS[k])},
          "seed": seed, "version": 1, **({"task_format": task_format} if task_format else {})},
         sort_keys=True,
     )

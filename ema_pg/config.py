@@ -94,6 +94,9 @@ class SFTConfig:
     #: constant | cosine (linear warm-up over the first 5% of sft.steps, then cosine decay to 0.1 x sft.lr)
     lr_schedule: str = "constant"
     num_demos: int = 4000  #: size of the demonstration pool
+    #: also train on the environment's text in the cold start (the search results a demonstration shows): the
+    #: language-model signal a pretrained model brings, here reading and copying names (RL never trains on it)
+    env_loss: bool = False
     #: the cold start's seed (null = the run's seed): one value for all of a sweep's seeds starts every seed's RL
     #: from the same base policy, as one pretrained model does in the paper
     seed: int | None = None

@@ -39,7 +39,7 @@ RUNTIME_TASK_KEYS = ("chat_template", "retriever_timeout", "retriever_retries")
 
 #: SFT knobs added after the key's version 1, with the value every earlier cold start had: hashed only when they
 #: differ from it, so the base policies cached before them keep their keys
-LATER_SFT_KEYS = {"lr_schedule": "constant"}
+LATER_SFT_KEYS = {"lr_schedule": "constant", "env_loss": False}
 
 
 def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), task_format: int = 0) -> str:
@@ -191,7 +191,8 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
                 return r >= sft_cfg.stop_at_reward
 
         losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
-                           stop_fn=stop_fn, check_every=sft_cfg.check_every, mask_fn=task.masked_spans, encode=encode,
+                           stop_fn=stop_fn, check_every=sft_cfg.check_every,
+                           mask_fn=None if sft_cfg.get("env_loss", False) else task.masked_spans, encode=encode,
                            lr_schedule=sft_cfg.get("lr_schedule", "constant"))
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")

@@ -189,3 +189,27 @@ def test_a_run_in_episode_worlds_trains_with_a_rollout_worker_that_rebuilds_each
     ev = json.loads((objs["run_dir"] / "eval.json").read_text())
     assert list(ev["splits"]) == list(SPLITS) and all(v["n"] == 3 for v in ev["splits"].values())
     assert ev["avg_diagnostics"]["searches"] > 0  # the cold start searches: the worlds' corpora were used
+
+
+def test_reading_probe_feeds_each_demonstration_up_to_its_answer(task):
+    """analysis/reading_probe.py: the context is a demonstration up to its (last) <answer> tag, the target is the
+    answer after it (which the passages in the context hold); a whole answer right needs its first token right
+    (em <= top1 <= top5)."""
+    from analysis.reading_probe import answer_cut, probe
+    from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
+    from ema_pg.prompts import PromptEncoder
+
+    demos = task.demonstrations(40, 3)
+    for prompt, resp in demos:
+        ctx, answer = answer_cut(resp)
+        assert resp == f"{ctx}{answer}</answer>" and ctx.endswith("<answer>") and "<answer>" not in ctx[:-8]
+        assert answer == " " + resp.rsplit("<answer> ", 1)[1].removesuffix(" </answer>") + " "
+        assert answer.strip() in ctx.split("<information>", 1)[1]
+    tok = train_bpe_tokenizer(task.corpus()[:300], vocab_size=300)
+    model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=0,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    out = probe(model.eval(), tok, PromptEncoder(tok, "off"), demos)
+    assert out["all"]["n"] == 40 == sum(v["n"] for k, v in out.items() if k != "all")
+    assert set(out) - {"all"} <= {"1", "2"}
+    for v in out.values():
+        assert 0 <= v["em"] <= v["top1"] <= v["top5"] <= 1

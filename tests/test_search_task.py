@@ -98,19 +98,27 @@ def test_reward_is_last_answer_em_and_never_raises(task):
         assert task.reward(p, junk) == 0.0  # malformed: no complete <answer> tag
 
 
-def test_sft_masks_the_observations(task):
+def test_sft_masks_the_observations_unless_env_loss(task):
+    """The cold start trains on the policy's text only; sft.env_loss=true adds the search results' text (every
+    response token then has a label), never the prompt."""
+    from omegaconf import OmegaConf
+
     from ema_pg.engine.models import train_bpe_tokenizer
-    from ema_pg.engine.sft import _sft_batch
+    from ema_pg.engine.sft import _sft_batch, loss_mask_fn
 
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=600)
     tok.padding_side = "right"
     (prompt, resp), = task.demonstrations(1, 0)
     assert "<information>" in resp and resp.endswith("</answer>")
-    full, labels = _sft_batch(tok, [(prompt, resp)], None, task.masked_spans)
-    ids, lab = full["input_ids"][0], labels[0]
-    trained = tok.decode(ids[lab != -100])
-    assert "<search>" in trained and "<answer>" in trained and "Doc 1" not in trained and "Question" not in trained
-    assert "Doc 1" in tok.decode(ids)
+    for env_loss in (False, True):
+        mask = loss_mask_fn(task, OmegaConf.create({"env_loss": env_loss}))
+        full, labels = _sft_batch(tok, [(prompt, resp)], None, mask)
+        ids, lab = full["input_ids"][0], labels[0]
+        trained = tok.decode(ids[lab != -100])
+        assert "<search>" in trained and "<answer>" in trained and "Question" not in trained
+        assert "Doc 1" in tok.decode(ids) and ("Doc 1" in trained) == env_loss
+        n_resp = len(tok(resp, add_special_tokens=False)["input_ids"]) + 1  # + EOS
+        assert (int((lab != -100).sum()) == n_resp) == env_loss
 
 
 def test_observations_from_the_environment_have_loss_mask_zero():

@@ -136,6 +136,12 @@ def sft_train(model, tokenizer, demos: list[tuple], steps: int, batch_size: int,
     return losses
 
 
+def loss_mask_fn(task, sft_cfg):
+    """The character spans of a demonstration that get no SFT loss: the environment's text (``task.masked_spans``),
+    or none under ``sft.env_loss``."""
+    return None if sft_cfg.get("env_loss", False) else task.masked_spans
+
+
 class NoColdStart(ValueError):
     """The task has no demonstrations to cold-start from; the message says how to start instead."""
 
@@ -192,7 +198,7 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
 
         losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
                            stop_fn=stop_fn, check_every=sft_cfg.check_every,
-                           mask_fn=None if sft_cfg.get("env_loss", False) else task.masked_spans, encode=encode,
+                           mask_fn=loss_mask_fn(task, sft_cfg), encode=encode,
                            lr_schedule=sft_cfg.get("lr_schedule", "constant"))
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")

@@ -57,7 +57,7 @@ reproduce: setup ## Sweep + analysis of one figure: make reproduce NAME=fig6_k S
 	@test -n "$(NAME)" || (echo "NAME=? one of: $$(ls sweeps/*.yaml | xargs -n1 basename | sed 's/.yaml//' | tr '\n' ' ')"; exit 2)
 	$(PY) -m ema_pg.reproduce $(NAME) --scale $(SCALE) $(ARGS)
 
-reproduce-table2: setup ## Table 2: the methods x seeds on search QA, then results.md beside the paper's (SCALE=smoke|mini|decide|decide_reading|full)
+reproduce-table2: setup ## Table 2: the methods x seeds on search QA, then results.md beside the paper's (SCALE=smoke|mini|decide|decide_reading|decide_episode|full)
 	$(PY) -m ema_pg.reproduce table2 --scale $(SCALE) $(ARGS)
 
 reproduce-table3: setup ## Table 3 + Fig 3: GRPO vs EMA anchor on the math track, Pass@1/Pass@16 beside the paper's (SCALE=smoke|mini|full)

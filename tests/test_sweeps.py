@@ -286,3 +286,29 @@ def test_reproduce_evaluates_each_finished_run_on_unseen_worlds_before_the_repor
     stamp = made.stat().st_mtime_ns
     rp.main(argv)
     assert made.stat().st_mtime_ns == stamp and "transfer evaluation" not in capsys.readouterr().out
+
+
+def test_table2_decide_episode_is_table2_decide_on_search_reading_from_one_base_policy(tmp_path):
+    """SCALE=decide_episode: experiment=search_reading (a world per question) with Table 2 decide's threads and
+    compiled model, one base policy for all seeds (sft.seed=0), five seeds no pilot ran (11-15), every run also
+    evaluated on 3 unseen worlds; nothing else differs from the experiment, and the pre-registration is committed
+    beside where its results go."""
+    from ema_pg.config import compose
+    from ema_pg.workbench.reproduce import commands, overlay_transfer
+
+    sweep, _, _, out = commands("table2", "decide_episode", [], runs=tmp_path)
+    assert "experiment=search_reading" in sweep and "+scale=table2_decide_episode" in sweep
+    assert out == ROOT / "reproductions" / "table2" / "decide_episode" and (out / "README.md").is_file()
+    assert overlay_transfer("table2_decide_episode") == 3
+
+    def run_cfg(*extra):
+        return compose([f"hydra.searchpath=[file://{ROOT / 'sweeps'}]", "experiment=search_reading", "seed=11",
+                        "method=grpo", *extra])
+
+    episode, plain, decide = run_cfg("+scale=table2_decide_episode"), run_cfg(), run_cfg("+scale=table2_decide")
+    assert episode.task.world == "episode" and episode.sft.seed == 0 and plain.sft.seed is None
+    assert episode.model.compile and episode.trainer.num_threads == 1
+    episode.sft.seed = None
+    assert OmegaConf.to_yaml(episode) == OmegaConf.to_yaml(decide)  # table2_decide's knobs, and nothing else
+    over = OmegaConf.load(ROOT / "sweeps" / "scale" / "table2_decide_episode.yaml")
+    assert str(over.hydra.sweeper.params.seed) == "11,12,13,14,15"

@@ -211,8 +211,8 @@ def test_sft_seed_gives_every_run_seed_the_same_base_policy(tmp_path):
 
 
 def test_sft_lr_schedule_keys_and_factors():
-    """sft.lr_schedule=constant keeps the key cold starts had before the knob existed; cosine warms up linearly
-    over 5% of the steps, then decays by a half cosine to a tenth of sft.lr."""
+    """The SFT knobs added later (lr_schedule, env_loss, seed) at their defaults keep the key cold starts had before
+    they existed; cosine warms up linearly over 5% of the steps, then decays by a half cosine to a tenth of sft.lr."""
     import math
 
     import torch
@@ -221,9 +221,11 @@ def test_sft_lr_schedule_keys_and_factors():
     from ema_pg.engine.sft import cold_start_key, lr_scheduler
 
     a, cos = compose_cfg([]), compose_cfg(["sft.lr_schedule=cosine"])
-    before = OmegaConf.create({k: v for k, v in OmegaConf.to_container(a.sft).items() if k != "lr_schedule"})
+    before = OmegaConf.create({k: v for k, v in OmegaConf.to_container(a.sft).items()
+                               if k not in ("lr_schedule", "env_loss", "seed")})
     assert cold_start_key(a.model, a.task, a.sft, 0) == cold_start_key(a.model, a.task, before, 0)
-    assert cold_start_key(cos.model, cos.task, cos.sft, 0) != cold_start_key(a.model, a.task, a.sft, 0)
+    for other in (cos, compose_cfg(["sft.env_loss=true"])):
+        assert cold_start_key(other.model, other.task, other.sft, 0) != cold_start_key(a.model, a.task, a.sft, 0)
 
     steps, w = 200, 10
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)

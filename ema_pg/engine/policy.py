@@ -31,7 +31,7 @@ def build_policy(cfg, task):
         model, tok = load_model_dir(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
         check_finite_weights(model, f"model.path={cfg.model.path}")
         return model, tok
-    seed = cfg.seed if cfg.sft.get("seed") is None else cfg.sft.seed
+    seed = cfg.seed if cfg.sft.seed is None else cfg.sft.seed
     model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, seed, max_new_tokens=cfg.rollout.max_new_tokens,
                                stop=tuple(cfg.rollout.stop))
     return model.to(DTYPES[cfg.model.dtype]), tok

@@ -22,7 +22,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from ..config import SFT_SCHEDULES
+from ..config import SFT_SCHEDULES, SFTConfig
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ..rollout import HFSampler
 from ..tasks.base import Prompt
@@ -37,9 +37,9 @@ ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_posi
 #: template) and the retrieval client's patience
 RUNTIME_TASK_KEYS = ("chat_template", "retriever_timeout", "retriever_retries")
 
-#: SFT knobs added after the key's version 1, with the value every earlier cold start had: hashed only when they
-#: differ from it, so the base policies cached before them keep their keys
-LATER_SFT_KEYS = {"lr_schedule": "constant", "env_loss": False}
+#: SFT knobs added after the key's version 1, at their defaults (the value every earlier cold start had): hashed
+#: only when they differ from it, so the base policies cached before them keep their keys
+LATER_SFT_KEYS = {k: SFTConfig.__dataclass_fields__[k].default for k in ("lr_schedule", "env_loss")}
 
 
 def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), task_format: int = 0) -> str:
@@ -139,7 +139,7 @@ def sft_train(model, tokenizer, demos: list[tuple], steps: int, batch_size: int,
 def loss_mask_fn(task, sft_cfg):
     """The character spans of a demonstration that get no SFT loss: the environment's text (``task.masked_spans``),
     or none under ``sft.env_loss``."""
-    return None if sft_cfg.get("env_loss", False) else task.masked_spans
+    return None if sft_cfg.env_loss else task.masked_spans
 
 
 class NoColdStart(ValueError):
@@ -199,7 +199,7 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
         losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
                            stop_fn=stop_fn, check_every=sft_cfg.check_every,
                            mask_fn=loss_mask_fn(task, sft_cfg), encode=encode,
-                           lr_schedule=sft_cfg.get("lr_schedule", "constant"))
+                           lr_schedule=sft_cfg.lr_schedule)
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
     save_model_dir(model, tok, tmp)

@@ -109,8 +109,9 @@ def main(argv=None) -> int:
     a, overrides = ap.parse_known_args(argv)
     sweep, analysis, runs, out = commands(a.name, a.scale, overrides, a.runs, a.out)
     print("sweep:    " + shlex.join(sweep), "analysis: " + shlex.join(analysis), sep="\n", flush=True)
-    if n := overlay_transfer(scale_file(a.name, a.scale)):
-        print(f"transfer: {sys.executable} -m ema_pg.evaluate <each finished run> --transfer {n}  (before the analysis)",
+    n_transfer = overlay_transfer(scale_file(a.name, a.scale))
+    if n_transfer:
+        print(f"transfer: {sys.executable} -m ema_pg.evaluate <each finished run> --transfer {n_transfer}  (before the analysis)",
               flush=True)
     if a.dry_run:
         return 0
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
         print(f"{len(failed) + len(unfinished)} of {len(finished) + len(failed) + len(unfinished)} runs of the sweep "
               "did not finish; no report is written:\n" + "\n".join(missing), file=sys.stderr)
         return 1
-    todo = transfer_commands(finished, overlay_transfer(scale_file(a.name, a.scale)))
+    todo = transfer_commands(finished, n_transfer)
     for i, cmd in enumerate(todo, 1):
         print(f"transfer evaluation {i}/{len(todo)}: {shlex.join(cmd[1:])}", flush=True)
         rc = subprocess.run(cmd, cwd=ROOT).returncode

@@ -141,6 +141,8 @@ class GRPOModule(L.LightningModule):
             if self.monitor.due(self.iteration):  # eq. 28, off by default
                 metrics.update(self.monitor(self.policy, res.rollouts, lr=self.updater.lr,
                                             temperature=self.cfg.rollout.temperature))
+        if self.device.type == "cuda":  # the run's peak so far: what a GPU must hold for this recipe
+            metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self._log_metrics(metrics)
         self._warn_collapse(metrics)
         self.last_metrics = metrics

@@ -45,6 +45,7 @@ SHAPES = {"tiny": (64, 128, 2, 4, 2), "qwen2.5-0.5b": (896, 4864, 24, 14, 2), "q
 VOCAB = 151936
 #: eval files of experiment=math_deepscaler (its comment names them)
 MATH_EVALS = ("math500", "amc", "minerva", "aime24", "aime25", "olympiad")
+HEADROOM = 40e9  #: bytes kept free beside a checkpoint (a tmpfs such as /dev/shm shares the machine's memory)
 CKPT_BYTES_PER_PARAM = 2 * (2 + 12 + 4)  #: bf16 weights, fp32 master + Adam moments, fp32 EMA master; two copies
 
 
@@ -67,18 +68,18 @@ def build_model(shape: str, texts: list[str], out: Path, device: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def math_data(d: Path) -> tuple[list[str], dict]:
+def math_data(d: Path, eval_sets: int) -> tuple[list[str], dict]:
     """DeepScaleR's raw JSON (problem, answer, solution): a training file and one file per eval benchmark."""
     d.mkdir(parents=True, exist_ok=True)
     rows = [{"problem": f"What is {a} + {b}?", "answer": str(a + b), "solution": f"{a} + {b} = {a + b}"}
             for a in range(1, 9) for b in range(1, 9)]
     (d / "train.json").write_text(json.dumps(rows))
-    for i, name in enumerate(MATH_EVALS):  # one problem each: every one is sampled rollout.eval_samples times
+    for i, name in enumerate(MATH_EVALS[:eval_sets]):  # one problem each: every one is sampled rollout.eval_samples times
         (d / f"{name}.json").write_text(json.dumps([{"problem": f"What is {i} * 7?", "answer": str(7 * i)}]))
     return [r["problem"] + " " + r["solution"] for r in rows] * 3, {"EMA_PG_MATH_DATA": str(d)}
 
 
-def search_data(d: Path):
+def search_data(d: Path, eval_sets: int):
     """Search-R1's parquet rows (qa_search_*_merge.py) over the tests' documents, and its retrieval server."""
     import pandas as pd
 
@@ -90,7 +91,7 @@ def search_data(d: Path):
     qs = [{"id": f"q{i}", "question": f"what is the capital of {c}", "golden_answers": [a]}
           for i, (c, a) in enumerate([("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid")])]
     pd.DataFrame(search_r1_rows(qs, "nq", "train")).to_parquet(d / "train.parquet")
-    test = [r for s in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
+    test = [r for s in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")[:eval_sets]
             for r in search_r1_rows(qs[:1], s, "test")]
     pd.DataFrame(test).to_parquet(d / "test.parquet")
     server = FaultServer(DOCS)
@@ -120,18 +121,25 @@ def du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) if path.exists() else 0
 
 
+#: ema_pg.train with faulthandler on SIGUSR1, so that a run stopped at its time cap says where it was
+TRAIN_WITH_STACKS = ("import faulthandler, runpy, signal, sys; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+                     "sys.argv[0] = 'ema_pg.train'; runpy.run_module('ema_pg.train', run_name='__main__')")
+
+
 def run_train(args: list[str], env: dict, log: Path, run_dir: Path, stop_after: int | None = None,
               kill_at_checkpoint: bool = False, timeout: float = 3600) -> dict:
     """One ``ema_pg.train`` process; stopped (SIGKILL) once ``stop_after`` iterations are logged, or once the
     first checkpoint is complete with ``kill_at_checkpoint``."""
     t0 = time.time()
     with log.open("a") as fh:
-        p = subprocess.Popen([sys.executable, "-m", "ema_pg.train", *args], stdout=fh, stderr=subprocess.STDOUT,
+        p = subprocess.Popen([sys.executable, "-c", TRAIN_WITH_STACKS, *args], stdout=fh, stderr=subprocess.STDOUT,
                              env=env, cwd=ROOT)
         out = {"killed": None}
         while p.poll() is None:
             time.sleep(0.5)
             if time.time() - t0 > timeout:
+                p.send_signal(signal.SIGUSR1)  # where it was: every thread's stack into the log
+                time.sleep(2.0)
                 p.kill()
                 out["killed"] = "timeout"
             elif stop_after is not None and len(read_metrics(run_dir)) >= stop_after:
@@ -156,6 +164,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=0, help="0 = the recipe's")
     ap.add_argument("--kill-resume", action="store_true", help="checkpoint every iteration, SIGKILL after the first, "
                     "resume; then export policy and anchor")
+    ap.add_argument("--eval-sets", type=int, default=7, help="eval files (benchmarks / data sources) written, one "
+                    "question each: an evaluation samples them one split after another")
     ap.add_argument("--disk-check", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--workdir", default="/tmp/ema_pg_recipes")
     ap.add_argument("--timeout", type=float, default=3600)
@@ -175,9 +185,9 @@ def main() -> None:
     t = time.time()
     server = None
     if a.recipe == "math_deepscaler":
-        texts, env_data = math_data(work / "data")
+        texts, env_data = math_data(work / "data", a.eval_sets)
     else:
-        texts, env_data, server = search_data(work / "data")
+        texts, env_data, server = search_data(work / "data", a.eval_sets)
     result["params"] = build_model(a.shape, texts, work / "model", device)
     result["build_s"] = time.time() - t
     group = 8 if a.recipe == "math_deepscaler" else 5  # the recipes' algo.group_size
@@ -185,7 +195,7 @@ def main() -> None:
     over = [f"experiment={a.recipe}", "rollout=hf", f"trainer.strategy=deepspeed_stage_{a.stage}",
             f"algo.iterations={a.iterations}", f"algo.eval_every={1 if a.kill_resume else a.iterations}",
             f"algo.prompts_per_step={a.prompts}", f"algo.minibatch_size={a.prompts * group}", "anchor.update_every=1",
-            f"run_dir={run_dir}", "trainer.progress_bar=false", *a.extra]
+            f"run_dir={run_dir}", *a.extra]
     if a.max_new_tokens:
         over.append(f"rollout.max_new_tokens={a.max_new_tokens}")
     if device == "cpu":
@@ -197,7 +207,7 @@ def main() -> None:
     free = shutil.disk_usage(work).free
     result["checkpoint_estimate_gb"], result["disk_free_gb"] = need / 1e9, free / 1e9
     stop_after = None
-    if a.disk_check and need * 1.05 > free and not a.kill_resume:
+    if a.disk_check and need * 1.05 > free - HEADROOM and not a.kill_resume:
         stop_after = a.iterations
         result["checkpoint"] = (f"not written: about {need / 1e9:.0f} GB (two copies) against {free / 1e9:.0f} GB free; "
                                 "the run was stopped after its last iteration's metrics")

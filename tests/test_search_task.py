@@ -384,3 +384,28 @@ def test_evaluate_transfer_numbers_are_each_worlds_own_evaluation_averaged(tmp_p
         for key in ("searches", "recalled"):
             assert out["splits"][split]["diagnostics"][key] == pytest.approx(
                 sum(d["splits"][split]["diagnostics"][key] for d in direct) / 2), (split, key)
+
+
+def test_a_run_never_imports_jax(tmp_path):
+    """Where JAX is installed, importing bm25s warmed JAX up, and JAX's GPU backend took 75% of the GPU for itself:
+    on an H200 every recipe at 0.5-3B ran out of memory beside it (issue 41). A stand-in ``jax`` package records an
+    import; a run's modules and a BM25 search must leave no record, and the search still answers (numpy top-k)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    marker = tmp_path / "jax_imported"
+    fake = tmp_path / "site" / "jax"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('jax\\n')\n"
+                                      "raise ImportError('the stand-in jax of the test')\n")
+    code = ("import ema_pg.train, ema_pg.engine.fit, ema_pg.tasks.math.task, ema_pg.tasks.search.task\n"
+            "from ema_pg.tasks.search.retriever import BM25Retriever\n"
+            "r = BM25Retriever([('Paris', 'capital of France'), ('Rome', 'capital of Italy')])\n"
+            "print(r.retrieve(['Italy'], 1)[0][0]['contents'].split()[0])\n")
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                       env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path / 'site'}:{root}"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split()[-1] == "Rome"
+    assert not marker.exists(), "a module of the run imported jax"

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit, urlunsplit
-
-import bm25s
 
 from ..base import ServiceError
 
@@ -39,9 +38,30 @@ class RetrieverError(ServiceError):
     """The retrieval server failed (down, too slow, an HTTP error, an answer that is not the protocol's)."""
 
 
+def bm25s_module():
+    """``bm25s``, imported on first use with JAX hidden from it. Where JAX is installed, bm25s's import warms up a
+    JAX top-k (``bm25s/selection.py``); that starts JAX's GPU backend, which takes 75% of the GPU's memory for
+    itself (XLA's preallocation), and a training run in the same process is left a quarter (found on an H200: the
+    math recipe at 1.5B ran out of memory with 25 GiB allocated by PyTorch). Without JAX bm25s picks its top-k
+    with numpy, as it does wherever JAX is not installed. A process that imported JAX itself keeps it."""
+    if "bm25s" in sys.modules:
+        return sys.modules["bm25s"]
+    hide = "jax" not in sys.modules
+    if hide:
+        sys.modules["jax"] = None  # `import jax.lax` raises ImportError, which bm25s takes as "not installed"
+    try:
+        import bm25s
+    finally:
+        if hide:
+            del sys.modules["jax"]
+    return bm25s
+
+
 class BM25Retriever:
     def __init__(self, docs: list[tuple[str, str]]):
+        bm25s = bm25s_module()
         self.contents = [f"{title}\n{text}" for title, text in docs]
+        self.bm25s = bm25s
         self.index = bm25s.BM25()
         self.index.index(bm25s.tokenize(self.contents, show_progress=False), show_progress=False)
 
@@ -50,7 +70,8 @@ class BM25Retriever:
         if not queries:
             return []
         k = min(topk, len(self.contents))
-        idx, scores = self.index.retrieve(bm25s.tokenize(list(queries), show_progress=False), k=k, show_progress=False)
+        idx, scores = self.index.retrieve(self.bm25s.tokenize(list(queries), show_progress=False), k=k,
+                                          show_progress=False)
         return [[{"contents": self.contents[int(i)], "score": float(s)} for i, s in zip(row, srow)]
                 for row, srow in zip(idx, scores)]
 

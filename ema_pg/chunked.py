@@ -152,7 +152,12 @@ class ChunkedLogProb(torch.autograd.Function):
             if need_h:
                 torch.mm(dz, W, out=gh[s:e])  # (C, H), written in place
             if need_W:
-                gW.addmm_(dz.T.to(acc), h[s:e].to(acc))  # (V, H) accumulated in place: no per-chunk temporary
+                if dz.dtype == acc:
+                    gW.addmm_(dz.T, h[s:e])  # (V, H) accumulated in place: no per-chunk temporary
+                else:  # half precision: the product on the half-precision units (float32 sums inside the GEMM), then
+                    # added to the float32 total. A float32 GEMM here was 70% of the policy pass on an H200 (3.7x
+                    # the materialized head at V = 151,936, benchmarks/results/kl_head_h200.json)
+                    gW.add_(torch.mm(dz.T, h[s:e]))
         return gh, (gW.to(W.dtype) if need_W else None), None, None, None, None, None, None
 
 

@@ -81,6 +81,24 @@ def test_bf16_inputs_accumulate_in_float32(data):
     assert out.logp.dtype == torch.float32 and rel(out.logp, ref) < 1e-3
 
 
+def test_bf16_gradients_match_the_float32_head_of_the_same_inputs(data):
+    """bf16 h and W over several chunks: the gradients of log pi(y) and of the log-probs at an index equal those of
+    the head formed in float32 from the same bf16 values, to bf16 rounding (each chunk's W-gradient is a bf16 GEMM
+    added to a float32 total)."""
+    h, W, _, t = data
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, W.shape[0], (h.shape[0], 4), generator=g)
+    gl, gi = torch.randn(h.shape[0], generator=g), torch.randn(h.shape[0], 4, generator=g)
+    hb, Wb = h.bfloat16().requires_grad_(True), W.bfloat16().requires_grad_(True)
+    logp, ixl = chunked_logprobs(hb, Wb, t, q, 1.0, chunk=7)
+    ghb, gWb = torch.autograd.grad((logp * gl).sum() + (ixl * gi).sum(), (hb, Wb))
+    hf, Wf = hb.detach().float().requires_grad_(True), Wb.detach().float().requires_grad_(True)
+    lp = torch.log_softmax(hf @ Wf.T, -1)
+    ghf, gWf = torch.autograd.grad((lp.gather(-1, t[:, None])[:, 0] * gl).sum() + (lp.gather(-1, q) * gi).sum(), (hf, Wf))
+    assert ghb.dtype == gWb.dtype == torch.bfloat16
+    assert rel(ghb.float(), ghf) < 1e-2 and rel(gWb.float(), gWf) < 1e-2
+
+
 def test_auto_chunk_respects_the_budget():
     c = auto_chunk(10_000, 151_936, budget_mb=64)
     assert c * 151_936 * 4 * 3 <= 64 * 2**20 and c >= 1

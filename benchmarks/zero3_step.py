@@ -5,7 +5,9 @@ Both runs train the demo's model (EMA-PG, Top-k reverse KL) for ``--iterations``
 update parts) over the iterations after the first is reported. On a 2-core CPU the two ZeRO-3
 processes share the cores the one process had, so this measures the overhead of partitioning
 (gathers, gloo collectives, lock-stepped sampling), not a speed-up; a GPU node gives each
-process its own device. Writes JSON with the settings beside the numbers.
+process its own device. A third run samples with ``rollout.zero3_gather=false`` (each decode step gathering
+layer by layer through ZeRO-3's hooks) beside the default (the policy gathered once per rollout, hooks off).
+Writes JSON with the settings beside the numbers.
 
     python benchmarks/zero3_step.py --out benchmarks/results/zero3_step_cpu.json     (make bench-zero3)
 """
@@ -48,10 +50,13 @@ def main(argv=None) -> dict:
                         "experiment": "demo", "OMP_NUM_THREADS": 1, "cpus": os.cpu_count()}}
     with tempfile.TemporaryDirectory() as tmp:
         out["one_process"] = run(Path(tmp) / "one", [], a)
-        out["zero3_two_processes"] = run(Path(tmp) / "z3", ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3",
-                                                             "trainer.devices=2"], a)
+        z3 = ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "trainer.devices=2"]
+        out["zero3_two_processes"] = run(Path(tmp) / "z3", z3, a)  # rollout.zero3_gather (the default)
+        out["zero3_two_processes_hooked_rollouts"] = run(Path(tmp) / "z3h", z3 + ["rollout.zero3_gather=false"], a)
     out["ratio_step_s"] = out["zero3_two_processes"]["time/step_s"] / out["one_process"]["time/step_s"]
-    for k in ("one_process", "zero3_two_processes"):
+    out["ratio_rollout_s_gathered_vs_hooked"] = (out["zero3_two_processes"]["time/rollout_s"]
+                                                 / out["zero3_two_processes_hooked_rollouts"]["time/rollout_s"])
+    for k in ("one_process", "zero3_two_processes", "zero3_two_processes_hooked_rollouts"):
         print(k, {p: round(v, 3) for p, v in out[k].items()})
     print(f"ZeRO-3 x2 / one process step time: {out['ratio_step_s']:.2f}")
     if a.out:

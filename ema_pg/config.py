@@ -124,6 +124,9 @@ class RolloutConfig:
     max_obs_tokens: int = 256  #: cap on the tokens of one environment observation
     #: hf: single-turn sampling over a preallocated cache, the decode step a CUDA graph on GPU (null: on for a non-LoRA policy on CUDA)
     static_cache: bool | None = None
+    #: hf under DeepSpeed ZeRO-3: the policy's whole weights gathered on each rank while it samples, ZeRO-3's
+    #: per-module hooks off meanwhile (false when the model does not fit one device: each layer is gathered per step)
+    zero3_gather: bool = True
     eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
     eval_samples: int = 1  #: responses per eval problem; > 1 samples them and adds mean@N, pass@k, maj@N
     eval_top_p: float = 1.0  #: nucleus mass of sampled evaluation (eval_samples > 1)

@@ -119,6 +119,43 @@ def gathered(params, modifier_rank=None):
         yield
 
 
+class Zero3FullWeights:
+    """While a rollout samples from a model inside the ZeRO-3 engine's module: its whole weights on every rank,
+    gathered once, and ZeRO-3's per-module forward hooks inert, so a decode step is a plain forward instead of one
+    collective gather per layer (about 0.18 s per token at 0.5B on an H200, benchmarks/results/
+    recipes_h200_attempt.json). The hooks stay registered (re-registering them would void DeepSpeed's recorded
+    prefetch trace at every rollout); the weights are partitioned again as the block ends, and every rank must
+    enter it together. Needs the sampled model whole in one device's memory (``rollout.zero3_gather=false`` when it
+    does not fit). A model outside the engine's module is sampled as it is."""
+
+    def __init__(self, offload):
+        self.offload = offload  #: DeepSpeed's DeepSpeedZeRoOffload of the engine (its module, its hooks)
+
+    @contextmanager
+    def __call__(self, model: torch.nn.Module):
+        off = self.offload
+        if not any(m is model for m in off.module.modules()):  # the engine's module holds the policy (Lightning's)
+            yield
+            return
+        from deepspeed.runtime.zero import parameter_offload
+
+        params = list(model.parameters())
+        with gathered(params):
+            for p in params:
+                p.ds_active_sub_modules.clear()  # nothing holds them: released as the block ends
+            # the hooks call these two per module: no fetch, no release (the stack the post hook pops still grows)
+            off.pre_sub_module_forward_function = parameter_offload.FWD_MODULE_STACK.append
+            off.post_sub_module_forward_function = _nothing
+            try:
+                yield
+            finally:
+                del off.pre_sub_module_forward_function, off.post_sub_module_forward_function  # the class's again
+
+
+def _nothing(*_):
+    pass
+
+
 def call_through(module: torch.nn.Module, fn, *inputs):
     """``fn(*inputs)`` run as ``module``'s forward, so ZeRO-3's hooks gather ``module``'s parameters for
     it and again for its backward (a function that uses a parameter outside its module's forward sees

@@ -145,3 +145,65 @@ def test_export_of_a_zero3_run_loads_with_from_pretrained(tmp_path, two_process)
         m = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)
         ref = weights(run_dir, which)
         assert all(torch.equal(m.state_dict()[k], ref[k]) for k in ref)
+
+
+PROBE = r"""
+import json, sys
+from contextlib import contextmanager
+import lightning as L
+from omegaconf import open_dict
+from ema_pg.config import compose
+from ema_pg.engine.fit import train
+
+
+class Probe(L.Callback):
+    '''Watches every sampling inside the ZeRO-3 full-weights context (set by the module's on_fit_start).'''
+    seen, hooks = [], None
+
+    def on_train_start(self, trainer, module):
+        fw = module.sampler.full_weights
+        off = fw.offload
+        Probe.hooks = len(off.forward_hooks)
+
+        @contextmanager
+        def probe(model):
+            with fw(model):
+                ps = list(model.parameters())
+                row = {"policy": model is module.policy}
+                yield
+                row["full_after_sampling"] = all(p.numel() == p.ds_numel for p in ps)  # active hooks release them
+            row["hooks_after"] = len(off.forward_hooks)
+            row["released_after"] = all(p.numel() == 0 for p in ps if not p.ds_persist)
+            Probe.seen.append(row)
+
+        module.sampler.full_weights = probe
+
+
+cfg = compose(sys.argv[2:])
+with open_dict(cfg):
+    cfg.run_dir = sys.argv[1]
+train(cfg, callbacks=[Probe()])
+print(json.dumps({"seen": Probe.seen, "hooks": Probe.hooks}))
+"""
+
+
+def test_zero3_samples_from_gathered_weights_without_its_hooks_and_like_the_hooked_forward(tmp_path, cache):
+    """rollout.zero3_gather (the default): each rollout and evaluation of the policy samples from its whole weights,
+    which ZeRO-3's hooks leave whole (they would release them after each layer's forward) and which are partitioned
+    again afterwards; the run equals one whose hooks gather layer by layer."""
+    import json
+
+    one = ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "trainer.devices=1", f"sft.cache_dir={cache}"]
+    p = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "gathered"), *ARGS, *one], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    probe = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(probe["seen"]) == 6 + 4  # six rollouts, evaluations at iterations 0, 2, 4, 6
+    assert probe["hooks"] > 0
+    for row in probe["seen"]:
+        assert row == {"policy": True, "full_after_sampling": True, "hooks_after": probe["hooks"], "released_after": True}
+    hooked = run(tmp_path / "hooked", one[:-1] + ["rollout.zero3_gather=false"], cache=cache)
+    pd.testing.assert_frame_equal(curves(tmp_path / "gathered").reset_index(drop=True), curves(hooked).reset_index(drop=True))
+    for which in ("policy", "anchor"):
+        a, b = weights(tmp_path / "gathered", which), weights(hooked, which)
+        assert all(torch.equal(a[k], b[k]) for k in a), which

@@ -18,7 +18,7 @@ import torch
 from ..advantages import NEEDS_CRITIC, ONE_PROCESS
 from ..chunked import auto_chunk
 from ..config import ConfigError, build_estimator
-from ..dist import World, full_shape, zero3_partitioned
+from ..dist import World, Zero3FullWeights, full_shape, zero3_partitioned
 from ..prompts import PromptEncoder
 from ..rollout import build_sampler
 from ..step import FiniteGuard, NonFiniteUpdates, rl_step
@@ -243,6 +243,9 @@ class GRPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if any(zero3_partitioned(p) for p in self.policy.parameters()):
             self.sampler.lockstep = World.current()  # every forward is collective under ZeRO-3
+            offload = getattr(getattr(self.trainer.strategy.model, "optimizer", None), "parameter_offload", None)
+            if self.cfg.rollout.zero3_gather and hasattr(self.sampler, "full_weights") and offload is not None:
+                self.sampler.full_weights = Zero3FullWeights(offload)
         if self.cfg.model.compile:  # after the anchor's copy (attached at setup): each model compiles its own body
             for model in (self.policy, None if self.anchor is None else self.anchor.model):
                 if model is not None:

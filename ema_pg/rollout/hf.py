@@ -160,6 +160,9 @@ class HFSampler:
         #: a :class:`ema_pg.dist.World` whose ranks must run the same forwards (DeepSpeed ZeRO-3, where every
         #: forward gathers parameters collectively): the loop then runs until every rank's rows are done
         self.lockstep = None
+        #: None, or a function of the model sampled giving a context in which it samples (DeepSpeed ZeRO-3: its whole
+        #: weights gathered once and its per-module hooks off, :class:`ema_pg.dist.Zero3FullWeights`)
+        self.full_weights = None
 
     def _static_for(self, model, shape: tuple[int, int, bool], dev: torch.device):
         """(a reset cache of ``shape`` = (rows, columns, under autocast) for ``model``, its decode step)."""
@@ -180,10 +183,17 @@ class HFSampler:
     def _max(self, n: int) -> int:
         return n if self.lockstep is None else self.lockstep.max(n)
 
+    def generate(self, model, prompts: list[str] | list[list[int]], n: int = 1, **kw) -> Rollouts:
+        """:meth:`sample`, inside ``full_weights(model)`` when it is set."""
+        if self.full_weights is None:
+            return self.sample(model, prompts, n, **kw)
+        with self.full_weights(model):
+            return self.sample(model, prompts, n, **kw)
+
     @torch.no_grad()
-    def generate(self, model, prompts: list[str] | list[list[int]], n: int = 1, *, temperature: float = 1.0,
-                 top_p: float = 1.0, max_new_tokens: int = 32, stop: list[str] | None = None,
-                 on_stop: OnStop | None = None, seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts:
+    def sample(self, model, prompts: list[str] | list[list[int]], n: int = 1, *, temperature: float = 1.0,
+               top_p: float = 1.0, max_new_tokens: int = 32, stop: list[str] | None = None,
+               on_stop: OnStop | None = None, seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts:
         """Sample ``n`` responses per prompt. The sampler sees pi_old's whole next-token distribution
         at every step, so with ``score`` it also returns pi_old's scores in ``Rollouts.old``: log
         pi_old(y_n), and as asked its top-k (index set and log-probs) and entropy. The training step

@@ -36,7 +36,18 @@ def acc_dtype(h: Tensor) -> torch.dtype:
     return torch.float32 if h.dtype in (torch.float16, torch.bfloat16) else h.dtype
 
 
-def auto_chunk(n_tokens: int, vocab: int, budget_mb: float = 256.0, bytes_per: int = 4, copies: int = 3) -> int:
+#: a chunk's memory budget in MiB by device type, when ``model.head_chunk_mb`` is null. On a GPU 256 MiB gives
+#: 147-token chunks at V = 151,936, too few rows to fill it: the no-grad passes took 1.65x the materialized head on
+#: an H200, 1.14x with 2048-token chunks (benchmarks/results/kl_head_h200.json); 4096 MiB gives 2355 tokens there.
+CHUNK_MB = {"cpu": 256.0, "cuda": 4096.0}
+
+
+def chunk_budget_mb(configured: float | None, device_type: str) -> float:
+    """``model.head_chunk_mb`` as set, or the device's default (:data:`CHUNK_MB`; a CPU's for other devices)."""
+    return configured if configured is not None else CHUNK_MB.get(device_type, CHUNK_MB["cpu"])
+
+
+def auto_chunk(n_tokens: int, vocab: int, budget_mb: float = CHUNK_MB["cpu"], bytes_per: int = 4, copies: int = 3) -> int:
     """Tokens per chunk so that ``copies`` (C, V) float buffers fit in ``budget_mb``."""
     c = int(budget_mb * 2**20 // (vocab * bytes_per * copies))
     return max(1, min(n_tokens, c))

@@ -56,7 +56,9 @@ class ModelConfig:
     tokenizer_vocab: int = 512  #: BPE vocabulary size when a tokenizer is trained on the task text
     dtype: str = "float32"  #: float32 | bfloat16 | float16 (the anchor's master copy stays fp32)
     head_chunk_tokens: int = 0  #: tokens per chunk of the log-prob head (0 = sized by head_chunk_mb)
-    head_chunk_mb: float = 256.0  #: memory budget of one chunk of logits (and its softmax/grad buffers)
+    #: memory budget of one chunk of logits (and its softmax/grad buffers); null: by device (ema_pg.chunked.CHUNK_MB:
+    #: 256 MiB on a CPU, 4096 on a GPU)
+    head_chunk_mb: float | None = None
     compile: bool = False  #: torch.compile the decoder body of the policy and the anchor (ema_pg.engine.models.compile_body)
 
     def check(self) -> None:
@@ -67,7 +69,7 @@ class ModelConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             _bad(f"model.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
         _at_least(("model.head_chunk_tokens", self.head_chunk_tokens, 0))
-        if not self.head_chunk_mb > 0:
+        if self.head_chunk_mb is not None and not self.head_chunk_mb > 0:
             _bad(f"model.head_chunk_mb must be > 0; got {self.head_chunk_mb}")
         from omegaconf import OmegaConf
 

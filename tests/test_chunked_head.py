@@ -99,6 +99,14 @@ def test_bf16_gradients_match_the_float32_head_of_the_same_inputs(data):
     assert rel(ghb.float(), ghf) < 1e-2 and rel(gWb.float(), gWf) < 1e-2
 
 
+def test_the_chunk_budget_is_the_devices_unless_set():
+    from ema_pg.chunked import chunk_budget_mb
+
+    assert chunk_budget_mb(None, "cpu") == 256.0 and chunk_budget_mb(None, "cuda") == 4096.0
+    assert chunk_budget_mb(64.0, "cuda") == 64.0 and chunk_budget_mb(None, "mps") == 256.0  # a CPU's elsewhere
+    assert auto_chunk(10**6, 151_936, chunk_budget_mb(None, "cuda")) == 4096 * 2**20 // (151_936 * 4 * 3) == 2355
+
+
 def test_auto_chunk_respects_the_budget():
     c = auto_chunk(10_000, 151_936, budget_mb=64)
     assert c * 151_936 * 4 * 3 <= 64 * 2**20 and c >= 1

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 
 from ..advantages import NEEDS_CRITIC, ONE_PROCESS
-from ..chunked import auto_chunk
+from ..chunked import auto_chunk, chunk_budget_mb
 from ..config import ConfigError, build_estimator
 from ..dist import World, Zero3FullWeights, full_shape, zero3_partitioned
 from ..prompts import PromptEncoder
@@ -118,7 +118,7 @@ class GRPOModule(L.LightningModule):
         """Tokens per chunk of the log-prob head: fixed by ``model.head_chunk_tokens`` or sized by memory."""
         m = self.cfg.model
         V = full_shape(self.policy.get_output_embeddings().weight)[0]
-        return m.head_chunk_tokens or auto_chunk(n_tokens, V, m.head_chunk_mb)
+        return m.head_chunk_tokens or auto_chunk(n_tokens, V, chunk_budget_mb(m.head_chunk_mb, self.device.type))
 
     # ------------------------------------------------------------------ one RL iteration
     def training_step(self, iteration, batch_idx):
@@ -171,7 +171,7 @@ class GRPOModule(L.LightningModule):
 
         m = self.cfg.model
         chunk = HeadChunk(m.head_chunk_tokens, full_shape(self.policy.get_output_embeddings().weight)[0],
-                          m.head_chunk_mb)
+                          chunk_budget_mb(m.head_chunk_mb, self.device.type))
         ahead = RolloutsAhead(self.cfg, self.policy, None if self.anchor is None else self.anchor.model,
                               self.tokenizer, self.task, self.encode, chunk)
         ahead.restore(self._restored_in_flight)

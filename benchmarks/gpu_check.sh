@@ -1,6 +1,6 @@
 #!/bin/bash
-# Issue 41's device check, one call on a lent GPU (about 9 minutes): the chunked head at V = 151,936 and the
-# paper's recipes at Qwen2.5 sizes under DeepSpeed (benchmarks/recipes.py). Each step has its own time cap
+# Issue 41's device check, one call on a lent GPU (about 6-9 minutes): the paper's recipes at Qwen2.5 sizes
+# under DeepSpeed (benchmarks/recipes.py) and the chunked head at V = 151,936 with the trainer's default chunk. Each step has its own time cap
 # and leaves its JSON in $OUT whatever the others do. The packages the image lacks travel as wheels (.whl).
 #   run: bash benchmarks/gpu_check.sh   (with OUT set; carry .whl); STEPS="math15_z3" BUDGET=170 for the last one
 set -u
@@ -37,7 +37,7 @@ step search3_z2 105 $R --timeout 85 --recipe search_paper --shape qwen2.5-3b --s
 rm -rf $W/search_paper-*/model
 step math15_z3 120 $R --timeout 95 --recipe math_deepscaler --shape qwen2.5-1.5b --stage 3 --max-new-tokens 256 \
   --out $OUT/recipe_math_1.5b_z3.json
-step kl_head 40 python3 benchmarks/kl_head.py --device cuda --dtypes bfloat16 --max-gb 100 --repeats 3 --chunk 2048 \
-  --sizes 16384x151936x2048,32768x151936x2048 --out $OUT/kl_head_h200_chunk2048.json
+step kl_head 60 python3 benchmarks/kl_head.py --device cuda --dtypes bfloat16,float32 --max-gb 100 --repeats 3 \
+  --sizes 16384x151936x2048,32768x151936x2048 --out $OUT/kl_head_gpu.json
 tar czf $OUT/logs.tgz -C / $(cd / && ls -d tmp/*.log ${W#/}/*/train.log 2>/dev/null)
 echo "done in $(( $(date +%s) - T0 ))s"

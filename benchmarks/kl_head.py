@@ -170,7 +170,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-gb", type=float, default=12.0, help="skip (b)/(c) runs estimated above this")
-    ap.add_argument("--chunk", type=int, default=0, help="tokens per chunk (0 = auto, 256 MiB budget)")
+    ap.add_argument("--chunk", type=int, default=0, help="tokens per chunk (0 = the trainer's default for the device)")
     ap.add_argument("--sizes", default="all", help="'all' or comma list like 2048x32000x512")
     ap.add_argument("--dtypes", default="float32", help="comma list of float32, bfloat16 (hidden states and weights)")
     ap.add_argument("--repeats", type=int, default=3, help="CUDA: timed calls after the warm-up (the median is kept)")
@@ -189,9 +189,9 @@ def main() -> None:
     dev_name = torch.cuda.get_device_name(0) if cuda else (platform.processor() or platform.machine())
     rows = []
     for (N, V, H), dtype in ((g, d) for g in grid for d in dtypes):
-        from ema_pg.chunked import auto_chunk
+        from ema_pg.chunked import auto_chunk, chunk_budget_mb
 
-        chunk = a.chunk or auto_chunk(N, V)
+        chunk = a.chunk or auto_chunk(N, V, chunk_budget_mb(None, "cuda" if cuda else "cpu"))  # the trainer's
         data = inputs(N, V, H, a.device, dtype) if cuda else None
         for phase in ("anchor", "policy"):
             for method in ("chunked", "materialized", "exact"):

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 import zlib
 from pathlib import Path
 
@@ -262,6 +263,21 @@ def eval_label(which: str, baseline: str, overrides, transfer: int = 0) -> str:
                     + [o.replace("/", "-").replace("=", "-") for o in overrides])
 
 
+def evaluation_file(run_dir, which: str = "policy", baseline: str = "none", overrides=(), transfer: int = 0) -> Path:
+    """Where ``python -m ema_pg.evaluate RUN`` writes an evaluation without ``--out``."""
+    return Path(run_dir) / "evaluations" / f"{eval_label(which, baseline, overrides, transfer)}.json"
+
+
+def transfer_evaluations(run_dir, which: str = "policy") -> dict[int, Path]:
+    """A run's evaluations on N unseen worlds (``--transfer N``, no other override), by N."""
+    found = {}
+    for f in (Path(run_dir) / "evaluations").glob("*.json"):
+        m = re.fullmatch(r".*transfer(\d+)", f.stem)
+        if m and f == evaluation_file(run_dir, which, transfer=int(m[1])):
+            found[int(m[1])] = f
+    return found
+
+
 def check_writable(out: Path) -> None:
     """Make ``out``'s folder and prove a file can be written there, or stop with one line (before any work)."""
     probe = out.parent / f".{out.name}.probe-{os.getpid()}"
@@ -331,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(cfg.trainer.num_threads)
     iteration, live = None, False
     if is_run:
-        out = Path(a.out) if a.out else target / "evaluations" / f"{eval_label(a.which, a.baseline, a.overrides, a.transfer)}.json"
+        out = Path(a.out) if a.out else evaluation_file(target, a.which, a.baseline, a.overrides, a.transfer)
         iteration = None if a.which == "initial" else checkpoint_iteration(target)
         live = run_is_live(target)
         if live:

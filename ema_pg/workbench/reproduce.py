@@ -76,11 +76,10 @@ def overlay_transfer(overlay: str) -> int:
 
 def transfer_commands(runs: list[Path], n: int) -> list[list[str]]:
     """The transfer evaluations of the finished ``runs`` that do not have theirs yet (so a rerun skips them)."""
-    from ..engine.evaluate import eval_label
+    from ..engine.evaluate import evaluation_file
 
-    name = eval_label("policy", "none", [], transfer=n) + ".json"
     return [[sys.executable, "-m", "ema_pg.evaluate", str(r), "--transfer", str(n)]
-            for r in sorted(runs) if n and not (Path(r) / "evaluations" / name).is_file()]
+            for r in sorted(runs) if n and not evaluation_file(r, transfer=n).is_file()]
 
 
 def commands(name: str, scale: str, overrides: list[str], runs: Path | None = None, out: Path | None = None):

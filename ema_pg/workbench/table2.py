@@ -23,6 +23,7 @@ from .results import (METHOD_LABELS, bootstrap_ci, claim_verdict, format_seeds, 
                       paired_differences, provenance_lines, seed_tally, seeds_to_detect, set_style, sign_flip_p, table_args,
                       write_results)
 from .results import verdict as interval_side
+from ..engine.evaluate import transfer_evaluations
 from ..tasks.search.task import DIAGNOSTICS as TASK_DIAGNOSTICS
 from ..tasks.search.task import SPLITS as TASK_SPLITS
 
@@ -232,8 +233,7 @@ def transfer_scores(runs: pd.DataFrame) -> pd.DataFrame:
     several): one row per run that has one (run, method, seed, own, transfer, worlds)."""
     rows = []
     for r in runs.itertuples():
-        found = {int(n): f for f in Path(r.run_dir).glob("evaluations/policy_transfer*.json")
-                 if (n := f.stem.removeprefix("policy_transfer")).isdigit()}  # not those with overrides in the name
+        found = transfer_evaluations(r.run_dir)  # not those with other overrides
         if found:
             ev = json.loads(found[max(found)].read_text())
             rows.append({"run": r.run, "method": r.method, "seed": r.seed, "own": ev["avg"],

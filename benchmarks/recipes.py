@@ -27,7 +27,6 @@ and the JSON says so.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shutil
@@ -105,20 +104,15 @@ def search_data(d: Path, eval_sets: int):
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's training iterations as logged (metrics.csv rows with a step time), numbers only."""
+    import pandas as pd
+
     f = run_dir / "metrics.csv"
     if not f.is_file():
         return []
-    with f.open() as fh:
-        rows = [r for r in csv.DictReader(fh) if r.get("time/step_s")]
-    return [{k: float(v) for k, v in r.items() if v not in ("", None) and _num(v)} for r in rows]
-
-
-def _num(v: str) -> bool:
-    try:
-        float(v)
-        return True
-    except ValueError:
-        return False
+    d = pd.read_csv(f)
+    d = d[d["time/step_s"].notna()] if "time/step_s" in d else d.iloc[:0]
+    return [{k: float(v) for k, v in row.items() if pd.notna(v)} for row in d.select_dtypes("number").to_dict("records")]
 
 
 def du(path: Path) -> int:

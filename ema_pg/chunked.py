@@ -54,6 +54,19 @@ def auto_chunk(n_tokens: int, vocab: int, budget_mb: float = CHUNK_MB["cpu"], by
 
 
 @dataclass
+class HeadChunk:
+    """Tokens per chunk of the log-prob head as the trainer sizes it: ``model.head_chunk_tokens`` if set (``fixed``),
+    else by the memory budget (:func:`chunk_budget_mb`); picklable, for the rollout worker."""
+
+    fixed: int
+    vocab: int
+    budget_mb: float
+
+    def __call__(self, n_tokens: int) -> int:
+        return self.fixed or auto_chunk(n_tokens, self.vocab, self.budget_mb)
+
+
+@dataclass
 class ChunkedOut:
     logp: Tensor  # (N,) log pi(y_n)
     lse: Tensor  # (N,) logsumexp of z_n

@@ -16,7 +16,8 @@ import torch
 from helpers import compose_cfg
 
 from ema_pg.config import ConfigError, validate
-from ema_pg.engine.ahead import HeadChunk, RolloutsAhead, RolloutWorkerError
+from ema_pg.chunked import HeadChunk
+from ema_pg.engine.ahead import RolloutsAhead, RolloutWorkerError
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.heads import head
 from ema_pg.kl import KLInputs, get_estimator

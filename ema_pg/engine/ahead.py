@@ -25,11 +25,10 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 
-from ..chunked import auto_chunk
+from ..chunked import HeadChunk
 from ..config import build_estimator
 from ..rollout import build_sampler
 from ..step import Sampled, sample_ahead
@@ -46,18 +45,6 @@ def _dumps(obj) -> bytes:
 
 def _loads(data: bytes, device: str = "cpu"):
     return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
-
-
-@dataclass
-class HeadChunk:
-    """The head's chunk size as the trainer computes it (``GRPOModule.head_chunk``), picklable."""
-
-    fixed: int
-    vocab: int
-    budget_mb: float
-
-    def __call__(self, n_tokens: int) -> int:
-        return self.fixed or auto_chunk(n_tokens, self.vocab, self.budget_mb)
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

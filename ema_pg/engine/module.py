@@ -16,7 +16,7 @@ import lightning as L
 import torch
 
 from ..advantages import NEEDS_CRITIC, ONE_PROCESS
-from ..chunked import auto_chunk, chunk_budget_mb
+from ..chunked import HeadChunk, chunk_budget_mb
 from ..config import ConfigError, build_estimator
 from ..dist import World, Zero3FullWeights, full_shape, zero3_partitioned
 from ..prompts import PromptEncoder
@@ -114,11 +114,14 @@ class GRPOModule(L.LightningModule):
                         "logits, about %.2f GiB per batch of %d responses (Top-k estimators keep O(k) per token)",
                         self.estimator.name, V, 3 * n * V * 4 / 2**30, n // cfg.rollout.max_new_tokens)
 
-    def head_chunk(self, n_tokens: int) -> int:
-        """Tokens per chunk of the log-prob head: fixed by ``model.head_chunk_tokens`` or sized by memory."""
+    def head_chunk_rule(self) -> HeadChunk:
+        """How many tokens a chunk of the log-prob head takes: ``model.head_chunk_tokens``, or sized by memory."""
         m = self.cfg.model
-        V = full_shape(self.policy.get_output_embeddings().weight)[0]
-        return m.head_chunk_tokens or auto_chunk(n_tokens, V, chunk_budget_mb(m.head_chunk_mb, self.device.type))
+        return HeadChunk(m.head_chunk_tokens, full_shape(self.policy.get_output_embeddings().weight)[0],
+                         chunk_budget_mb(m.head_chunk_mb, self.device.type))
+
+    def head_chunk(self, n_tokens: int) -> int:
+        return self.head_chunk_rule()(n_tokens)
 
     # ------------------------------------------------------------------ one RL iteration
     def training_step(self, iteration, batch_idx):
@@ -167,13 +170,10 @@ class GRPOModule(L.LightningModule):
         return res
 
     def _rollouts_ahead(self):
-        from .ahead import HeadChunk, RolloutsAhead
+        from .ahead import RolloutsAhead
 
-        m = self.cfg.model
-        chunk = HeadChunk(m.head_chunk_tokens, full_shape(self.policy.get_output_embeddings().weight)[0],
-                          chunk_budget_mb(m.head_chunk_mb, self.device.type))
         ahead = RolloutsAhead(self.cfg, self.policy, None if self.anchor is None else self.anchor.model,
-                              self.tokenizer, self.task, self.encode, chunk)
+                              self.tokenizer, self.task, self.encode, self.head_chunk_rule())
         ahead.restore(self._restored_in_flight)
         return ahead
 

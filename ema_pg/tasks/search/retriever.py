@@ -59,11 +59,10 @@ def bm25s_module():
 
 class BM25Retriever:
     def __init__(self, docs: list[tuple[str, str]]):
-        bm25s = bm25s_module()
+        self.bm25s = bm25s_module()
         self.contents = [f"{title}\n{text}" for title, text in docs]
-        self.bm25s = bm25s
-        self.index = bm25s.BM25()
-        self.index.index(bm25s.tokenize(self.contents, show_progress=False), show_progress=False)
+        self.index = self.bm25s.BM25()
+        self.index.index(self.bm25s.tokenize(self.contents, show_progress=False), show_progress=False)
 
     def retrieve(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
         """Per query, the top-k documents as ``{"contents": "title\\ntext", "score": float}``."""

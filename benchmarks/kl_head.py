@@ -221,8 +221,12 @@ def main() -> None:
                         row["status"] = "ok"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                write(a, rows, dtypes, dev_name, cuda)  # after every row: a run stopped at its cap keeps what it measured
         del data
-    # ratios against (b) within this run
+
+
+def write(a, rows: list[dict], dtypes: list[str], dev_name: str, cuda: bool) -> None:
+    """The JSON of the rows so far, with each row's ratios against the materialized head (b) of its size."""
     for r in rows:
         b = next((x for x in rows if (x["N"], x["V"], x["H"], x["dtype"], x["phase"]) == (r["N"], r["V"], r["H"], r["dtype"], r["phase"])
                   and x["method"] == "materialized" and x.get("status") == "ok"), None)
@@ -234,7 +238,9 @@ def main() -> None:
            "target": "chunked peak extra <= N*(8k+12) B + one chunk; >= 20x below (b) at N=8192, V=151936; time <= 1.3x (b)"}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+        tmp = Path(a.out).with_suffix(".part")
+        tmp.write_text(json.dumps(out, indent=2) + "\n")
+        tmp.replace(a.out)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,14 @@ TRAIN_WITH_STACKS = ("import faulthandler, runpy, signal, sys; faulthandler.regi
                      "sys.argv[0] = 'ema_pg.train'; runpy.run_module('ema_pg.train', run_name='__main__')")
 
 
+class Stopped(Exception):
+    """SIGTERM (the caller's time cap): the training process is ended and the JSON keeps what was measured."""
+
+
+def _stopped(signum, frame):
+    raise Stopped
+
+
 def run_train(args: list[str], env: dict, log: Path, run_dir: Path, stop_after: int | None = None,
               kill_at_checkpoint: bool = False, timeout: float = 3600) -> dict:
     """One ``ema_pg.train`` process; stopped (SIGKILL) once ``stop_after`` iterations are logged, or once the
@@ -133,23 +141,38 @@ def run_train(args: list[str], env: dict, log: Path, run_dir: Path, stop_after: 
         p = subprocess.Popen([sys.executable, "-c", TRAIN_WITH_STACKS, *args], stdout=fh, stderr=subprocess.STDOUT,
                              env=env, cwd=ROOT)
         out = {"killed": None}
-        while p.poll() is None:
-            time.sleep(0.5)
-            if time.time() - t0 > timeout:
-                p.send_signal(signal.SIGUSR1)  # where it was: every thread's stack into the log
-                time.sleep(2.0)
-                p.kill()
-                out["killed"] = "timeout"
-            elif stop_after is not None and len(read_metrics(run_dir)) >= stop_after:
-                p.kill()
-                out["killed"] = f"after iteration {stop_after}'s metrics, before its checkpoint"
-            elif kill_at_checkpoint and (run_dir / "checkpoints" / "last.ckpt" / "latest").is_file():
-                time.sleep(1.0)
-                p.send_signal(signal.SIGKILL)
-                out["killed"] = "SIGKILL after the first checkpoint"
+        try:
+            wait_train(p, out, t0, run_dir, stop_after, kill_at_checkpoint, timeout)
+        except Stopped:
+            p.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+            p.kill()
+            out["killed"] = "the benchmark's time cap (SIGTERM)"
+            p.wait()
+            out.update(rc=p.returncode, seconds=time.time() - t0)
+            raise Stopped(out) from None
         p.wait()
     out.update(rc=p.returncode, seconds=time.time() - t0)
     return out
+
+
+def wait_train(p: subprocess.Popen, out: dict, t0: float, run_dir: Path, stop_after: int | None,
+               kill_at_checkpoint: bool, timeout: float) -> None:
+    """Polls the training process until it ends, stopping it on ``timeout``, ``stop_after`` or the checkpoint."""
+    while p.poll() is None:
+        time.sleep(0.5)
+        if time.time() - t0 > timeout:
+            p.send_signal(signal.SIGUSR1)  # where it was: every thread's stack into the log
+            time.sleep(2.0)
+            p.kill()
+            out["killed"] = "timeout"
+        elif stop_after is not None and len(read_metrics(run_dir)) >= stop_after:
+            p.kill()
+            out["killed"] = f"after iteration {stop_after}'s metrics, before its checkpoint"
+        elif kill_at_checkpoint and (run_dir / "checkpoints" / "last.ckpt" / "latest").is_file():
+            time.sleep(1.0)
+            p.send_signal(signal.SIGKILL)
+            out["killed"] = "SIGKILL after the first checkpoint"
 
 
 def main() -> None:
@@ -210,46 +233,58 @@ def main() -> None:
         result["checkpoint"] = (f"not written: about {need / 1e9:.0f} GB (two copies) against {free / 1e9:.0f} GB free; "
                                 "the run was stopped after its last iteration's metrics")
     log = work / "train.log"
+    signal.signal(signal.SIGTERM, _stopped)
     try:
-        first = run_train(over, env, log, run_dir, stop_after=stop_after, kill_at_checkpoint=a.kill_resume,
-                          timeout=a.timeout)
-        result["run"] = first
-        if a.kill_resume:
-            result["resume"] = run_train(over + ["if_exists=resume"], env, log, run_dir, timeout=a.timeout)
+        measure(a, result, over, env, log, run_dir, stop_after, work)
+    except Stopped as e:  # the caller's cap: what was measured is kept, and the JSON says where it stopped
+        phase = ("resume" if "run" in result else "run") if e.args else "export"
+        if e.args:
+            result[phase] = e.args[0]
+        result["stopped"] = f"SIGTERM (the caller's time cap) during the {phase}"
     finally:
         if server is not None:
             server.close()
-    rows = read_metrics(run_dir)
-    keys = ("time/step_s", "time/rollout_s", "time/score_s", "time/update_s", "time/tokens_per_s", "memory/peak_gib",
-            "anchor/lag_norm", "anchor/updates", "train/kl", "train/reward_mean")
-    result["iterations"] = [{k: r[k] for k in keys if k in r} for r in rows]
-    ck = run_dir / "checkpoints"
-    result["checkpoint_bytes"] = du(ck)
-    if (run_dir / "eval.json").is_file():
-        result["final_eval"] = json.loads((run_dir / "eval.json").read_text())
-    if a.kill_resume and result["resume"]["rc"] == 0:
-        from transformers import AutoModelForCausalLM
+        rows = read_metrics(run_dir)
+        keys = ("time/step_s", "time/rollout_s", "time/score_s", "time/update_s", "time/tokens_per_s",
+                "memory/peak_gib", "anchor/lag_norm", "anchor/updates", "train/kl", "train/reward_mean")
+        result["iterations"] = [{k: r[k] for k in keys if k in r} for r in rows]
+        result["checkpoint_bytes"] = du(run_dir / "checkpoints")
+        if (run_dir / "eval.json").is_file():
+            result["final_eval"] = json.loads((run_dir / "eval.json").read_text())
+        result["log_tail"] = log.read_text().splitlines()[-15:] if log.is_file() else []
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({k: v for k, v in result.items() if k not in ("log_tail", "overrides")})[:3000])
 
-        exported = {}
-        for which in ("policy", "anchor"):
-            t = time.time()
-            dest = work / f"export-{which}"
-            p = subprocess.run([sys.executable, "-m", "ema_pg.workbench.export", str(run_dir), str(dest), "--dtype",
-                                "float32"] + (["--anchor"] if which == "anchor" else []), cwd=ROOT, env=env,
-                               capture_output=True, text=True)
-            exported[which] = {"rc": p.returncode, "seconds": time.time() - t,
-                               "said": (p.stdout + p.stderr).strip().splitlines()[-1:]}
-        if all(e["rc"] == 0 for e in exported.values()):
-            pol, anc = (AutoModelForCausalLM.from_pretrained(str(work / f"export-{w}"), dtype=torch.float32)
-                        for w in ("policy", "anchor"))
-            sq = sum(float((x - y).pow(2).sum()) for x, y in zip(pol.state_dict().values(), anc.state_dict().values()))
-            exported["lag_of_the_exports"] = sq ** 0.5
-        result["export"] = exported
-    tail = log.read_text().splitlines()[-15:] if log.is_file() else []
-    result["log_tail"] = tail
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k not in ("log_tail", "overrides")})[:3000])
+
+def measure(a, result: dict, over: list[str], env: dict, log: Path, run_dir: Path, stop_after: int | None,
+            work: Path) -> None:
+    """The run (and with ``--kill-resume`` its SIGKILL, resume, export and reload), into ``result`` as it goes."""
+    import torch
+
+    result["run"] = run_train(over, env, log, run_dir, stop_after=stop_after, kill_at_checkpoint=a.kill_resume,
+                              timeout=a.timeout)
+    if not a.kill_resume:
+        return
+    result["resume"] = run_train(over + ["if_exists=resume"], env, log, run_dir, timeout=a.timeout)
+    if result["resume"]["rc"] != 0:
+        return
+    from transformers import AutoModelForCausalLM
+
+    exported = result["export"] = {}
+    for which in ("policy", "anchor"):
+        t = time.time()
+        dest = work / f"export-{which}"
+        p = subprocess.run([sys.executable, "-m", "ema_pg.workbench.export", str(run_dir), str(dest), "--dtype",
+                            "float32"] + (["--anchor"] if which == "anchor" else []), cwd=ROOT, env=env,
+                           capture_output=True, text=True)
+        exported[which] = {"rc": p.returncode, "seconds": time.time() - t,
+                           "said": (p.stdout + p.stderr).strip().splitlines()[-1:]}
+    if all(e["rc"] == 0 for e in exported.values()):
+        pol, anc = (AutoModelForCausalLM.from_pretrained(str(work / f"export-{w}"), dtype=torch.float32)
+                    for w in ("policy", "anchor"))
+        sq = sum(float((x - y).pow(2).sum()) for x, y in zip(pol.state_dict().values(), anc.state_dict().values()))
+        exported["lag_of_the_exports"] = sq ** 0.5
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # tens of GB at these sizes
 
 

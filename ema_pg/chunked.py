@@ -38,7 +38,8 @@ def acc_dtype(h: Tensor) -> torch.dtype:
 
 #: a chunk's memory budget in MiB by device type, when ``model.head_chunk_mb`` is null. On a GPU 256 MiB gives
 #: 147-token chunks at V = 151,936, too few rows to fill it: the no-grad passes took 1.65x the materialized head on
-#: an H200, 1.14x with 2048-token chunks (benchmarks/results/kl_head_h200.json); 4096 MiB gives 2355 tokens there.
+#: an H200, 1.14x with 2048-token chunks (benchmarks/results/kl_head_h200.json); 4096 MiB gives 2355 tokens there,
+#: and the anchor pass 1.14x, the policy pass 1.42x (kl_head_h200_fixed.json).
 CHUNK_MB = {"cpu": 256.0, "cuda": 4096.0}
 
 

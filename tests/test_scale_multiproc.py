@@ -148,7 +148,7 @@ def test_export_of_a_zero3_run_loads_with_from_pretrained(tmp_path, two_process)
 
 
 PROBE = r"""
-import json, sys
+import json, logging, sys
 from contextlib import contextmanager
 import lightning as L
 from omegaconf import open_dict
@@ -179,6 +179,7 @@ class Probe(L.Callback):
         module.sampler.full_weights = probe
 
 
+logging.basicConfig(level=logging.INFO)  # the run's own lines, as ema_pg.train shows them
 cfg = compose(sys.argv[2:])
 with open_dict(cfg):
     cfg.run_dir = sys.argv[1]
@@ -197,6 +198,7 @@ def test_zero3_samples_from_gathered_weights_without_its_hooks_and_like_the_hook
     p = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "gathered"), *ARGS, *one], cwd=ROOT,
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "ZeRO-3: rollouts sample from the gathered weights" in p.stdout + p.stderr  # the run says which
     probe = json.loads(p.stdout.strip().splitlines()[-1])
     assert len(probe["seen"]) == 6 + 4  # six rollouts, evaluations at iterations 0, 2, 4, 6
     assert probe["hooks"] > 0

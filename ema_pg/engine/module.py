@@ -246,6 +246,8 @@ class GRPOModule(L.LightningModule):
             offload = getattr(getattr(self.trainer.strategy.model, "optimizer", None), "parameter_offload", None)
             if self.cfg.rollout.zero3_gather and hasattr(self.sampler, "full_weights") and offload is not None:
                 self.sampler.full_weights = Zero3FullWeights(offload)
+            log.info("ZeRO-3: rollouts sample from %s", "the gathered weights (rollout.zero3_gather)"
+                     if getattr(self.sampler, "full_weights", None) is not None else "the partitioned weights")
         if self.cfg.model.compile:  # after the anchor's copy (attached at setup): each model compiles its own body
             for model in (self.policy, None if self.anchor is None else self.anchor.model):
                 if model is not None:

@@ -43,5 +43,8 @@ step math15_z2 180 $R $M --timeout 165 --recipe math_deepscaler --shape qwen2.5-
   --out $OUT/recipe_math_1.5b_z2.json
 step kl_head 70 python3 benchmarks/kl_head.py --device cuda --dtypes bfloat16,float32 --max-gb 100 --repeats 3 \
   --sizes 16384x151936x2048,32768x151936x2048 --out $OUT/kl_head_gpu.json
+# the step beside TRL up to Qwen2.5-1.5B's body (carry TRL, datasets and multiprocess as wheels too), ema-pg's static cache on
+step curve 300 python3 benchmarks/rl_step.py --curve --sizes 50M,qwen0.5b,qwen1.5b --completions 256 --precisions bf16 \
+  --prompts 4 --warmup 1 --steps 2 --device cuda --out $OUT/rl_step_curve_gpu.json
 tar czf $OUT/logs.tgz -C / $(cd / && ls -d tmp/*.log ${W#/}/*/train.log 2>/dev/null)
 echo "done in $(( $(date +%s) - T0 ))s"

@@ -16,7 +16,8 @@ both autocast with fp32 master weights); ``fp32+compile`` for both (ema-pg ``mod
 the decoder body compiled with dynamic shapes; TRL ``torch_compile=True``, the Trainer's compiled
 model; each one's compile happens in the warm-up steps and is not timed).
 
-``--curve``: step time and tokens/s of both at three model sizes x two completion lengths,
+``--curve``: step time and tokens/s of both at three model sizes x two completion lengths (``--sizes``,
+``--completions``: others, up to Qwen2.5-1.5B's transformer body on a GPU),
 beside the physical floor: the step's matmul FLOPs (sampling forward, anchor forward, policy
 forward + backward; 2 / 2 / 6 FLOPs per parameter and token plus attention) over this CPU's
 measured matmul rate at that precision, and the fraction of it each trainer reaches.
@@ -50,17 +51,22 @@ SETTINGS = {"kl": "k3 (no importance weight)", "beta": 0.001, "eps_low": 0.2, "e
             "loss_agg": "seq-mean-token-mean", "adv_norm": "group", "updates_per_batch": 1, "reference": "fixed"}
 #: --static-cache choices -> ema-pg's rollout.static_cache
 STATIC = {"auto": "null", "on": "true", "off": "false"}
-#: model sizes of the scale curve: name -> (hidden, layers, heads, kv heads)
-SIZES = {"1M": (128, 4, 4, 2), "10M": (320, 8, 8, 2), "50M": (512, 16, 8, 2)}
+#: model sizes: name -> (hidden, layers, heads, kv heads, intermediate or None = 4 x hidden). The qwen rows are
+#: Qwen2.5-0.5B's and 1.5B's transformer bodies (their config.json) at the toy task's vocabulary, for a GPU
+SIZES = {"1M": (128, 4, 4, 2, None), "10M": (320, 8, 8, 2, None), "50M": (512, 16, 8, 2, None),
+         "qwen0.5b": (896, 24, 14, 2, 4864), "qwen1.5b": (1536, 28, 12, 2, 8960)}
+#: the sizes and completion lengths of ``--curve`` unless --sizes / --completions name others
+CURVE_SIZES, CURVE_COMPLETIONS = ("1M", "10M", "50M"), (64, 256)
 
 
-def make_model_dir(root: Path, hidden: int, layers: int, heads: int = 4, kv_heads: int = 2) -> Path:
+def make_model_dir(root: Path, hidden: int, layers: int, heads: int = 4, kv_heads: int = 2,
+                   intermediate: int | None = None) -> Path:
     from ema_pg.engine.models import build_tiny_model, save_model_dir, train_bpe_tokenizer
     from ema_pg.tasks import build_task
 
     tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     model = build_tiny_model(len(tok), hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+                             intermediate_size=intermediate, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
     return save_model_dir(model, tok, root / f"model_{hidden}x{layers}")
 
 
@@ -254,7 +260,9 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp32,bf16,fp32+compile",
                     help="rows to run, comma-separated: fp32, bf16, and either with +compile (both trainers compiled: "
                          "ema-pg model.compile=true, TRL torch_compile=True)")
-    ap.add_argument("--curve", action="store_true", help="the scale curve: every size x completion 64, 256")
+    ap.add_argument("--curve", action="store_true", help="the scale curve: every size x completion length")
+    ap.add_argument("--sizes", default=",".join(CURVE_SIZES), help=f"the curve's sizes, from {', '.join(SIZES)}")
+    ap.add_argument("--completions", default=",".join(map(str, CURVE_COMPLETIONS)), help="the curve's lengths")
     ap.add_argument("--no-trl", dest="trl", action="store_false")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="where both trainers run (auto: cuda where torch sees a GPU, else cpu)")
@@ -267,6 +275,8 @@ def main() -> None:
     # models would pass torch's per-function limit of 8 recompiles, after which it silently runs eagerly
     torch._dynamo.config.recompile_limit = 64
     rows = a.precisions.split(",")
+    if unknown := set(a.sizes.split(",")) - set(SIZES):
+        sys.exit(f"--sizes: {', '.join(sorted(unknown))} unknown; choose from {', '.join(SIZES)}")
     bad = [p for p in rows if p.removesuffix("+compile") not in ("fp32", "bf16")]
     if bad:
         sys.exit(f"--precisions: {', '.join(bad)}; choose from fp32, bf16, fp32+compile, bf16+compile")
@@ -288,7 +298,8 @@ def main() -> None:
            "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "settings": SETTINGS,
            "batch": {"prompts": a.prompts, "group": a.group}, "warmup_steps": a.warmup, "timed_steps": a.steps,
            "rows": []}
-    points = [(s, c) for s in SIZES for c in (64, 256)] if a.curve else [(a.size, a.completion)]
+    points = ([(s, int(c)) for s in a.sizes.split(",") for c in a.completions.split(",")] if a.curve
+              else [(a.size, a.completion)])
     rates = {}
     for size, completion in points:
         model_dir = make_model_dir(root, *SIZES[size])
@@ -307,11 +318,11 @@ def main() -> None:
                        step_flops=flops, matmul_flops_per_s=rates[(size, dtype)], floor_s=flops / rates[(size, dtype)])
             out["rows"].append(row)
             print_rows(out["rows"][-1:])
+            if a.out:  # after every row: a run stopped at its time cap keeps what it measured
+                Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(a.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
     print_rows(out["rows"])
-    text = json.dumps(out, indent=2, default=str)
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(text + "\n")
         print(f"\nwrote {a.out}")
 
 

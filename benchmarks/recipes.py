@@ -242,6 +242,7 @@ def main() -> None:
             result[phase] = e.args[0]
         result["stopped"] = f"SIGTERM (the caller's time cap) during the {phase}"
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the JSON short
         if server is not None:
             server.close()
         rows = read_metrics(run_dir)
@@ -255,6 +256,8 @@ def main() -> None:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: v for k, v in result.items() if k not in ("log_tail", "overrides")})[:3000])
+    if "stopped" in result:
+        sys.exit(f"stopped by SIGTERM during the {result['stopped'].rsplit(' ', 1)[-1]}; {a.out} holds what was measured")
 
 
 def measure(a, result: dict, over: list[str], env: dict, log: Path, run_dir: Path, stop_after: int | None,

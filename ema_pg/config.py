@@ -127,7 +127,7 @@ class RolloutConfig:
     #: hf: single-turn sampling over a preallocated cache, the decode step a CUDA graph on GPU (null: on for a non-LoRA policy on CUDA)
     static_cache: bool | None = None
     #: hf under DeepSpeed ZeRO-3: the policy's whole weights gathered on each rank while it samples, ZeRO-3's
-    #: per-module hooks inert meanwhile (false when the model does not fit one device: each layer is gathered per step)
+    #: per-module hooks set aside meanwhile (false when the model does not fit one device: each layer is gathered per step)
     zero3_gather: bool = True
     eval_temperature: float = 0.0  #: evaluation decoding (0 = greedy)
     eval_samples: int = 1  #: responses per eval problem; > 1 samples them and adds mean@N, pass@k, maj@N

@@ -15,6 +15,7 @@ DeepSpeed) set up. How a batch is split, once for all the step's readers:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -121,39 +122,47 @@ def gathered(params, modifier_rank=None):
 
 class Zero3FullWeights:
     """While a rollout samples from a model inside the ZeRO-3 engine's module: its whole weights on every rank,
-    gathered once, and ZeRO-3's per-module forward hooks inert, so a decode step is a plain forward instead of one
+    gathered once, and none of ZeRO-3's module hooks running, so a decode step is a plain forward instead of one
     collective gather per layer (about 0.18 s per token at 0.5B on an H200, benchmarks/results/
-    recipes_h200_attempt.json). The hooks stay registered (re-registering them would void DeepSpeed's recorded
-    prefetch trace at every rollout); the weights are partitioned again as the block ends, and every rank must
-    enter it together. Needs the sampled model whole in one device's memory (``rollout.zero3_gather=false`` when it
-    does not fit). A model outside the engine's module is sampled as it is."""
+    recipes_h200_attempt.json) plus four Python hooks per module. The hooks stay registered: each module's hook
+    tables are set aside for the block and the same tables put back after it, so DeepSpeed's handles and its
+    recorded prefetch trace stay valid (re-registering would void the trace at every rollout); other hooks on the
+    model keep running. The weights are partitioned again as the block ends, and every rank must enter it together.
+    Needs the sampled model whole in one device's memory (``rollout.zero3_gather=false`` when it does not fit). A
+    model outside the engine's module is sampled as it is."""
+
+    #: the hook tables of an nn.Module that DeepSpeed's ZeRO-3 forward and backward hooks live in
+    TABLES = ("_forward_pre_hooks", "_forward_hooks")
 
     def __init__(self, offload):
         self.offload = offload  #: DeepSpeed's DeepSpeedZeRoOffload of the engine (its module, its hooks)
 
+    def hook_ids(self) -> set[int]:
+        """The ids of every hook DeepSpeed's ZeRO-3 registered on the engine's modules."""
+        off = self.offload
+        return {h.id for h in (*off.forward_hooks, *off.backward_hooks, off.fwd_pre_hook)}
+
     @contextmanager
     def __call__(self, model: torch.nn.Module):
-        off = self.offload
-        if not any(m is model for m in off.module.modules()):  # the engine's module holds the policy (Lightning's)
+        if not any(m is model for m in self.offload.module.modules()):  # the engine's module holds the policy
             yield
             return
-        from deepspeed.runtime.zero import parameter_offload
-
         params = list(model.parameters())
+        ours, set_aside = self.hook_ids(), []
         with gathered(params):
             for p in params:
                 p.ds_active_sub_modules.clear()  # nothing holds them: released as the block ends
-            # the hooks call these two per module: no fetch, no release (the stack the post hook pops still grows)
-            off.pre_sub_module_forward_function = parameter_offload.FWD_MODULE_STACK.append
-            off.post_sub_module_forward_function = _nothing
             try:
+                for m in model.modules():
+                    for name in self.TABLES:
+                        table = getattr(m, name)
+                        if any(k in ours for k in table):
+                            set_aside.append((m, name, table))
+                            setattr(m, name, OrderedDict((k, h) for k, h in table.items() if k not in ours))
                 yield
             finally:
-                del off.pre_sub_module_forward_function, off.post_sub_module_forward_function  # the class's again
-
-
-def _nothing(*_):
-    pass
+                for m, name, table in set_aside:
+                    setattr(m, name, table)
 
 
 def call_through(module: torch.nn.Module, fn, *inputs):

@@ -165,14 +165,21 @@ class Probe(L.Callback):
         off = fw.offload
         Probe.hooks = len(off.forward_hooks)
 
+        def ds_hooks(model):  # DeepSpeed's hooks in the model's modules' hook tables, as (module, table, id)
+            ids = fw.hook_ids()
+            return sorted((i, t, k) for i, m in enumerate(model.modules()) for t in fw.TABLES for k in getattr(m, t)
+                          if k in ids)
+
         @contextmanager
         def probe(model):
+            before = ds_hooks(model)
             with fw(model):
                 ps = list(model.parameters())
-                row = {"policy": model is module.policy}
+                row = {"policy": model is module.policy, "ds_hooks_while_sampling": len(ds_hooks(model))}
                 yield
                 row["full_after_sampling"] = all(p.numel() == p.ds_numel for p in ps)  # active hooks release them
             row["hooks_after"] = len(off.forward_hooks)
+            row["ds_hooks_put_back"] = ds_hooks(model) == before and len(before) > 0
             row["released_after"] = all(p.numel() == 0 for p in ps if not p.ds_persist)
             Probe.seen.append(row)
 
@@ -189,9 +196,9 @@ print(json.dumps({"seen": Probe.seen, "hooks": Probe.hooks}))
 
 
 def test_zero3_samples_from_gathered_weights_without_its_hooks_and_like_the_hooked_forward(tmp_path, cache):
-    """rollout.zero3_gather (the default): each rollout and evaluation of the policy samples from its whole weights,
-    which ZeRO-3's hooks leave whole (they would release them after each layer's forward) and which are partitioned
-    again afterwards; the run equals one whose hooks gather layer by layer."""
+    """rollout.zero3_gather (the default): each rollout and evaluation of the policy samples from its whole weights
+    with none of ZeRO-3's hooks in its modules (they would release the weights after each layer's forward), which are
+    partitioned again afterwards and whose hooks are put back; the run equals one whose hooks gather layer by layer."""
     import json
 
     one = ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "trainer.devices=1", f"sft.cache_dir={cache}"]
@@ -203,7 +210,8 @@ def test_zero3_samples_from_gathered_weights_without_its_hooks_and_like_the_hook
     assert len(probe["seen"]) == 6 + 4  # six rollouts, evaluations at iterations 0, 2, 4, 6
     assert probe["hooks"] > 0
     for row in probe["seen"]:
-        assert row == {"policy": True, "full_after_sampling": True, "hooks_after": probe["hooks"], "released_after": True}
+        assert row == {"policy": True, "ds_hooks_while_sampling": 0, "full_after_sampling": True,
+                       "hooks_after": probe["hooks"], "ds_hooks_put_back": True, "released_after": True}
     hooked = run(tmp_path / "hooked", one[:-1] + ["rollout.zero3_gather=false"], cache=cache)
     pd.testing.assert_frame_equal(curves(tmp_path / "gathered").reset_index(drop=True), curves(hooked).reset_index(drop=True))
     for which in ("policy", "anchor"):

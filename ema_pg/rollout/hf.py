@@ -161,7 +161,7 @@ class HFSampler:
         #: forward gathers parameters collectively): the loop then runs until every rank's rows are done
         self.lockstep = None
         #: None, or a function of the model sampled giving a context in which it samples (DeepSpeed ZeRO-3: its whole
-        #: weights gathered once and its per-module hooks inert, :class:`ema_pg.dist.Zero3FullWeights`)
+        #: weights gathered once and its per-module hooks set aside, :class:`ema_pg.dist.Zero3FullWeights`)
         self.full_weights = None
 
     def _static_for(self, model, shape: tuple[int, int, bool], dev: torch.device):

@@ -249,15 +249,32 @@ def test_diagnostics_tell_reading_from_recall(task):
     other = next(c for c in task.world.city_country if c not in obs)  # a real city the passages do not name
     wrong_read = next(c for c in task.world.city_country if c in obs and c != gold)  # named there, but not the answer
     read = task.diagnostics(p, f"<search> {name} </search>{obs}<answer> {gold} </answer>")
-    assert read == {"searches": 1.0, "gold_seen": 1.0, "grounded": 1.0, "recalled": 0.0, "read_em": 1.0}
+    assert read == {"searches": 1.0, "gold_seen": 1.0, "grounded": 1.0, "recalled": 0.0, "read_em": 1.0,
+                    "queries_copied": 1.0}
     assert set(read) == set(DIAGNOSTICS)  # every measure is named (and explained) in DIAGNOSTICS
     misread = task.diagnostics(p, f"<search> {name} </search>{obs}<answer> {wrong_read} </answer>")
-    assert misread == {"searches": 1.0, "gold_seen": 1.0, "grounded": 1.0, "recalled": 0.0, "read_em": 0.0}
+    assert misread == {"searches": 1.0, "gold_seen": 1.0, "grounded": 1.0, "recalled": 0.0, "read_em": 0.0,
+                       "queries_copied": 1.0}
     recalled = task.diagnostics(p, f"<search> {name} </search>{obs}<answer> {other} </answer>")
     assert recalled["recalled"] == 1.0 and recalled["grounded"] == 0.0 and recalled["read_em"] == 0.0
     blind = task.diagnostics(p, f"<answer> {gold} </answer>")  # right, but nothing was read: not reading
     assert blind == {"searches": 0.0, "gold_seen": 0.0, "grounded": 0.0, "recalled": 1.0}
     assert task.diagnostics(p, "no answer at all")["recalled"] == 0.0
+
+
+def test_queries_copied_counts_names_taken_whole_from_the_question_or_earlier_passages():
+    from ema_pg.tasks.search.task import INVALID, queries_copied
+
+    q = "Who was born first, Mipol Sanod or Lozan Lekostfen?"
+    obs = "\n\n<information>Doc 1(Title: Mipol Sanod) Mipol Sanod was born in Rentorur in 1925.</information>\n\n"
+    assert queries_copied(q, "<search> Mipol Sanod </search>" + obs + "<search> Lozan Lekostfen </search>") == 1.0
+    assert queries_copied(q, "<search> Mipol Samor </search>" + obs + "<search> Lour Morfen </search>") == 0.0  # garbled
+    assert queries_copied(q, "<search> mipol sanod. </search>") == 1.0  # normalized as answers are
+    assert queries_copied(q, "<search> Rentorur </search>" + obs) == 0.0  # the passage came after the query
+    assert queries_copied(q, "<search> Mipol Sanod </search>" + obs + "<search> Rentorur </search>") == 1.0
+    assert queries_copied(q, "<search> Sanod or Lozan </search>") == 1.0  # verbatim, though not a name
+    assert queries_copied(q, "<search> Mipol San </search>") == 0.0  # a word cut short is not a copy
+    assert queries_copied(q, "<search>  </search>" + INVALID + "<answer> x </answer>") is None  # no query
 
 
 def test_evaluation_averages_the_tasks_diagnostics_per_split_and_logs_them_apart(task):

@@ -45,7 +45,23 @@ DIAGNOSTICS = {
     "grounded": "the stated answer appears in the returned passages (it was read, right or wrong)",
     "read_em": "exact match among responses whose passages held the gold answer (reading, given a good search)",
     "recalled": "an answer that no passage held (from memory or made up)",
+    "queries_copied": "queries that are verbatim text of the question or of a passage returned before them (a name "
+                      "copied whole, not garbled)",
 }
+STEP_RE = re.compile(r"<search>(.*?)</search>|<information>(.*?)</information>", re.DOTALL)  #: queries and passages
+
+
+def queries_copied(question: str, response: str) -> float | None:
+    """The share of ``response``'s non-empty queries whose text (normalized) occurs in the question or in the
+    passages returned before the query; None without a query."""
+    seen, copied, n = f" {normalize_answer(question)} ", 0, 0
+    for query, passages in STEP_RE.findall(response.replace(INVALID, "")):
+        if passages:
+            seen += f"{normalize_answer(passages)} "
+        elif q := normalize_answer(query):
+            n += 1
+            copied += f" {q} " in seen
+    return copied / n if n else None
 
 
 def normalize_answer(s: str) -> str:
@@ -368,6 +384,8 @@ class SearchQATask(Task):
                "grounded": float(inside(stated)), "recalled": float(bool(stated) and not inside(stated))}
         if gold_seen:
             out["read_em"] = self.reward(prompt, response)
+        if (copied := queries_copied(prompt.meta.get("question", prompt.text), response)) is not None:
+            out["queries_copied"] = copied
         return out
 
     def baseline_prompts(self, prompts: list[Prompt], mode: str) -> list[Prompt]:

@@ -30,7 +30,7 @@ step() {  # step NAME CAP ARGS...: one benchmark under its cap (SIGTERM: it writ
 }
 R="python3 benchmarks/recipes.py --workdir $W --iterations 2 --prompts 4 --eval-sets 1 --extra rollout.static_cache=false"
 M="rollout.eval_samples=4"  # the math recipe's 32 samples per eval problem cost 20-40 s per evaluation at 1.5B
-step kr05_z3 220 $R $M --timeout 90 --recipe math_deepscaler --shape qwen2.5-0.5b --stage 3 --max-new-tokens 64 \
+step kr05_z3 260 $R $M --timeout 90 --recipe math_deepscaler --shape qwen2.5-0.5b --stage 3 --max-new-tokens 64 \
   --kill-resume --out $OUT/recipe_math_0.5b_z3_kill_resume.json
 rm -rf $W/math_deepscaler-*/model $W/math_deepscaler-*/export-* $W/math_deepscaler-*/run/checkpoints
 step math15_z3 150 $R $M --timeout 135 --recipe math_deepscaler --shape qwen2.5-1.5b --stage 3 --max-new-tokens 128 \

@@ -234,13 +234,14 @@ def main() -> None:
                                 "the run was stopped after its last iteration's metrics")
     log = work / "train.log"
     signal.signal(signal.SIGTERM, _stopped)
+    stopped = None  # the phase the caller's SIGTERM came in
     try:
         measure(a, result, over, env, log, run_dir, stop_after, work)
     except Stopped as e:  # the caller's cap: what was measured is kept, and the JSON says where it stopped
-        phase = ("resume" if "run" in result else "run") if e.args else "export"
+        stopped = ("resume" if "run" in result else "run") if e.args else "export"
         if e.args:
-            result[phase] = e.args[0]
-        result["stopped"] = f"SIGTERM (the caller's time cap) during the {phase}"
+            result[stopped] = e.args[0]
+        result["stopped"] = f"SIGTERM (the caller's time cap) during the {stopped}"
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the JSON short
         if server is not None:
@@ -256,8 +257,9 @@ def main() -> None:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: v for k, v in result.items() if k not in ("log_tail", "overrides")})[:3000])
-    if "stopped" in result:
-        sys.exit(f"stopped by SIGTERM during the {result['stopped'].rsplit(' ', 1)[-1]}; {a.out} holds what was measured")
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # tens of GB at these sizes, measured above
+    if stopped:
+        sys.exit(f"stopped by SIGTERM during the {stopped}; {a.out} holds what was measured")
 
 
 def measure(a, result: dict, over: list[str], env: dict, log: Path, run_dir: Path, stop_after: int | None,
@@ -288,7 +290,6 @@ def measure(a, result: dict, over: list[str], env: dict, log: Path, run_dir: Pat
                     for w in ("policy", "anchor"))
         sq = sum(float((x - y).pow(2).sum()) for x, y in zip(pol.state_dict().values(), anc.state_dict().values()))
         exported["lag_of_the_exports"] = sq ** 0.5
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # tens of GB at these sizes
 
 
 if __name__ == "__main__":

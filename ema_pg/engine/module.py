@@ -120,9 +120,6 @@ class GRPOModule(L.LightningModule):
         return HeadChunk(m.head_chunk_tokens, full_shape(self.policy.get_output_embeddings().weight)[0],
                          chunk_budget_mb(m.head_chunk_mb, self.device.type))
 
-    def head_chunk(self, n_tokens: int) -> int:
-        return self.head_chunk_rule()(n_tokens)
-
     # ------------------------------------------------------------------ one RL iteration
     def training_step(self, iteration, batch_idx):
         iteration = int(iteration)
@@ -159,7 +156,7 @@ class GRPOModule(L.LightningModule):
             sampled = self.ahead.next(iteration, self.policy, anchor_model)
         res = rl_step(iteration, policy=self.policy, anchor_model=anchor_model,
                       task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
-                      algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk,
+                      algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk_rule(),
                       world=World.current(), critic=self.critic, grad_ratio=self._grad_ratio_due(iteration),
                       encode=self.encode, sampled=sampled)
         if sampled is not None:

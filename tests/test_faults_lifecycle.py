@@ -73,6 +73,31 @@ def test_a_live_runs_folder_refuses_a_second_writer_with_its_process(tmp_path):
     assert (run / CLAIM).read_text() == f"{socket.gethostname()} {os.getpid()}"
 
 
+def test_a_killed_but_unreaped_runs_claim_is_taken_over(tmp_path):
+    """A SIGKILLed worker its launcher has not waited for yet is a zombie: kill(pid, 0) still succeeds, but it
+    writes nothing, so its folder is free (a sweep re-queuing the killed worker's trial must not be refused)."""
+    from ema_pg.engine.runs import CLAIM, own_run_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / CLAIM).write_text(f"{socket.gethostname()} {child.pid}")
+        with pytest.raises(ConfigError, match="being written by a live run"):
+            own_run_dir(run)  # alive: refused
+        child.send_signal(signal.SIGKILL)
+        t0 = time.time()
+        while Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.time() - t0 < 30
+            time.sleep(0.05)
+        os.kill(child.pid, 0)  # the unreaped child still answers a signal check...
+        own_run_dir(run)  # ...but its claim is stale
+        assert (run / CLAIM).read_text() == f"{socket.gethostname()} {os.getpid()}"
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_resume_of_a_live_run_is_refused(finished_run):
     from ema_pg.engine.fit import train
     from ema_pg.engine.runs import CLAIM

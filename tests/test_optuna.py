@@ -141,8 +141,9 @@ def test_three_workers_one_killed_the_others_requeue_its_trial_and_finish_the_st
                               f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "ema_pg.search", str(f)]
-    procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for i in range(3)]
+    logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(3)]
+    procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=ROOT, env=env, stdout=logs[i],
+                              stderr=subprocess.STDOUT) for i in range(3)]
     victim = procs[2]
     storage = f"sqlite:///{tmp_path}/t.db"
     killed_trial, t0 = None, time.time()
@@ -158,8 +159,8 @@ def test_three_workers_one_killed_the_others_requeue_its_trial_and_finish_the_st
             victim.send_signal(signal.SIGKILL)
             killed_trial = mine[0]
     assert killed_trial is not None, "the victim never started a trial"
-    for p in procs[:2]:
-        assert p.wait(timeout=900) == 0
+    for i, p in enumerate(procs[:2]):
+        assert p.wait(timeout=900) == 0, (tmp_path / f"worker{i}.log").read_text()[-3000:]
     trials = optuna.load_study(study_name="t", storage=storage).get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     assert len(complete) == n

@@ -550,7 +550,18 @@ def _claim_is_stale(owner: list[str]) -> bool:
         return True
     except (PermissionError, ValueError):
         return False
-    return int(owner[1]) == os.getpid()  # this process claimed it before (a run started again in-process)
+    # this process claimed it before (a run started again in-process), or the process is dead but not yet
+    # reaped by its parent (a killed sweep worker whose launcher has not waited): it writes nothing any more
+    return int(owner[1]) == os.getpid() or _is_zombie(int(owner[1]))
+
+
+def _is_zombie(pid: int) -> bool:
+    """Whether ``pid`` has exited and only waits for its parent to reap it (Linux's /proc; False elsewhere)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # the state follows the command name, which may hold ")"
 
 
 def _take_over(claim: Path, me: str) -> bool:

@@ -213,3 +213,37 @@ def test_reading_probe_feeds_each_demonstration_up_to_its_answer(task):
     assert set(out) - {"all"} <= {"1", "2"}
     for v in out.values():
         assert 0 <= v["em"] <= v["top1"] <= v["top5"] <= 1
+
+
+# ---------------------------------------------------------------------- where a recalled answer comes from
+def test_a_recalled_answer_is_traced_to_its_own_world_a_trained_world_or_none(task):
+    """``ema_pg.workbench.recall``: an answer no passage held is a name of the question's own world (unread), of
+    a world the policy trained on (memory), or of none (invented); a read answer is not recalled at all."""
+    from omegaconf import OmegaConf
+
+    from ema_pg.workbench.recall import answer_source, control_world_keys, names_of, trained_world_keys, world_names
+
+    p = task.eval_splits()["nq"][3]
+    w = task.world_of(p)
+    cfg = OmegaConf.create({"seed": 5, "sft": {"steps": 10, "num_demos": 20, "seed": 0},
+                            "algo": {"iterations": 3, "prompts_per_step": 4, "dynamic_sampling": False}})
+    keys = trained_world_keys(cfg, task)
+    rl = [q.meta["world"] for it in range(4) for q in task.sample(4, 5 * 1_000_003 + it)]
+    assert keys[-16:] == rl and len(keys) >= 16 + 20  # RL's worlds, after every world the demonstrations drew
+    assert keys[:-16] == [f"{task.seed}:demo:0:{t}" for t in range(1, len(keys) - 15)]
+    trained = names_of(task, keys)
+    demo_answers = {re.search(r"<answer> (.*?) </answer>", d).group(1) for _, d in task.demonstrations(20, seed=0)}
+    assert {a.lower() for a in demo_answers} <= trained  # the demonstrations' worlds are among the trained ones
+    control = names_of(task, control_world_keys(task, len(keys)))
+    entity = p.meta["entities"][0]
+    seen = task.on_stop_fn([p], 1)([0], [f"<search> {entity} </search>"])[0]
+    unshown = next(c for c in w.city_country if c != p.answer and c not in seen)  # own world, not in the passages
+    memory = next(n for n in sorted(trained - world_names(w) - control) if " " not in n)
+    say = lambda a: f"<search> {entity} </search>{seen}<answer> {a} </answer>"
+    assert answer_source(task, p, say(p.answer), trained, control)["recalled"] == 0.0  # read: not recalled
+    own = answer_source(task, p, say(unshown), trained, control)
+    assert own["recalled"] == own["own_world"] == 1.0 and own["trained"] == own["invented"] == 0.0
+    mem = answer_source(task, p, say(memory.capitalize()), trained, control)
+    assert mem["trained"] == 1.0 and mem["invented"] == mem["own_world"] == mem["control"] == 0.0
+    made_up = answer_source(task, p, say("Qqzx Vvb"), trained, control)
+    assert made_up["invented"] == made_up["recalled"] == 1.0 and made_up["trained"] == 0.0

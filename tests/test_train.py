@@ -100,11 +100,31 @@ def test_evaluate_cli_on_a_run_folder(full_run, capsys):
     assert out["avg"] == json.loads((objs["run_dir"] / "eval.json").read_text())["avg"]
 
 
+def test_evaluation_keeps_samples_across_batches_with_their_prompts_index(full_run):
+    """``show`` keeps that many samples per split over every generate call, not the first call's only, each with
+    its prompt's index in the split (what traces a response back to its question)."""
+    from ema_pg.engine.evaluate import evaluate_policy
+    from ema_pg.engine.policy import load_run_model
+    from ema_pg.rollout import build_sampler
+    from ema_pg.tasks import build_task
+
+    cfg, _, objs = full_run
+    model, tok = load_run_model(objs["run_dir"], "policy")
+    task = build_task(cfg.task)
+    prompts = task.eval_splits()["heldout"]
+    res = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, batch_size=5,
+                          progress=False, show=13)
+    kept = res["samples"]["heldout"]
+    assert [s["index"] for s in kept] == list(range(13))  # three calls of 5 prompts, 13 kept in order
+    assert all(s["prompt"] == prompts[s["index"]].text and s["gold"] == prompts[s["index"]].answer for s in kept)
+
+
 def test_evaluate_cli_scores_training_prompts_apart_from_the_eval_splits(full_run, capsys):
     """--train N: the policy on N distinct training prompts, kept out of the eval splits' average."""
     from ema_pg.engine.evaluate import evaluate_policy, main, training_prompts
     from ema_pg.engine.policy import load_run_model
     from ema_pg.rollout import build_sampler
+    from ema_pg.tasks import build_task
 
     cfg, _, objs = full_run
     run = objs["run_dir"]

@@ -94,7 +94,8 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     own seeded stream) and every split also gets ``mean@N``, ``pass@k`` (k from ``eval_pass_k``,
     default 1, 2, 4, ... N) and ``maj@N``; ``avg_scores`` holds their means over splits. ``metric`` is
     the mean reward over all samples (mean@N, the paper's Pass@1).
-    ``show`` > 0 also keeps that many (prompt, response, reward) samples per split under "samples".
+    ``show`` > 0 also keeps that many (prompt, response, reward) samples per split under "samples", each with
+    its prompt's ``index`` in the split (on several processes, each rank's own).
     ``world``: on several processes each rank evaluates every ``world.size``-th prompt and the
     scores are gathered, so every rank returns the result of the whole set.
     ``encode``: the run's :class:`ema_pg.prompts.PromptEncoder` (None: prompts as plain text).
@@ -134,10 +135,10 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
             rewards += rs
             keys += ks_
             diags += ds_
-            if show and name not in samples:
-                samples[name] = [{"prompt": chunk[j].text if encode is None else encode.render(chunk[j]), "gold": chunk[j].answer, "response": text,
-                                  "reward": task.reward(chunk[j], text)}
-                                 for j, text in list(zip(ro.prompt_index, ro.responses))[:show]]
+            kept = samples.setdefault(name, []) if show else []
+            for j, text in list(zip(ro.prompt_index, ro.responses))[:show - len(kept)]:
+                kept.append({"prompt": chunk[j].text if encode is None else encode.render(chunk[j]), "index": idx[j],
+                             "gold": chunk[j].answer, "response": text, "reward": task.reward(chunk[j], text)})
             bar.update(1)
         if world.size > 1:  # back in the prompts' own order: rank r scored prompts r, r + size, ...
             parts = world.gather_objects((rewards[:n_mine], keys[:n_mine], diags[:n_mine]))

@@ -51,6 +51,14 @@ DIAGNOSTICS = {
 STEP_RE = re.compile(r"<search>(.*?)</search>|<information>(.*?)</information>", re.DOTALL)  #: queries and passages
 
 
+def normalize_answer(s: str) -> str:
+    """SQuAD normalization: lower case, drop punctuation and articles, fold white space."""
+    s = s.lower()
+    s = "".join(ch for ch in s if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
 def queries_copied(question: str, response: str) -> float | None:
     """The share of ``response``'s non-empty queries whose text (normalized) occurs in the question or in the
     passages returned before the query; None without a query."""
@@ -62,14 +70,6 @@ def queries_copied(question: str, response: str) -> float | None:
             n += 1
             copied += f" {q} " in seen
     return copied / n if n else None
-
-
-def normalize_answer(s: str) -> str:
-    """SQuAD normalization: lower case, drop punctuation and articles, fold white space."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
 
 
 def exact_match(prediction: str, golds: list[str]) -> float:

@@ -1,0 +1,158 @@
+"""Where the answers that no passage held come from, in the episode world (``task.world=episode``).
+
+The search task's ``recalled`` diagnostic counts every stated answer that none of the passages a response read
+holds. In the fixed world that is mostly memory: the trained world's names, answered without reading. In the
+episode world every question has a world of its own, so an answer no passage held is one of
+
+- ``own_world``: a name of the question's own world that the passages did not show (a guess between the two
+  people a comparison names, a bridge's country answered without its passage);
+- ``trained``: a name of a world the policy trained on (the cold start's demonstration worlds and every RL
+  iteration's prompt worlds, rebuilt from the run's config): recall proper;
+- ``invented``: a name of no world the policy trained on (a garbled or made-up name).
+
+The generator's names are short syllable strings, so a made-up answer can coincide with some trained world's
+name by chance. The same number of worlds the policy never saw (``control``: the same demonstration and
+training shapes under keys no run draws) measures that rate: memory is ``trained - control``, each as a share of
+all responses, so it compares with ``recalled`` directly.
+
+    python -m ema_pg.workbench.recall RUN [RUN ...] --out recall.csv [--initial]
+
+Writes one row per run (and per split) with the shares; ``--initial`` adds each run's initial policy (the base
+policy before RL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+log = logging.getLogger("ema_pg.recall")
+
+KINDS = ("recalled", "own_world", "trained", "control", "invented")  #: the shares written, of all responses
+
+
+def world_names(world) -> set[str]:
+    """The normalized names of everything in ``world``: people, cities, countries, organizations."""
+    from ..tasks.search.task import normalize_answer
+
+    return {normalize_answer(x) for x in (*world.people, *world.city_country, *world.countries, *world.orgs)}
+
+
+def trained_world_keys(cfg, task) -> list[str]:
+    """The keys of the worlds a run's policy was trained on: the cold start's demonstrations (every world it
+    drew, also those whose search missed and that were not demonstrated) and each RL iteration's prompts."""
+    from ..step import step_seed
+
+    if cfg.algo.get("dynamic_sampling"):
+        raise ValueError("algo.dynamic_sampling draws extra prompt rounds; their worlds are not rebuilt here")
+    keys: list[str] = []
+    episode = task._episode
+
+    def recording(split, *index, shape=None):
+        p = episode(split, *index, shape=shape)
+        keys.append(p.meta["world"])
+        return p
+
+    if cfg.sft.steps > 0:
+        task._episode = recording  # the demonstrations ask their worlds through it
+        try:
+            task.demonstrations(cfg.sft.num_demos, cfg.seed if cfg.sft.seed is None else cfg.sft.seed)
+        finally:
+            del task._episode
+    for it in range(int(cfg.algo.iterations) + 1):  # (iteration 0 too: a superset does not hide recall)
+        keys += [p.meta["world"] for p in task.sample(cfg.algo.prompts_per_step, step_seed(cfg.seed, it))]
+    return keys
+
+
+def control_world_keys(task, n: int) -> list[str]:
+    """``n`` worlds of the training shapes that no run draws (their keys name a split no task uses)."""
+    return [task._episode("control", i, shape="train").meta["world"] for i in range(n)]
+
+
+def answer_source(task, prompt, response: str, trained: set[str], control: set[str]) -> dict[str, float]:
+    """Of one response: whether its answer is ``recalled`` (no passage it read held it) and, if so, whether
+    it is a name of the question's own world, of a trained world, of a control world, or of no trained world."""
+    from ..tasks.search.task import extract_answer, normalize_answer
+
+    out = dict.fromkeys(KINDS, 0.0)
+    if not task.diagnostics(prompt, response)["recalled"]:
+        return out
+    name = normalize_answer(extract_answer(prompt.meta.get("prefix", "") + response) or "")
+    own = name in world_names(task.world_of(prompt))
+    out.update(recalled=1.0, own_world=float(own), trained=float(not own and name in trained),
+               control=float(not own and name in control), invented=float(not own and name not in trained))
+    return out
+
+
+def names_of(task, keys: list[str]) -> set[str]:
+    from ..tasks.search.task import _episode_world
+
+    return set().union(*(world_names(_episode_world(k, task.episode_people)) for k in keys))
+
+
+def run_sources(run: Path, which: str = "policy") -> list[dict]:
+    """Evaluate ``run``'s policy (``which``) on its own eval splits and classify every response's answer:
+    one row per split and one for the mean over splits (``split = "avg"``)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from ..engine.evaluate import evaluate_policy
+    from ..engine.policy import load_run_model
+    from ..engine.runs import upgraded
+    from ..prompts import PromptEncoder
+    from ..rollout import build_sampler
+    from ..tasks import build_task
+
+    cfg = upgraded(OmegaConf.load(run / "config.yaml"))
+    task = build_task(cfg.task)
+    if not getattr(task, "episodic", False):
+        raise SystemExit(f"{run}: task.world={cfg.task.get('world')}; the sources of recalled answers are measured "
+                         "in the episode world (task.world=episode)")
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    keys = trained_world_keys(cfg, task)
+    trained, control = names_of(task, keys), names_of(task, control_world_keys(task, len(keys)))
+    model, tok = load_run_model(run, which)
+    splits = task.eval_splits()
+    res = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, progress=False,
+                          show=max(map(len, splits.values())), encode=PromptEncoder(tok, cfg.task.get("chat_template", "auto")))
+    rows = []
+    for split, samples in res["samples"].items():
+        each = [answer_source(task, splits[split][s["index"]], s["response"], trained, control) for s in samples]
+        rows.append({"split": split, "n": len(each), **{k: sum(e[k] for e in each) / len(each) for k in KINDS}})
+    rows.append({"split": "avg", "n": sum(r["n"] for r in rows),
+                 **{k: sum(r[k] for r in rows) / len(rows) for k in KINDS}})  # the mean over splits, as EM's avg
+    meta = {"run": run.name, "method": cfg.get("method", ""), "seed": cfg.seed, "which": which,
+            "trained_worlds": len(keys), "trained_names": len(trained), "control_names": len(control)}
+    return [{**meta, **r} for r in rows]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import pandas as pd
+
+    from ..engine.console import quiet_third_party
+    from ..engine.files import atomic_write
+
+    quiet_third_party()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path, help="run folders of the episode world")
+    ap.add_argument("--out", type=Path, required=True, help="the CSV to write")
+    ap.add_argument("--initial", action="store_true", help="also each run's initial policy (before RL)")
+    a = ap.parse_args(argv)
+    missing = [str(r) for r in a.runs if not (r / "config.yaml").is_file()]
+    if missing:
+        raise SystemExit(f"not run folders (no config.yaml): {', '.join(missing)}")
+    rows = []
+    for run in a.runs:
+        for which in (("initial", "policy") if a.initial else ("policy",)):
+            rows += run_sources(run, which)
+            r = rows[-1]
+            print(f"{run.name} {which}: recalled {r['recalled']:.3f} = own world {r['own_world']:.3f} + trained "
+                  f"{r['trained']:.3f} (control {r['control']:.3f}) / invented {r['invented']:.3f}", flush=True)
+    atomic_write(a.out, pd.DataFrame(rows).to_csv(index=False))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -238,9 +238,9 @@ def write(a, rows: list[dict], dtypes: list[str], dev_name: str, cuda: bool) -> 
            "target": "chunked peak extra <= N*(8k+12) B + one chunk; >= 20x below (b) at N=8192, V=151936; time <= 1.3x (b)"}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(a.out).with_suffix(".part")
-        tmp.write_text(json.dumps(out, indent=2) + "\n")
-        tmp.replace(a.out)
+        from ema_pg.engine.files import atomic_write
+
+        atomic_write(a.out, json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

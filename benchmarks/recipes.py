@@ -254,8 +254,10 @@ def main() -> None:
         if (run_dir / "eval.json").is_file():
             result["final_eval"] = json.loads((run_dir / "eval.json").read_text())
         result["log_tail"] = log.read_text().splitlines()[-15:] if log.is_file() else []
+        from ema_pg.engine.files import atomic_write
+
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write(a.out, json.dumps(result, indent=2) + "\n")
         print(json.dumps({k: v for k, v in result.items() if k not in ("log_tail", "overrides")})[:3000])
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # tens of GB at these sizes, measured above
     if stopped:

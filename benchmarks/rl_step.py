@@ -319,8 +319,10 @@ def main() -> None:
             out["rows"].append(row)
             print_rows(out["rows"][-1:])
             if a.out:  # after every row: a run stopped at its time cap keeps what it measured
+                from ema_pg.engine.files import atomic_write
+
                 Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(a.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
+                atomic_write(a.out, json.dumps(out, indent=2, default=str) + "\n")  # a cap mid-write keeps the last
     print_rows(out["rows"])
     if a.out:
         print(f"\nwrote {a.out}")

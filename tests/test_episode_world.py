@@ -247,3 +247,17 @@ def test_a_recalled_answer_is_traced_to_its_own_world_a_trained_world_or_none(ta
     assert mem["trained"] == 1.0 and mem["invented"] == mem["own_world"] == mem["control"] == 0.0
     made_up = answer_source(task, p, say("Qqzx Vvb"), trained, control)
     assert made_up["invented"] == made_up["recalled"] == 1.0 and made_up["trained"] == 0.0
+
+
+def test_the_recall_summary_gives_memory_as_trained_minus_control_per_method_over_seeds():
+    from ema_pg.workbench.recall import summarize
+
+    row = lambda seed, which, trained, control, split="avg": {
+        "method": "grpo", "seed": seed, "which": which, "split": split, "recalled": 0.5, "own_world": 0.0,
+        "trained": trained, "control": control, "invented": 0.5 - trained}
+    rows = [row(11, "initial", 0.30, 0.30), row(11, "policy", 0.30, 0.20), row(12, "policy", 0.25, 0.25),
+            row(12, "policy", 0.9, 0.0, split="nq"), row(11, "policy", 0.30, 0.20)]  # (a split row, a duplicate)
+    lines = summarize(rows).splitlines()
+    grpo = next(x for x in lines if x.startswith("| grpo |"))
+    assert grpo == "| grpo | 2 | 0.500 | 0.000 | 0.275 | 0.225 | 0.225 | +0.050 [+0.000, +0.100] |"  # (0.10 + 0.00) / 2
+    assert next(x for x in lines if x.startswith("| before RL |")).endswith("+0.000 (one seed) |")

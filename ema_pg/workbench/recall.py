@@ -16,9 +16,11 @@ training shapes under keys no run draws) measures that rate: memory is ``trained
 all responses, so it compares with ``recalled`` directly.
 
     python -m ema_pg.workbench.recall RUN [RUN ...] --out recall.csv [--initial]
+    python -m ema_pg.workbench.recall --summarize recall.csv [more.csv ...] [--out summary.md]
 
 Writes one row per run (and per split) with the shares; ``--initial`` adds each run's initial policy (the base
-policy before RL).
+policy before RL). The summary gives, per method (mean of the splits' average over seeds), each share and the
+memory share ``trained - control`` with its 95% bootstrap interval over the runs' seeds.
 """
 
 from __future__ import annotations
@@ -128,6 +130,27 @@ def run_sources(run: Path, which: str = "policy") -> list[dict]:
     return [{**meta, **r} for r in rows]
 
 
+def summarize(rows) -> str:
+    """A markdown table, per method and policy (initial / policy), of the splits' average shares over seeds, and
+    the memory share (trained - control) with its 95% bootstrap interval over seeds."""
+    import pandas as pd
+
+    from .results import bootstrap_ci
+
+    df = pd.DataFrame(rows)
+    df = df[df["split"] == "avg"].drop_duplicates(["method", "seed", "which"])
+    df.loc[df["which"] == "initial", "method"] = "before RL"
+    lines = ["| policy | seeds | recalled | own world | trained | control | invented | memory = trained - control "
+             "[95% CI] |", "|---|---|---|---|---|---|---|---|"]
+    for method, g in df.groupby("method", sort=False):
+        memory = (g["trained"] - g["control"]).to_numpy()
+        lo, hi = bootstrap_ci(memory)
+        ci = f"[{lo:+.3f}, {hi:+.3f}]" if len(memory) > 1 else "(one seed)"
+        lines.append(f"| {method} | {len(g)} | " + " | ".join(f"{g[k].mean():.3f}" for k in KINDS)
+                     + f" | {memory.mean():+.3f} {ci} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     import pandas as pd
 
@@ -136,10 +159,20 @@ def main(argv: list[str] | None = None) -> None:
 
     quiet_third_party()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path, help="run folders of the episode world")
-    ap.add_argument("--out", type=Path, required=True, help="the CSV to write")
+    ap.add_argument("runs", nargs="+", type=Path, help="run folders of the episode world (with --summarize: CSVs)")
+    ap.add_argument("--out", type=Path, required=True, help="the CSV to write (with --summarize: the markdown)")
     ap.add_argument("--initial", action="store_true", help="also each run's initial policy (before RL)")
+    ap.add_argument("--summarize", action="store_true", help="summarize CSVs this command wrote before")
     a = ap.parse_args(argv)
+    if a.summarize:
+        missing = [str(f) for f in a.runs if not f.is_file()]
+        if missing:
+            raise SystemExit(f"no such CSV: {', '.join(missing)}")
+        rows = pd.concat([pd.read_csv(f) for f in a.runs]).to_dict("records")
+        text = summarize(rows)
+        atomic_write(a.out, text)
+        print(text + f"wrote {a.out}")
+        return
     missing = [str(r) for r in a.runs if not (r / "config.yaml").is_file()]
     if missing:
         raise SystemExit(f"not run folders (no config.yaml): {', '.join(missing)}")
@@ -151,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{run.name} {which}: recalled {r['recalled']:.3f} = own world {r['own_world']:.3f} + trained "
                   f"{r['trained']:.3f} (control {r['control']:.3f}) / invented {r['invented']:.3f}", flush=True)
     atomic_write(a.out, pd.DataFrame(rows).to_csv(index=False))
-    print(f"wrote {a.out}")
+    print(summarize(rows) + f"wrote {a.out}")
 
 
 if __name__ == "__main__":

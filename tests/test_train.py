@@ -124,7 +124,6 @@ def test_evaluate_cli_scores_training_prompts_apart_from_the_eval_splits(full_ru
     from ema_pg.engine.evaluate import evaluate_policy, main, training_prompts
     from ema_pg.engine.policy import load_run_model
     from ema_pg.rollout import build_sampler
-    from ema_pg.tasks import build_task
 
     cfg, _, objs = full_run
     run = objs["run_dir"]

@@ -231,6 +231,9 @@ def test_a_recalled_answer_is_traced_to_its_own_world_a_trained_world_or_none(ta
     rl = [q.meta["world"] for it in range(4) for q in task.sample(4, 5 * 1_000_003 + it)]
     assert keys[-16:] == rl and len(keys) >= 16 + 20  # RL's worlds, after every world the demonstrations drew
     assert keys[:-16] == [f"{task.seed}:demo:0:{t}" for t in range(1, len(keys) - 15)]
+    cfg.algo.dynamic_sampling = True  # extra prompt rounds are not rebuilt: refused, not undercounted
+    with pytest.raises(ValueError, match="dynamic_sampling"):
+        trained_world_keys(cfg, task)
     trained = names_of(task, keys)
     demo_answers = {re.search(r"<answer> (.*?) </answer>", d).group(1) for _, d in task.demonstrations(20, seed=0)}
     assert {a.lower() for a in demo_answers} <= trained  # the demonstrations' worlds are among the trained ones

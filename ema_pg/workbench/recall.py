@@ -26,10 +26,7 @@ memory share ``trained - control`` with its 95% bootstrap interval over the runs
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
-
-log = logging.getLogger("ema_pg.recall")
 
 KINDS = ("recalled", "own_world", "trained", "control", "invented")  #: the shares written, of all responses
 
@@ -88,9 +85,10 @@ def answer_source(task, prompt, response: str, trained: set[str], control: set[s
 
 
 def names_of(task, keys: list[str]) -> set[str]:
-    from ..tasks.search.task import _episode_world
+    """The names of every world in ``keys`` (the task's episode worlds)."""
+    from ..tasks.search.world import episode_world
 
-    return set().union(*(world_names(_episode_world(k, task.episode_people)) for k in keys))
+    return set().union(*(world_names(episode_world(k, task.episode_people)) for k in keys))
 
 
 def run_sources(run: Path, which: str = "policy") -> list[dict]:
@@ -179,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for run in a.runs:
         for which in (("initial", "policy") if a.initial else ("policy",)):
-            rows += run_sources(run, which)
+            try:
+                rows += run_sources(run, which)
+            except ValueError as e:  # a run whose training worlds cannot be rebuilt: one line, before any evaluation
+                raise SystemExit(f"{run}: {e}") from None
             r = rows[-1]
             print(f"{run.name} {which}: recalled {r['recalled']:.3f} = own world {r['own_world']:.3f} + trained "
                   f"{r['trained']:.3f} (control {r['control']:.3f}) / invented {r['invented']:.3f}", flush=True)

@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: Qwen2.5 sizes (the models' config.json): hidden, intermediate, layers, heads, key/value heads
 SHAPES = {"tiny": (64, 128, 2, 4, 2), "qwen2.5-0.5b": (896, 4864, 24, 14, 2), "qwen2.5-1.5b": (1536, 8960, 28, 12, 2),
-          "qwen2.5-3b": (2048, 11008, 36, 16, 2)}
+          "qwen2.5-3b": (2048, 11008, 36, 16, 2),
+          "rehearsal": (768, 2048, 6, 12, 2)}  # not a Qwen2.5 size: 153M parameters, the kill/resume/export path on a CPU
 VOCAB = 151936
 #: eval files of experiment=math_deepscaler (its comment names them)
 MATH_EVALS = ("math500", "amc", "minerva", "aime24", "aime25", "olympiad")

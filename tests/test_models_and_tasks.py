@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from ema_pg.engine.models import ModelPathError, build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
+from ema_pg.engine.models import (ModelPathError, build_tiny_model, load_model_dir, model_shell, save_model_dir,
+                                  train_bpe_tokenizer)
 from ema_pg.tasks import build_task
 
 
@@ -22,6 +23,21 @@ def test_model_dir_round_trip(tmp_path):
     m2, tok2 = load_model_dir(tmp_path / "m")
     x = torch.tensor([[3, 4, 5]])
     assert torch.allclose(m(x).logits, m2(x).logits) and len(tok2) == len(tok)
+
+
+def test_a_model_shell_skips_the_random_init_and_computes_like_its_source_once_loaded():
+    """model_shell (what export, LoRA's plain base and the async worker build before loading weights) draws no
+    random numbers, so it initialized nothing; loaded with a model's weights it gives that model's logits, so
+    the buffers its constructor computes (rotary frequencies) are right."""
+    m = build_tiny_model(300, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+    torch.manual_seed(0)
+    shell = model_shell(m.config)
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(4))  # the RNG did not move
+    shell.load_state_dict(m.state_dict())
+    x = torch.tensor([[3, 4, 5, 6, 7]])
+    assert torch.equal(m(x).logits, shell(x).logits)
 
 
 def test_bad_model_paths_say_what_is_wrong(tmp_path):

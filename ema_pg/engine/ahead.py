@@ -61,10 +61,10 @@ def _blank(model: torch.nn.Module):
 
 
 def _build(blank: dict) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from .models import model_shell
 
     kw = {"attn_implementation": blank["attn"]} if blank["attn"] else {}
-    model = AutoModelForCausalLM.from_config(blank["config"], dtype=blank["dtype"], **kw)
+    model = model_shell(blank["config"], dtype=blank["dtype"], **kw)  # the trainer's weights arrive next
     return model.to(blank.get("device", "cpu")).eval()
 
 

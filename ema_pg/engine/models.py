@@ -87,6 +87,19 @@ def compile_body(model, *, backward_twice: bool = False):
     return model
 
 
+def model_shell(config, **kw):
+    """A model of ``config`` whose weights are about to be loaded: built without initializing them, since the
+    random initialization of a billion parameters takes seconds and is overwritten anyway (``kw``: dtype,
+    attn_implementation). Buffers a model computes in its constructor (rotary frequencies) are set as usual."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4: the same context manager lived in modeling_utils
+        from transformers.modeling_utils import no_init_weights
+
+    with no_init_weights():
+        return AutoModelForCausalLM.from_config(config, **kw)
+
+
 def load_model_dir(path: str | os.PathLike, dtype: torch.dtype | None = None):
     """(model, tokenizer) from a local directory written by ``save_pretrained``. Clear errors otherwise.
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from .attention import use_fast_attention
 from .files import atomic_dir, nbytes
-from .models import load_model_dir, save_model_dir
+from .models import load_model_dir, model_shell, save_model_dir
 from .sft import check_finite_weights, cold_start
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,7 +115,7 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
     A run without a checkpoint has no trained policy or anchor: asking for one is refused (ask for ``initial``).
     :func:`checkpoint_iteration` says which iteration the checkpoint holds.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, PreTrainedTokenizerFast
 
     if which not in WHICH:
         raise ValueError(f"which={which!r}; choose one of: {', '.join(WHICH)}")
@@ -135,7 +135,7 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
         return load_model_dir(mdir, dtype=dtype)
     tok = PreTrainedTokenizerFast.from_pretrained(str(mdir), local_files_only=True)
     tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(mdir), local_files_only=True))
+    model = model_shell(AutoConfig.from_pretrained(str(mdir), local_files_only=True))  # every weight is loaded below
     state = checkpoint_state(ckpt)
     cfg_file = run_dir / "config.yaml"
     lora = OmegaConf.load(cfg_file).model if cfg_file.is_file() else None

@@ -15,8 +15,8 @@ Recorded per iteration: the step's time and its phases (rollout, scoring, update
 the GPU's peak memory, the anchor's lag ``||theta_anchor - theta||`` and its update count; per run: the
 start-up time, the checkpoint's size and time, and with ``--kill-resume`` a SIGKILL after the first
 checkpoint and the resume to the end, then the export of policy and anchor and their reload with
-``from_pretrained``. A checkpoint that the disk cannot hold (``--disk-check``: about 36 bytes per parameter,
-the period's checkpoint and ``last.ckpt``) is not written: the run is stopped after its last iteration's metrics
+``from_pretrained``. A checkpoint that the disk cannot hold (``--disk-check``: about 18 bytes per parameter,
+one copy: ``last.ckpt`` links to the period's checkpoint) is not written: the run is stopped after its last iteration's metrics
 and the JSON says so.
 
     python benchmarks/recipes.py --recipe math_deepscaler --shape qwen2.5-1.5b --stage 2 --iterations 2 \\
@@ -46,7 +46,7 @@ VOCAB = 151936
 #: eval files of experiment=math_deepscaler (its comment names them)
 MATH_EVALS = ("math500", "amc", "minerva", "aime24", "aime25", "olympiad")
 HEADROOM = 40e9  #: bytes kept free beside a checkpoint (a tmpfs such as /dev/shm shares the machine's memory)
-CKPT_BYTES_PER_PARAM = 2 * (2 + 12 + 4)  #: bf16 weights, fp32 master + Adam moments, fp32 EMA master; two copies
+CKPT_BYTES_PER_PARAM = 2 + 12 + 4  #: bf16 weights, fp32 master + Adam moments, fp32 EMA master (last.ckpt links to it)
 
 
 def build_model(shape: str, texts: list[str], out: Path, device: str) -> int:
@@ -231,7 +231,7 @@ def main() -> None:
     stop_after = None
     if a.disk_check and need * 1.05 > free - HEADROOM and not a.kill_resume:
         stop_after = a.iterations
-        result["checkpoint"] = (f"not written: about {need / 1e9:.0f} GB (two copies) against {free / 1e9:.0f} GB free; "
+        result["checkpoint"] = (f"not written: about {need / 1e9:.0f} GB against {free / 1e9:.0f} GB free; "
                                 "the run was stopped after its last iteration's metrics")
     log = work / "train.log"
     signal.signal(signal.SIGTERM, _stopped)

@@ -186,6 +186,26 @@ def test_a_truncated_last_checkpoint_falls_back_to_the_intact_one(tmp_path, capl
         readable_checkpoint(tmp_path)
 
 
+def test_a_kill_between_a_periods_checkpoint_and_its_link_resumes_from_that_checkpoint(tmp_path, caplog):
+    """A period's checkpoint is saved, the previous one removed, then last.ckpt linked to the new one: a kill in
+    between leaves last.ckpt dangling. The run still has a checkpoint, the newest one, and a link and its target
+    count once."""
+    from ema_pg.engine.policy import checkpoint_file, run_checkpoints
+    from ema_pg.engine.runs import readable_checkpoint
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    torch.save({"ema_pg": {"iteration": 8}}, folder / "iterepoch=1.ckpt")
+    (folder / "last.ckpt").symlink_to("iterepoch=0.ckpt")  # removed before the link moved on
+    assert checkpoint_file(tmp_path) == folder / "iterepoch=1.ckpt"
+    ckpt, state = readable_checkpoint(tmp_path)
+    assert ckpt.name == "iterepoch=1.ckpt" and state["ema_pg"]["iteration"] == 8
+    (folder / "last.ckpt").unlink()
+    (folder / "last.ckpt").symlink_to("iterepoch=1.ckpt")
+    assert run_checkpoints(tmp_path) == [folder / "last.ckpt"]
+    assert "unreadable" not in caplog.text
+
+
 # ---------------------------------------------------------------------- Optuna
 def test_a_restarted_worker_does_not_propose_a_point_already_run(tmp_path):
     import optuna

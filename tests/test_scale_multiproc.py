@@ -132,6 +132,38 @@ def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(tmp_pa
     pd.testing.assert_frame_equal(curves(full).reset_index(drop=True), curves(killed).reset_index(drop=True))
 
 
+def test_zero3_sigterm_inside_a_period_keeps_that_periods_checkpoint_and_resumes_to_the_uninterrupted_run(
+        tmp_path, cache):
+    """After a period, last.ckpt links to the period's checkpoint (written once). A SIGTERM inside the next period
+    saves its iteration as a checkpoint of its own: a DeepSpeed folder saved through the link would have overwritten
+    the period's checkpoint, the fallback. The resume ends where the uninterrupted run does."""
+    from ema_pg.engine.policy import checkpoint_iteration, checkpoint_state
+
+    one = ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "trainer.devices=1", "algo.iterations=8",
+           "algo.eval_every=4"]
+    ref = run(tmp_path / "ref", one, cache=cache)
+    killed = tmp_path / "run"
+    proc = run(killed, one, cache=cache, background=True)
+    marker = killed / "checkpoints" / "last.ckpt" / "latest"  # the link to the first period's checkpoint is made
+    t0 = time.time()
+    while not marker.is_file() and proc.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(300) == 75
+    it = checkpoint_iteration(killed)
+    assert 4 < it < 8 and not (killed / "eval.json").exists()
+    last = killed / "checkpoints" / "last.ckpt"
+    (period,) = [p for p in last.parent.glob("*.ckpt") if p.name != "last.ckpt"]
+    assert not last.is_symlink() and checkpoint_state(period)["ema_pg"]["iteration"] == 4
+    out = subprocess.run([sys.executable, "-m", "ema_pg.train", f"resume={killed}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    for which in ("policy", "anchor"):
+        a, b = weights(ref, which), weights(killed, which)
+        assert all(torch.equal(a[k], b[k]) for k in a), which
+    pd.testing.assert_frame_equal(curves(ref).reset_index(drop=True), curves(killed).reset_index(drop=True))
+
+
 def test_export_of_a_zero3_run_loads_with_from_pretrained(tmp_path, two_process):
     from transformers import AutoModelForCausalLM
 

@@ -31,6 +31,10 @@ def test_run_folder_has_everything(full_run):
     d = objs["run_dir"]
     for f in ["config.yaml", "metrics.csv", "eval.json", "curves.png", "git.txt", "machine.txt", "checkpoints/last.ckpt"]:
         assert (d / f).is_file(), f
+    # the last period's checkpoint is written once: last.ckpt links to it (the earlier period's is gone)
+    written = [p.name for p in (d / "checkpoints").iterdir() if not p.is_symlink()]
+    assert (d / "checkpoints" / "last.ckpt").is_symlink() and len(written) == 1
+    assert (d / "checkpoints" / "last.ckpt").resolve() == (d / "checkpoints" / written[0]).resolve()
     df = pd.read_csv(d / "metrics.csv")
     for c in REQUIRED:
         assert c in df.columns and df[c].notna().any(), c

@@ -95,7 +95,8 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    ckpt_cb = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="iter{epoch}", save_last=True,
+    # each period's checkpoint is written once and last.ckpt links to it (at a paper size a copy is tens of GB)
+    ckpt_cb = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="iter{epoch}", save_last="link",
                               save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
     callbacks = ([ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
                  + [_CheckpointOnSigterm(run_dir / "checkpoints" / "last.ckpt")]  # last: after the anchor's update
@@ -208,7 +209,8 @@ class RunInterrupted(RuntimeError):
 class _CheckpointOnSigterm(L.Callback):
     """On SIGTERM (a scheduler's preemption) Lightning stops after the current iteration without a checkpoint, or
     after the evaluation period when the iteration ends one: save the iteration's state first, so a resume loses
-    nothing. At a period's end the period's own checkpoint (after its evaluation) follows and replaces it."""
+    nothing. At a period's end the period's own checkpoint (after its evaluation) follows and replaces it. The save
+    replaces the link ``last.ckpt`` is after a period, never the period's checkpoint it points to."""
 
     def __init__(self, last: Path):
         self.last = last
@@ -219,6 +221,9 @@ class _CheckpointOnSigterm(L.Callback):
         if trainer.world_size > 1:  # the save is collective: every rank decides alike (Lightning stops them all)
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
         if stop and pl_module.iteration % a.eval_every and pl_module.iteration < a.iterations:
+            if trainer.is_global_zero and self.last.is_symlink():  # a DeepSpeed folder would be written through the
+                self.last.unlink()  # link, into the period's checkpoint: that one stays whole, the fallback
+            trainer.strategy.barrier()
             trainer.save_checkpoint(self.last)
             log.warning("SIGTERM: checkpoint of iteration %d saved in %s", pl_module.iteration, self.last.parent)
 

@@ -54,10 +54,26 @@ def save_run_model(run_dir: Path, model, tokenizer, model_path: str | None) -> P
     return out
 
 
+def run_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints (files; folders under DeepSpeed), newest first: ``last.ckpt`` and the evaluation
+    period's checkpoint, which ``last.ckpt`` links to after a period ends (one copy written, not two) and which
+    stays when a mid-period save (SIGTERM) replaces the link. One entry per checkpoint: a link and its target
+    are one."""
+    folder = Path(run_dir) / "checkpoints"
+    found = [p for p in folder.glob("*.ckpt") if p.is_file() or (p / "checkpoint").is_dir()]
+    found.sort(key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime), reverse=True)
+    seen, out = set(), []
+    for p in found:
+        if p.resolve() not in seen:
+            seen.add(p.resolve())
+            out.append(p)
+    return out
+
+
 def checkpoint_file(run_dir: Path) -> Path | None:
-    """The run's last checkpoint (a file; a folder under DeepSpeed), or None if it wrote none yet."""
-    last = Path(run_dir) / "checkpoints" / "last.ckpt"
-    return last if last.is_file() or (last / "checkpoint").is_dir() else None
+    """The run's last checkpoint (a file; a folder under DeepSpeed), or None if it wrote none yet: ``last.ckpt``,
+    or the newest other one where a kill came between a save and the link that follows it."""
+    return next(iter(run_checkpoints(run_dir)), None)
 
 
 def checkpoint_state(ckpt: Path, mmap: bool = False) -> dict:

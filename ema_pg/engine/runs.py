@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import ConfigError, fill_defaults, flatten, validate
 from .files import atomic_write
-from .policy import checkpoint_file, checkpoint_iteration, checkpoint_state, save_run_model
+from .policy import checkpoint_file, checkpoint_iteration, checkpoint_state, run_checkpoints, save_run_model
 from .sweeps import FAILED, failed_record
 
 log = logging.getLogger("ema_pg")
@@ -325,21 +325,19 @@ def record_failure(run_dir: str | os.PathLike, e: BaseException) -> None:
 def readable_checkpoint(run_dir: Path) -> tuple[Path, dict]:
     """The newest checkpoint of ``run_dir`` that can be read, and its state; says so when it is not last.ckpt."""
     folder = run_dir / "checkpoints"
-    last = folder / "last.ckpt"
-    others = sorted((p for p in folder.glob("*.ckpt") if p.name != "last.ckpt"), key=lambda p: p.stat().st_mtime,
-                    reverse=True)
-    errors = []
-    for ckpt in [last, *others]:
+    errors = []  # (checkpoint, why it could not be read)
+    for ckpt in run_checkpoints(run_dir):
         try:
             state = checkpoint_state(ckpt)
         except Exception as e:  # noqa: BLE001 - a truncated or corrupted file: try the next one
-            errors.append(f"{ckpt.name}: {type(e).__name__}: {e}")
+            errors.append((ckpt.name, f"{type(e).__name__}: {e}"))
             continue
-        if ckpt != last:
-            log.warning("resume: %s is unreadable (%s); resuming from %s (iteration %d) instead", last.name,
-                        errors[0], ckpt.name, state["ema_pg"]["iteration"])
+        if errors:
+            log.warning("resume: %s is unreadable (%s); resuming from %s (iteration %d) instead", *errors[0],
+                        ckpt.name, state["ema_pg"]["iteration"])
         return ckpt, state
-    raise ConfigError(f"resume: no readable checkpoint in {folder} ({'; '.join(errors)}); start the run again")
+    why = "; ".join(f"{name}: {e}" for name, e in errors) or "none there"
+    raise ConfigError(f"resume: no readable checkpoint in {folder} ({why}); start the run again")
 
 
 #: what a stage (init_from) must share with the run it continues: the same network, tokenizer and task
@@ -418,8 +416,8 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     run_dir = Path(cfg.run_dir)
     if cfg.get("resume"):
         if checkpoint_file(run_dir) is None:
-            raise ConfigError(f"resume: {run_dir / 'checkpoints' / 'last.ckpt'} does not exist; the run wrote no "
-                              "checkpoint yet (start it again instead)")
+            raise ConfigError(f"resume: {run_dir / 'checkpoints'} holds no checkpoint; the run wrote none yet (start "
+                              "it again instead)")
         ckpt, state = readable_checkpoint(run_dir)
         it = int(state["ema_pg"]["iteration"])
         check_trained_with(state, cfg, ckpt)
@@ -443,7 +441,7 @@ def open_run(cfg: DictConfig) -> OpenedRun:
         os.environ[RUN_DIR_ENV] = str(run_dir)  # the processes Lightning launches next write here too
     elif os.environ.get(RUN_DIR_ENV):
         cfg.run_dir = run_dir = Path(os.environ[RUN_DIR_ENV])
-    if (run_dir / "checkpoints" / "last.ckpt").exists():
+    if checkpoint_file(run_dir) is not None:
         raise ConfigError(f"{run_dir} already holds a run; pass resume={run_dir} to continue it, or another run_dir")
     if cfg.get("init_from"):
         ckpt, it = stage_start(cfg, run_dir)

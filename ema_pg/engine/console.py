@@ -6,7 +6,10 @@ litlogger tip; its "modules in eval mode" warning (the policy is kept in eval mo
 its own deprecated ``LeafSpec`` use; its "checkpoint directory exists" and "logs directory exists" warnings on a
 resume (the folder is the run's own); the loaders' "weights_only" notice (checkpoints are the run's own files);
 transformers' weight loading and saving bars (seconds-long on the models a run builds); DeepSpeed's accelerator
-guess on a machine without CUDA (it is told ``DS_ACCELERATOR=cpu``, the answer its guess would give).
+guess on a machine without CUDA (it is told ``DS_ACCELERATOR=cpu``, the answer its guess would give), the
+deprecation of the two torch.distributed collectives DeepSpeed calls (DeepSpeed's to change, not the user's), and
+the compiler command lines of DeepSpeed's build checks (distutils logs them on the root logger, which the run's
+log shows at INFO).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ QUIET_WARNINGS = (
     r"Checkpoint directory .* exists and is not empty",
     r"Experiment logs directory .* exists and is not empty",
     r"`weights_only` was not set",
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
 )
 #: the start of Lightning's info lines a run drops
 QUIET_LIGHTNING = ("GPU available:", "TPU available:", "HPU available:", "💡 Tip", "You are using a CUDA device")
@@ -32,6 +36,11 @@ QUIET_LIGHTNING = ("GPU available:", "TPU available:", "HPU available:", "💡 T
 class _DropLines(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.getMessage()).lstrip().startswith(QUIET_LIGHTNING)
+
+
+class _DropDistutils(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "distutils" not in record.pathname
 
 
 def quiet_third_party() -> None:
@@ -45,6 +54,9 @@ def quiet_third_party() -> None:
         lg = logging.getLogger(name)
         if not any(isinstance(f, _DropLines) for f in lg.filters):
             lg.addFilter(_DropLines())
+    root = logging.getLogger()
+    if not any(isinstance(f, _DropDistutils) for f in root.filters):
+        root.addFilter(_DropDistutils())
     import transformers
 
     transformers.utils.logging.disable_progress_bar()

@@ -4,6 +4,7 @@ DeepScaleR-style files, sampled evaluation on a real sampler, and staged runs (i
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -256,7 +257,7 @@ def test_the_math_experiment_trains_and_logs_pass_at_k(tmp_path):
     assert set(ev["splits"]) == set(SPLITS) and ev["avg_scores"]["pass@1"] == pytest.approx(ev["avg"])
 
 
-def test_a_stage_continues_a_run_exactly_and_may_change_its_length(tmp_path):
+def test_a_stage_continues_a_run_exactly_and_may_change_its_length(tmp_path, recwarn):
     common = [o for o in MATH_TINY if not o.startswith("algo.iterations")]
     full = compose_cfg(common + ["algo.iterations=4"], tmp_path / "full", tiny=False)
     full.sft.cache_dir = str(tmp_path / "cache")
@@ -278,6 +279,12 @@ def test_a_stage_continues_a_run_exactly_and_may_change_its_length(tmp_path):
     s3.sft.cache_dir = str(tmp_path / "cache")
     m3, _ = train(s3)
     assert m3["iteration"] == 5
+    # each stage links last.ckpt to its own checkpoint and leaves the stage before it whole, without a word
+    # from Lightning about the folder that changed (a stage's folder is new by design)
+    for run in (s1.run_dir, o2["run_dir"], s3.run_dir):
+        last = Path(run) / "checkpoints" / "last.ckpt"
+        assert last.is_symlink() and last.resolve().parent == last.parent.resolve() and last.resolve().is_file()
+    assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]
     for bad, match in [(["algo.iterations=4"], "must be larger"), (["model.hidden_size=64"], "model.hidden_size")]:
         c = compose_cfg(common + [f"init_from={o2['run_dir']}"] + bad, tmp_path / "bad", tiny=False)
         c.sft.cache_dir = str(tmp_path / "cache")

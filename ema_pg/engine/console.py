@@ -4,7 +4,8 @@ one (each filter names the message it drops; nothing else is hidden), and a prog
 Silenced: Lightning's hardware lines ("GPU available ...", the run's start-up line says what runs) and its
 litlogger tip; its "modules in eval mode" warning (the policy is kept in eval mode on purpose: no dropout in RL);
 its own deprecated ``LeafSpec`` use; its "checkpoint directory exists" and "logs directory exists" warnings on a
-resume (the folder is the run's own); the loaders' "weights_only" notice (checkpoints are the run's own files);
+resume (the folder is the run's own), and its "dirpath has changed" on a stage (``init_from``: a new folder by
+design); the loaders' "weights_only" notice (checkpoints are the run's own files);
 transformers' weight loading and saving bars (seconds-long on the models a run builds); DeepSpeed's accelerator
 guess on a machine without CUDA (it is told ``DS_ACCELERATOR=cpu``, the answer its guess would give), the
 deprecation of the two torch.distributed collectives DeepSpeed calls (DeepSpeed's to change, not the user's), and
@@ -28,6 +29,7 @@ QUIET_WARNINGS = (
     r"Experiment logs directory .* exists and is not empty",
     r"`weights_only` was not set",
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    r"The dirpath has changed from",
 )
 #: the start of Lightning's info lines a run drops
 QUIET_LIGHTNING = ("GPU available:", "TPU available:", "HPU available:", "💡 Tip", "You are using a CUDA device")

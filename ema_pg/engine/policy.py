@@ -59,11 +59,15 @@ def run_checkpoints(run_dir: Path) -> list[Path]:
     period's checkpoint, which ``last.ckpt`` links to after a period ends (one copy written, not two) and which
     stays when a mid-period save (SIGTERM) replaces the link. One entry per checkpoint: a link and its target
     are one."""
-    folder = Path(run_dir) / "checkpoints"
-    found = [p for p in folder.glob("*.ckpt") if p.is_file() or (p / "checkpoint").is_dir()]
-    found.sort(key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime), reverse=True)
+    found = []
+    for p in (Path(run_dir) / "checkpoints").glob("*.ckpt"):
+        try:  # a live run may remove its previous period's checkpoint meanwhile
+            if p.is_file() or (p / "checkpoint").is_dir():
+                found.append((p.name == "last.ckpt", p.stat().st_mtime, p))
+        except FileNotFoundError:
+            continue
     seen, out = set(), []
-    for p in found:
+    for *_, p in sorted(found, reverse=True):
         if p.resolve() not in seen:
             seen.add(p.resolve())
             out.append(p)

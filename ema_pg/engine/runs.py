@@ -323,7 +323,8 @@ def record_failure(run_dir: str | os.PathLike, e: BaseException) -> None:
 
 
 def readable_checkpoint(run_dir: Path) -> tuple[Path, dict]:
-    """The newest checkpoint of ``run_dir`` that can be read, and its state; says so when it is not last.ckpt."""
+    """The newest checkpoint of ``run_dir`` that can be read, and its state; says so when a newer one could not be
+    read."""
     folder = run_dir / "checkpoints"
     errors = []  # (checkpoint, why it could not be read)
     for ckpt in run_checkpoints(run_dir):

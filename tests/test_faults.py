@@ -174,14 +174,14 @@ def test_a_truncated_last_checkpoint_falls_back_to_the_intact_one(tmp_path, capl
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
-    torch.save({"ema_pg": {"iteration": 4}}, folder / "iterepoch=1.ckpt")
-    shutil.copy(folder / "iterepoch=1.ckpt", folder / "last.ckpt")
+    torch.save({"ema_pg": {"iteration": 4}}, folder / "iter4.ckpt")
+    shutil.copy(folder / "iter4.ckpt", folder / "last.ckpt")
     with open(folder / "last.ckpt", "r+b") as f:
         f.truncate(40)
     ckpt, state = readable_checkpoint(tmp_path)
-    assert ckpt.name == "iterepoch=1.ckpt" and state["ema_pg"]["iteration"] == 4
+    assert ckpt.name == "iter4.ckpt" and state["ema_pg"]["iteration"] == 4
     assert "last.ckpt is unreadable" in caplog.text
-    (folder / "iterepoch=1.ckpt").write_bytes(b"garbage")
+    (folder / "iter4.ckpt").write_bytes(b"garbage")
     with pytest.raises(ConfigError, match="no readable checkpoint"):
         readable_checkpoint(tmp_path)
 
@@ -195,13 +195,13 @@ def test_a_kill_between_a_periods_checkpoint_and_its_link_resumes_from_that_chec
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
-    torch.save({"ema_pg": {"iteration": 8}}, folder / "iterepoch=1.ckpt")
-    (folder / "last.ckpt").symlink_to("iterepoch=0.ckpt")  # removed before the link moved on
-    assert checkpoint_file(tmp_path) == folder / "iterepoch=1.ckpt"
+    torch.save({"ema_pg": {"iteration": 8}}, folder / "iter8.ckpt")
+    (folder / "last.ckpt").symlink_to("iter4.ckpt")  # removed before the link moved on
+    assert checkpoint_file(tmp_path) == folder / "iter8.ckpt"
     ckpt, state = readable_checkpoint(tmp_path)
-    assert ckpt.name == "iterepoch=1.ckpt" and state["ema_pg"]["iteration"] == 8
+    assert ckpt.name == "iter8.ckpt" and state["ema_pg"]["iteration"] == 8
     (folder / "last.ckpt").unlink()
-    (folder / "last.ckpt").symlink_to("iterepoch=1.ckpt")
+    (folder / "last.ckpt").symlink_to("iter8.ckpt")
     assert run_checkpoints(tmp_path) == [folder / "last.ckpt"]
     assert "unreadable" not in caplog.text
 

@@ -33,8 +33,8 @@ def test_run_folder_has_everything(full_run):
         assert (d / f).is_file(), f
     # the last period's checkpoint is written once: last.ckpt links to it (the earlier period's is gone)
     written = [p.name for p in (d / "checkpoints").iterdir() if not p.is_symlink()]
-    assert (d / "checkpoints" / "last.ckpt").is_symlink() and len(written) == 1
-    assert (d / "checkpoints" / "last.ckpt").resolve() == (d / "checkpoints" / written[0]).resolve()
+    assert written == ["iter4.ckpt"] and (d / "checkpoints" / "last.ckpt").is_symlink()  # named by its iteration
+    assert (d / "checkpoints" / "last.ckpt").resolve() == (d / "checkpoints" / "iter4.ckpt").resolve()
     df = pd.read_csv(d / "metrics.csv")
     for c in REQUIRED:
         assert c in df.columns and df[c].notna().any(), c

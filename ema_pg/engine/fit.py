@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 from omegaconf import DictConfig
 
@@ -92,12 +93,9 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
 
     record_run(opened, policy, tok)
 
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    # each period's checkpoint is written once and last.ckpt links to it (at a paper size a copy is tens of GB)
-    ckpt_cb = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), filename="iter{epoch}", save_last="link",
-                              save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True, enable_version_counter=False)
+    ckpt_cb = _PeriodCheckpoint(run_dir / "checkpoints")
     callbacks = ([ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
                  + [_CheckpointOnSigterm(run_dir / "checkpoints" / "last.ckpt")]  # last: after the anchor's update
                  + ([IterationBar()] if cfg.trainer.progress_bar else []))
@@ -204,6 +202,20 @@ def command(cfg: DictConfig) -> float:
 
 class RunInterrupted(RuntimeError):
     """A run stopped by a signal after saving its checkpoint: unfinished, and resumable as it was."""
+
+
+class _PeriodCheckpoint(ModelCheckpoint):
+    """Lightning's checkpoint callback, once per evaluation period: ``iter<N>.ckpt`` for the RL iteration N it
+    holds, written once, and ``last.ckpt`` a link to it (at a paper size a copy is tens of GB); the previous
+    period's is removed once the new one is written."""
+
+    def __init__(self, folder: Path):
+        super().__init__(dirpath=str(folder), save_last="link", save_top_k=1, every_n_epochs=1,
+                         save_on_train_epoch_end=True, enable_version_counter=False)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.filename = f"iter{pl_module.iteration}"  # an epoch is a period: named by its iteration instead
+        super().on_train_epoch_end(trainer, pl_module)
 
 
 class _CheckpointOnSigterm(L.Callback):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ema_pg.engine.models import (ModelPathError, build_tiny_model, load_model_dir, model_shell, save_model_dir,
-                                  train_bpe_tokenizer)
+                                  train_bpe_tokenizer, unfilled)
 from ema_pg.tasks import build_task
 
 
@@ -38,6 +38,13 @@ def test_a_model_shell_skips_the_random_init_and_computes_like_its_source_once_l
     shell.load_state_dict(m.state_dict())
     x = torch.tensor([[3, 4, 5, 6, 7]])
     assert torch.equal(m(x).logits, shell(x).logits)
+    # a weight the load did not fill is named; a tied head is filled by tying, an untied one is not
+    state = {k: v for k, v in m.state_dict().items() if k not in ("model.norm.weight", "lm_head.weight")}
+    missing = model_shell(m.config).load_state_dict(state, strict=False).missing_keys
+    m.config.tie_word_embeddings = True
+    assert unfilled(model_shell(m.config), missing) == ["model.norm.weight"]
+    m.config.tie_word_embeddings = False
+    assert sorted(unfilled(model_shell(m.config), missing)) == ["lm_head.weight", "model.norm.weight"]
 
 
 def test_bad_model_paths_say_what_is_wrong(tmp_path):

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
 from ..config import ConfigError, build_scheme, validate

@@ -142,14 +142,13 @@ def merged_model(base, state: dict, rank: int, alpha: float, targets: str, adapt
 
 def plain_base(model):
     """The frozen base of a LoRA policy as a plain model of its own (adapters left out), for saving."""
-    from .models import model_shell
+    from .models import model_shell, unfilled
 
     base = model.get_base_model()
     state = {k.replace(".base_layer", ""): v for k, v in base.state_dict().items() if "lora_" not in k}
     plain = model_shell(base.config)
-    missing = [k for k in plain.load_state_dict(state, strict=False).missing_keys
-               if not (base.config.tie_word_embeddings and k.startswith("lm_head."))]
-    if missing:  # a shell's weights are uninitialized: every one must come from the base
+    missing = unfilled(plain, plain.load_state_dict(state, strict=False).missing_keys)
+    if missing:
         raise ValueError(f"the LoRA policy's base lacks {missing[:3]}")
     plain.tie_weights()
     return plain.to(next(base.parameters()).dtype)

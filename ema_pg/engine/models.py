@@ -100,6 +100,15 @@ def model_shell(config, **kw):
         return AutoModelForCausalLM.from_config(config, **kw)
 
 
+def unfilled(model, missing: list[str]) -> list[str]:
+    """The keys a ``load_state_dict`` into :func:`model_shell` left missing that tying the output head to the
+    embeddings does not fill: each is an uninitialized weight."""
+    if not model.config.tie_word_embeddings:
+        return list(missing)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    return [m for m in missing if m not in tied and not m.startswith("lm_head.")]
+
+
 def load_model_dir(path: str | os.PathLike, dtype: torch.dtype | None = None):
     """(model, tokenizer) from a local directory written by ``save_pretrained``. Clear errors otherwise.
 

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from .attention import use_fast_attention
 from .files import atomic_dir, nbytes
-from .models import load_model_dir, model_shell, save_model_dir
+from .models import load_model_dir, model_shell, save_model_dir, unfilled
 from .sft import check_finite_weights, cold_start
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,8 +169,7 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
         return use_fast_attention(model).to(dtype).eval(), tok
     weights = _policy_weights(ckpt, state) if which == "policy" else _anchor_weights(ckpt, state, model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if unexpected or [m for m in missing if m not in tied and not (model.config.tie_word_embeddings and "lm_head" in m)]:
+    if unexpected or unfilled(model, missing):
         raise ValueError(f"{ckpt}: the {which} weights do not fit model/config.json "
                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     model.tie_weights()

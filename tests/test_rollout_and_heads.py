@@ -174,3 +174,35 @@ def test_the_engine_start_output_goes_to_a_file_and_its_tail_is_shown_if_the_sta
     assert "the engine's own reason" in capfd.readouterr().err
     os.write(1, b"after\n")  # the console is the console again
     assert capfd.readouterr().out == "after\n"
+
+
+def test_a_row_that_waits_while_every_sampling_row_ends_keeps_its_cache_aligned(policy):
+    """The step in which every row that sampled ends (its budget spent) while another row waits for the environment:
+    the cache must still take that step's column, as the recorded columns do. Once it did not, and every later
+    step read keys one column off: the waiting row's next turn was sampled (and scored as pi_old) from another
+    distribution than the policy's, up to 1.8 nats apart in the search task. Here row 0 stops at a string from its
+    own second token, the other rows run to the budget without it, and then row 0 reads an observation and goes on."""
+    m, tok = policy
+    prompts, budget = ["1+1=", "22+3="], 6
+    for seed in range(50):  # a seed whose row 0 has a stop string (its 2nd token) that no other row writes
+        free = HFSampler(tok).generate(m, prompts, 2, temperature=1.0, max_new_tokens=budget, seed=seed, score=ScoreRequest())
+        pieces = [[tok.decode([t]) for t in free.input_ids[r, free.prompt_len:][free.response_mask[r].bool()].tolist()]
+                  for r in range(len(free))]
+        stop = pieces[0][1] if len(pieces[0]) > 2 else ""
+        if stop.strip() and all(len(p) == budget and stop not in "".join(p) for p in pieces[1:]):
+            break
+    else:
+        pytest.fail("no seed gives the situation under test")
+    calls = {}
+
+    def on_stop(row, text):
+        calls[row] = calls.get(row, 0) + 1
+        return " <obs>12+3 = 15</obs> " if calls[row] == 1 else None
+
+    ro = HFSampler(tok).generate(m, prompts, 2, temperature=1.0, max_new_tokens=budget, stop=[stop],
+                                 on_stop=per_row(on_stop), seed=seed, score=ScoreRequest())
+    mask = ro.response_mask.bool()
+    assert calls == {0: 1} and mask[0].sum() == budget  # row 0 waited, read its observation and went on
+    with torch.no_grad():
+        h = head(m, ro)
+    assert (h.logp - ro.old.logp)[mask].abs().max() < 1e-5

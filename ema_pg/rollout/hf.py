@@ -338,7 +338,11 @@ class HFSampler:
                 if counts[r] >= max_new_tokens:
                     active[r] = False
                     truncated[r] = True  # it wanted to go on: no EOS, not ended by the environment
-            if self._any(bool((sampling & active).any())):  # a token some row goes on from (or waits after)
+            if self._any(bool(active.any())):  # a row goes on (or waits for the environment): the cache takes the
+                # column, as the columns do. (Skipping it when every row that sampled had ended, while others waited,
+                # left the cache a column short of the mask from then on: each later step read its rows' keys one
+                # column off, so pi_old's scores and the samples of every multi-turn batch after such a step were not
+                # the policy's. Found by scoring the sampler's batches with the log-prob head: up to 1.8 nats apart.)
                 feed(nxt[:, None], a[:, None])
         model.train(was_training)
         # Pack each row's real response tokens to the left. Holes (columns where a row had nothing:

@@ -246,6 +246,9 @@ class AlgoConfig:
     minibatch_size: int = 0  #: sequences per update; 0 = the whole batch (one update per epoch)
     iterations: int = 100  #: RL iterations (Alg 3, line 2)
     eval_every: int = 20  #: iterations between evaluations and checkpoints
+    #: evaluate the policy only once, after the last iteration (checkpoints stay every eval_every): for a comparison
+    #: that reads final scores only, the evaluations at iteration 0 and between are work no report reads
+    eval_only_at_end: bool = False
     grad_clip: float = 1.0  #: gradient-norm clip (0 = off)
     warmup_steps: int = 0  #: linear LR warm-up length, in optimizer steps
     max_bad_steps: int = 3  #: consecutive updates skipped for a non-finite loss/gradient before the run stops
@@ -263,6 +266,13 @@ class AlgoConfig:
     mask_truncated: bool = False  #: DAPO overlong filtering: no loss on responses cut at rollout.max_new_tokens
     overlong_buffer: int = 0  #: DAPO soft overlong penalty: the last L_cache policy tokens before the limit (0 = off)
     overlong_penalty: float = 1.0  #: the penalty at the limit (it falls linearly from 0 over the buffer)
+    #: score and update on the real tokens only (ema_pg.packing): no compute on padding, and the policy tokens alone
+    #: go through the output layer; equal to the padded passes to float rounding. On by default: a multi-turn search
+    #: batch is 26% padding and its policy tokens 12% of its response columns (2.3x faster update on this CPU)
+    padding_free: bool = True
+    #: padding_free: rows that begin alike (a prompt's G samples: the prompt, often a first search and its
+    #: observation) compute their common prefix once; exact, so a model with dropout packs its rows apart instead
+    share_prefixes: bool = True
 
     def check(self) -> None:
         from .advantages import ADVANTAGES, PER_TOKEN

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .losses import masked_mean
+from .packing import Packing, packed_states
 from .rollout.base import Rollouts
 
 
@@ -95,7 +96,11 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, batch: Rollouts) -> Tensor:
+    def forward(self, batch: Rollouts, packing: Packing | None = None) -> Tensor:
+        """(N, T) values at the states before each response token; with ``packing`` at its scored (policy) tokens
+        only, 0 elsewhere."""
+        if packing is not None:
+            return packing.put(self.head(packed_states(self.body, packing)).squeeze(-1).float())
         out = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
         h = out.last_hidden_state[:, batch.prompt_len - 1 : -1]  # (N, T, H): the states before each response token
         return self.head(h).squeeze(-1).float()  # (N, T)
@@ -110,13 +115,14 @@ class Critic:
         self.clip, self.grad_clip = clip, grad_clip
 
     @torch.no_grad()
-    def values(self, batch: Rollouts) -> Tensor:
+    def values(self, batch: Rollouts, packing: Packing | None = None) -> Tensor:
         self.model.eval()
-        return self.model(batch)
+        return self.model(batch, packing)
 
-    def update(self, batch: Rollouts, old_values: Tensor, returns: Tensor, mask: Tensor) -> dict[str, float]:
+    def update(self, batch: Rollouts, old_values: Tensor, returns: Tensor, mask: Tensor,
+               packing: Packing | None = None) -> dict[str, float]:
         self.model.train()
-        loss, metrics = value_loss(self.model(batch), old_values, returns, mask, self.clip)
+        loss, metrics = value_loss(self.model(batch, packing), old_values, returns, mask, self.clip)
         self.opt.zero_grad(set_to_none=True)
         if not torch.isfinite(loss):  # the policy's guard handles the policy; a bad value step is skipped here
             return {k: float(v) for k, v in metrics.items()}

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .chunked import chunked_head_nograd, chunked_logprobs
+from .packing import Packing, packed_hidden
 from .rollout.base import Rollouts
 from .scores import TokenScores
 from .dist import call_through, gathered, zero3_partitioned
@@ -60,9 +61,10 @@ def response_hidden(model, batch: Rollouts) -> Tensor:
     return out.last_hidden_state[:, batch.prompt_len - 1 : -1]
 
 
-def response_logits(model, batch: Rollouts, temperature: float = 1.0) -> Tensor:
-    """(N, T, V) materialized logits (exact estimators and tests only)."""
-    hid = response_hidden(model, batch)
+def response_logits(model, batch: Rollouts, temperature: float = 1.0, packing: Packing | None = None) -> Tensor:
+    """(N, T, V) materialized logits (exact estimators and tests only); with ``packing``, (M, V) at its scored
+    positions."""
+    hid = response_hidden(model, batch) if packing is None else packed_hidden(model, packing)
     W = output_layer(model)
     if zero3_partitioned(W):
         logits = call_through(model.get_output_embeddings(), lambda x: (x @ output_layer(model).T).float(), hid)
@@ -75,33 +77,47 @@ def response_logits(model, batch: Rollouts, temperature: float = 1.0) -> Tensor:
 
 
 def head(model, batch: Rollouts, *, topk: int = 0, index: Tensor | None = None, full_logits: bool = False,
-         entropy: bool = False, temperature: float = 1.0, chunk: int = 0) -> TokenScores:
+         entropy: bool = False, temperature: float = 1.0, chunk: int = 0, packing: Packing | None = None) -> TokenScores:
     """Score ``batch``'s response tokens under ``model``.
 
     ``topk`` > 0: the index set is the model's own top-k (no-grad passes only);
     ``index`` (N, T, k): the index set is given. With grad enabled ``logp``, ``index_logp``
     and (``entropy=True``, the entropy bonus) ``entropy`` carry gradients (the policy's update pass).
+    ``packing`` (:func:`ema_pg.packing.pack` of ``batch``): a padding-free pass that scores the policy tokens only;
+    every other response position of the (N, T) scores is 0.
     """
     if topk and index is not None:
         raise ValueError("head: give topk (the model's own top-k) or index (a given index set), not both")
-    targets = batch.input_ids[:, batch.prompt_len:]  # (N, T)
+    if packing is None:
+        targets = batch.input_ids[:, batch.prompt_len:]  # (N, T)
+        N, T = targets.shape
+        flat = lambda x: x.reshape(N * T, *x.shape[2:])
+        shape = lambda x: x.view(N, T, *x.shape[1:])
+    else:
+        targets = packing.targets  # (M,)
+        flat, shape = packing.take, packing.put
     if full_logits:
-        logits = response_logits(model, batch, temperature)  # (N, T, V)
+        logits = response_logits(model, batch, temperature, packing)  # (N, T, V) or (M, V)
         lp = torch.log_softmax(logits, -1)
-        out = TokenScores(logp=lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), logits=logits)
+        t = targets.unsqueeze(-1)
+        out = TokenScores(logp=lp.gather(-1, t).squeeze(-1), logits=logits)
         if topk > 0:
             out.index_logp, out.index = lp.topk(topk, dim=-1)
         elif index is not None:
-            out.index, out.index_logp = index, lp.gather(-1, index)
+            out.index, out.index_logp = index, lp.gather(-1, index if packing is None else flat(index))
         if entropy:
             out.entropy = -(lp.exp() * lp).sum(-1)
+        if packing is not None:
+            out = TokenScores(**{f: v if v is None or (f == "index" and index is not None) else shape(v)
+                                 for f, v in vars(out).items()})
         return out
-    hid = response_hidden(model, batch)  # (N, T, H)
-    N, T, H = hid.shape
-    h, W, t = hid.reshape(N * T, H), output_layer(model), targets.reshape(N * T)
-    cap = softcap(model)
-    ix = None if index is None else index.reshape(N * T, -1)
-    shape = lambda x: x.view(N, T, *x.shape[1:])
+    if packing is None:
+        h = flat(response_hidden(model, batch))  # (N*T, H)
+        t = flat(targets)
+    else:
+        h, t = packed_hidden(model, packing), targets  # (M, H), (M,)
+    W, cap = output_layer(model), softcap(model)
+    ix = None if index is None else flat(index)  # (N*T or M, k)
     if torch.is_grad_enabled() and (h.requires_grad or W.requires_grad):
         if topk:
             raise ValueError("head: the gradient pass scores a given index set only (its own top-k is a no-grad stat)")

@@ -44,6 +44,7 @@ from .dist import World
 from .advantages import ADVANTAGES, NEEDS_CRITIC, AdvantageInputs
 from .corrections import correct
 from .losses import grpo_loss, masked_mean
+from .packing import Packing, packer
 from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
 from .scores import ScoreRequest, TokenScores
@@ -74,9 +75,10 @@ class OldAndAnchorScorer:
     :meth:`__call__` takes the sampler's scores when present and computes what is missing.
     """
 
-    def __init__(self, estimator: Estimator, temperature: float, chunk: Callable[[int], int]):
+    def __init__(self, estimator: Estimator, temperature: float, chunk: Callable[[int], int],
+                 pack: Callable[[Rollouts], Packing | None] = lambda batch: None):
         self.source, self.k, self.full = estimator.topk_source, estimator.k, estimator.needs_full_logits
-        self.temperature, self.chunk = temperature, chunk
+        self.temperature, self.chunk, self.pack = temperature, chunk, pack
 
     def request(self) -> ScoreRequest | None:
         """What the sampler should return of pi_old (None: the exact estimators need full logits)."""
@@ -85,9 +87,11 @@ class OldAndAnchorScorer:
         return ScoreRequest(topk=self.k if self.source == "policy_old" else 0, entropy=True)
 
     @torch.no_grad()
-    def __call__(self, policy, anchor_model, rollouts: Rollouts) -> OldAndAnchor:
-        """``rollouts.old`` (the sampler's scores) is pi_old when present; else ``policy`` is scored here."""
-        ch, kw = self.chunk(rollouts.response_mask.numel()), {"temperature": self.temperature}
+    def __call__(self, policy, anchor_model, rollouts: Rollouts, packing: Packing | None = None) -> OldAndAnchor:
+        """``rollouts.old`` (the sampler's scores) is pi_old when present; else ``policy`` is scored here.
+        ``packing``: the batch's (else made here by ``pack``)."""
+        packing = packing if packing is not None else self.pack(rollouts)
+        ch, kw = self.chunk(rollouts.response_mask.numel()), {"temperature": self.temperature, "packing": packing}
         old = rollouts.old
         if old is None:
             old = head(policy, rollouts, topk=self.k if self.source == "policy_old" else 0, full_logits=self.full,
@@ -276,7 +280,7 @@ def sample_ahead(iteration: int, version: int, *, policy, anchor_model, task, sa
     always filled in (the trainer's policy has moved on); ``anchor_model`` (the anchor of the same version, or
     None) is scored too. One process (a worker serves one trainer)."""
     t0 = time.perf_counter()
-    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk)
+    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk, packer(algo, policy))
     device = next(policy.parameters()).device
     rollouts, rewards, metrics = _collect(step_seed(seed, iteration), policy=policy, task=task, sampler=sampler,
                                           algo=algo, rollout=rollout, score=scorer.request(), world=World(),
@@ -338,9 +342,10 @@ def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, e
         for start in range(0, n_rows, minibatch):
             rows = order[start : start + minibatch].to(mask.device)
             batch = rollouts.select(rows)
+            packing = scorer.pack(batch)  # None: the padded pass
             index = None if scores.index is None else scores.index[rows]  # (mb, T, k)
             cur = head(policy, batch, index=index, full_logits=scorer.full, temperature=rollout.temperature,
-                       chunk=chunk(batch.response_mask.numel()), entropy=algo.entropy_coef != 0)
+                       chunk=chunk(batch.response_mask.numel()), entropy=algo.entropy_coef != 0, packing=packing)
             kl = None
             if token_kl:
                 kl = estimator(KLInputs(
@@ -361,7 +366,7 @@ def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, e
                 loss = loss * (world.size * n_tok / world.sum(n_tok).clamp(min=1))
             loss_metrics.update(updater.step(loss), loss=loss.detach())
             if critic is not None:  # the value model's own update on the same rows
-                loss_metrics.update(critic.update(batch, values[rows], returns[rows], mask[rows]))
+                loss_metrics.update(critic.update(batch, values[rows], returns[rows], mask[rows], packing))
             n_updates += 1
             for key, value in loss_metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
@@ -410,7 +415,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     """
     device = next(policy.parameters()).device
     it_seed = step_seed(seed, iteration)
-    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk)
+    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk, packer(algo, policy))
     t0 = time.perf_counter()
 
     # 1. prompts, rollouts from pi_old (= the current policy), rewards; DAPO's dynamic sampling refills
@@ -428,14 +433,15 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     t1 = time.perf_counter()
 
     # 2. pi_old, the anchor and the index set (Alg 3, lines 6-11); shaped rewards; advantages
+    packing = scorer.pack(rollouts)  # the whole batch's (None: padded passes)
     if sampled is not None and sampled.scores is not None:  # scored by the worker: the anchor of the behaviour version
         scores = sampled.scores
     else:
-        scores = scorer(policy, anchor_model, rollouts)
+        scores = scorer(policy, anchor_model, rollouts, packing)
     old, anchor = scores.old, scores.anchor
     t2 = time.perf_counter()
     rewards, shaped = shape_rewards(rewards, rollouts, old, anchor, algo, rollout)
-    values = critic.values(rollouts) if algo.advantage in NEEDS_CRITIC else None  # (N, T)
+    values = critic.values(rollouts, packing) if algo.advantage in NEEDS_CRITIC else None  # (N, T)
     est = ADVANTAGES[algo.advantage](AdvantageInputs(shaped, algo.group_size, rollouts.response_mask, mask, world,
                                                      algo.adv_norm, values, algo.gamma, algo.lam, algo.global_kl_scale))
     adv, returns = est.adv, est.returns  # (N,) or (N, T)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from omegaconf import DictConfig
 from ..config import ConfigError, build_scheme, validate
 from ..step import NonFiniteUpdates
 from ..heads import check_head
+from ..packing import pack_problem
 from ..prompts import PromptEncoder
 from ..tasks import ServiceError, build_task
 from .ahead import RolloutWorkerError
@@ -60,6 +62,8 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
         policy, tok = build_policy(cfg, task)
         check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step
+        if cfg.algo.padding_free and (problem := pack_problem(policy)):
+            raise ValueError(problem)
         encode = PromptEncoder(tok, cfg.task.chat_template)
     except (ValueError, ServiceError, NotImplementedError) as e:  # NoColdStart is a ValueError
         raise ConfigError(str(e)) from None
@@ -81,6 +85,8 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
             anchor.attach(policy)
         except (ValueError, ModelPathError) as e:
             raise ConfigError(str(e)) from None
+        if cfg.algo.padding_free and (problem := pack_problem(anchor.model)):  # a teacher of another architecture
+            raise ConfigError(f"the anchor: {problem}")
     module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, estimator=opened.estimator)
     if is_rank_zero():  # what runs, once: model, task, estimator, anchor, and one prompt as the model reads it
         a = cfg.algo
@@ -122,15 +128,18 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
             except Exception:  # noqa: BLE001 - closing must not mask the real error
                 pass
     final = dict(module.eval_history[-1]) if module.eval_history else {}
+    first = module.eval_history[0] if module.eval_history else {}
+    base = first["avg"] if first.get("iteration") == 0 else float("nan")  # (algo.eval_only_at_end: not evaluated)
     plot = run_dir / "curves.png"
     if is_rank_zero():
         if module.eval_history and module.iteration >= cfg.algo.iterations:  # a finished run (not a pruned one)
-            final["base_avg"] = module.eval_history[0]["avg"]
+            if first.get("iteration") == 0:
+                final["base_avg"] = base
             atomic_write(run_dir / "eval.json", json.dumps(final, indent=2))
         plot = plot_run(run_dir)
     metric = final.get("metric", "em")
     metrics = {f"eval/avg/{metric}": final.get("avg", float("nan")), "iteration": module.iteration,
-               "base/avg": module.eval_history[0]["avg"] if module.eval_history else float("nan"),
+               "base/avg": base,
                **getattr(module, "last_metrics", {})}
     return metrics, {"module": module, "trainer": trainer, "run_dir": run_dir, "plot": plot, "cfg": cfg}
 
@@ -196,7 +205,8 @@ def command(cfg: DictConfig) -> float:
     if not is_rank_zero():
         return float(metrics[metric_key])
     print(f"run folder: {objs['run_dir']}\nmetrics:    {objs['run_dir'] / 'metrics.csv'}\nplot:       {objs['plot']}")
-    print(f"final {metric_key} = {metrics[metric_key]:.3f} (base policy: {metrics['base/avg']:.3f})")
+    base = metrics["base/avg"]
+    print(f"final {metric_key} = {metrics[metric_key]:.3f}" + ("" if math.isnan(base) else f" (base policy: {base:.3f})"))
     return float(metrics[metric_key])
 
 

@@ -251,11 +251,13 @@ class GRPOModule(L.LightningModule):
                     compile_body(model, backward_twice=bool(self.cfg.monitor.grad_ratio_every))
 
     def on_train_start(self) -> None:
-        if self.iteration == 0:
+        if self.iteration == 0 and not self.cfg.algo.eval_only_at_end:
             self.run_eval()
 
     def on_train_epoch_end(self) -> None:
-        self.run_eval()
+        a = self.cfg.algo
+        if not a.eval_only_at_end or self.iteration >= a.iterations:
+            self.run_eval()
         for lg in self.loggers:
             lg.save()
 

@@ -206,3 +206,35 @@ def test_a_row_that_waits_while_every_sampling_row_ends_keeps_its_cache_aligned(
     with torch.no_grad():
         h = head(m, ro)
     assert (h.logp - ro.old.logp)[mask].abs().max() < 1e-5
+
+
+def test_observations_fed_by_rows_give_what_the_whole_block_gives(policy):
+    """An observation goes through the model for the rows that have one, once per distinct history; feeding the
+    whole (N, W) block instead (as ZeRO-3's lockstep must) samples the same tokens with the same scores."""
+    from ema_pg.dist import World
+
+    m, tok = policy
+    calls = {}
+
+    def on_stop(row, text):  # rows 0 and 1 read the same observation after the same turns (a shared history)
+        calls[row] = calls.get(row, 0) + 1
+        if calls[row] == 1 and row in (0, 1, 4):
+            return " <obs>12+3 = 15</obs> "
+        return None if calls[row] >= 3 else ""
+
+    def sample(whole_block: bool, temperature: float = 1.0):
+        calls.clear()
+        s = HFSampler(tok)
+        if whole_block:
+            s.lockstep = World()  # one process: the lockstep path, which feeds the whole block
+        return s.generate(m, ["1+1=", "1+1=", "22+3="], 2, temperature=temperature, max_new_tokens=8, stop=[""],
+                          on_stop=per_row(on_stop), seed=4, score=ScoreRequest(topk=3))
+
+    rows, block = sample(False), sample(True)
+    assert torch.equal(rows.input_ids, block.input_ids) and torch.equal(rows.attention_mask, block.attention_mask)
+    mask = rows.response_mask.bool()
+    assert (rows.old.logp - block.old.logp)[mask].abs().max() < 1e-5
+    assert ((rows.attention_mask == 1) & (rows.loss_mask == 0))[:, rows.prompt_len:].any()  # observations were read
+    greedy_rows, greedy_block = sample(False, 0.0), sample(True, 0.0)  # rows 0 and 1 alike: one of them is computed
+    assert torch.equal(greedy_rows.input_ids[0], greedy_rows.input_ids[1])
+    assert torch.equal(greedy_rows.input_ids, greedy_block.input_ids)

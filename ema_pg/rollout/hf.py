@@ -89,6 +89,25 @@ class GrowingLayer(DynamicLayer):
         return self.n if self.is_initialized else 0
 
 
+class RowsLayer(DynamicLayer):
+    """A :class:`GrowingLayer` seen through some of its rows: an update writes those rows' new columns into the whole
+    layer (the other rows' new columns are zeros, which their masks never attend) and returns those rows' keys and
+    values so far. A forward over a subset of a batch's rows extends every row's cache alike."""
+
+    def __init__(self, parent: GrowingLayer, rows: Tensor):
+        super().__init__()
+        self.parent, self.rows, self.is_initialized = parent, rows, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        p = self.parent
+        grow = lambda x: x.new_zeros(p.kbuf.shape[0], *x.shape[1:]).index_copy_(0, self.rows, x)
+        p.update(grow(key_states), grow(value_states))
+        return p.kbuf[self.rows, :, : p.n], p.vbuf[self.rows, :, : p.n]
+
+    def get_seq_length(self) -> int:
+        return self.parent.n
+
+
 class FixedLayer(StaticLayer):
     """transformers' :class:`StaticLayer` (preallocated keys and values, written in place at fixed addresses)
     whose values keep their own dtype: under autocast the rotary embedding leaves the keys in float32 while
@@ -234,6 +253,9 @@ class HFSampler:
         else:
             cache = new_cache(model)
             out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **{kv: cache})
+        #: observations go through the model for the rows that have one, once per distinct history (a GrowingLayer
+        #: cache; ZeRO-3's lockstep runs every rank's forwards alike, so there the whole block goes)
+        by_rows = not static and self.lockstep is None and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
         next_logits = out.logits[:, -1].float()  # (N, V)
         cols_ids, cols_am, cols_lm, cols_lp = [], [], [], []
         cols_ti, cols_tl, cols_en = [], [], []
@@ -258,6 +280,36 @@ class HFSampler:
                 o = model(input_ids=block, attention_mask=full_am, position_ids=bpos, use_cache=True, **{kv: cache})
             real_last = block_am[:, -1].bool()
             next_logits = torch.where(real_last[:, None], o.logits[:, -1].float(), next_logits)
+            last_pos = last_pos + block_am.sum(-1)
+
+        def feed_rows(block: Tensor, block_am: Tensor, rows: list[int]) -> None:
+            """Run an (N, W) observation block through the model for ``rows`` only (the rows with an observation; of
+            rows whose history and observation are the same token for token, one), every row's cache extended alike:
+            no compute on the rows that wait or have ended, nor twice on one history."""
+            nonlocal next_logits, last_pos
+            n0 = cache.layers[0].n
+            hist = torch.cat([torch.cat([ids] + cols_ids, 1) * torch.cat([am] + cols_am, 1), torch.cat([am] + cols_am, 1)], 1)
+            R = torch.tensor(rows, device=dev)
+            _, inv = torch.unique(hist[R], dim=0, return_inverse=True)  # (|R|,) which distinct history each row has
+            first = torch.full((int(inv.max()) + 1,), len(rows), device=dev).scatter_reduce(
+                0, inv, torch.arange(len(rows), device=dev), "amin")  # the first row of each distinct history
+            sub, rep = R[first], R[first[inv]]  # the rows computed; each row's representative
+            bpos = last_pos[:, None] + block_am.cumsum(-1)
+            bpos = torch.where(block_am.bool(), bpos, last_pos[:, None].clamp(min=0))
+            view = Cache(layers=[RowsLayer(layer, sub) for layer in cache.layers])
+            full_am = torch.cat([am] + cols_am, 1)
+            o = model(input_ids=block[sub], attention_mask=full_am[sub], position_ids=bpos[sub], use_cache=True,
+                      **{kv: view})
+            logits = next_logits.clone()
+            logits[sub] = torch.where(block_am[sub, -1].bool()[:, None], o.logits[:, -1].float(), next_logits[sub])
+            copies = R[rep != R]
+            if len(copies):  # the same history and observation: the same new columns and next-token logits
+                for layer in cache.layers:
+                    W = block.shape[1]
+                    layer.kbuf[copies, :, n0 : n0 + W] = layer.kbuf[rep[rep != R], :, n0 : n0 + W]
+                    layer.vbuf[copies, :, n0 : n0 + W] = layer.vbuf[rep[rep != R], :, n0 : n0 + W]
+                logits[copies] = logits[rep[rep != R]]
+            next_logits = logits
             last_pos = last_pos + block_am.sum(-1)
 
         def add_columns(block: Tensor, block_am: Tensor) -> None:
@@ -301,7 +353,10 @@ class HFSampler:
                         block[r, W - len(v):] = torch.tensor(v, device=dev)
                         block_am[r, W - len(v):] = 1
                 add_columns(block, block_am)
-                feed(block, block_am)
+                if by_rows:
+                    feed_rows(block, block_am, sorted(r for r, v in enc_obs.items() if v))
+                else:
+                    feed(block, block_am)
             for r, v in enc_obs.items():
                 resp_ids[r].extend(v)
                 turn_start[r] = len(resp_ids[r])

@@ -87,7 +87,8 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
                     encode=None) -> dict:
     """Score the policy on the task's eval splits.
 
-    Returns ``{"splits": {name: {metric: mean reward, "n": problems, ...}}, "avg": mean of metric over
+    Returns ``{"splits": {name: {metric: mean reward, "n": problems, "per_problem": [each problem's mean reward, in
+    the split's order], ...}}, "avg": mean of metric over
     splits, "metric": metric, "avg_scores": {...}}``. With ``rollout.eval_samples`` = 1 (the default)
     one response per problem is decoded at ``rollout.eval_temperature`` (0 = greedy). With N > 1, N
     responses per problem are sampled at ``eval_temperature`` / ``eval_top_p`` (each problem from its
@@ -146,7 +147,8 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
             keys = [parts[i % world.size][1][i // world.size] for i in range(len(all_prompts))]
             diags = [parts[i % world.size][2][i // world.size] for i in range(len(all_prompts))]
         mean = sum(sum(r) for r in rewards) / max(sum(len(r) for r in rewards), 1)
-        out[name] = {metric: mean, "n": len(rewards)}
+        out[name] = {metric: mean, "n": len(rewards),
+                     "per_problem": [sum(r) / len(r) for r in rewards]}  # in the split's order: runs pair by question
         d = diagnostic_means([x for ds in diags for x in ds])
         if d:
             out[name]["diagnostics"] = d

@@ -82,6 +82,12 @@ def git_commit() -> str:
         return "unknown"
 
 
+def run_commit(run_dir: Path) -> str:
+    """The commit a run folder's run ran from (its ``git.txt``), or ``unknown``."""
+    f = Path(run_dir) / "git.txt"
+    return f.read_text().strip() if f.is_file() else "unknown"
+
+
 def metrics_rows(metrics_file: Path, upto: int) -> list[dict]:
     """The intact rows of a run's ``metrics.csv`` up to step ``upto`` (a checkpoint's iteration), for a resumed run.
 

@@ -26,6 +26,7 @@ from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
 from ..config import flatten
+from ..engine.runs import run_commit
 
 #: Display labels of the named methods (conf/method/<id>.yaml), in Table 2's row order; the run
 #: table holds the ids, and reports map them to these labels only when they print.
@@ -114,8 +115,7 @@ def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
         row["finished"] = (run / "eval.json").is_file() and json.loads((run / "eval.json").read_text()).get(
             "iteration", -1) >= int(cfg.get("algo", {}).get("iterations", 0))
         row["wall_s"] = (run / "metrics.csv").stat().st_mtime - (run / "config.yaml").stat().st_mtime
-        git = run / "git.txt"
-        row["commit"] = git.read_text().strip() if git.is_file() else "unknown"
+        row["commit"] = run_commit(run)
         host = run / "machine.txt"
         row["machine"] = host.read_text().strip() if host.is_file() else "unknown"
         rows.append(row)

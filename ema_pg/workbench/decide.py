@@ -1,0 +1,377 @@
+"""``python -m ema_pg.decide PLAN``: decide pre-registered claims sequentially, adding paired seeds in batches.
+
+A plan (YAML, committed before its first look) names a sweep, its scale, the claims (each "BETTER > WORSE" on a
+score of the final evaluation, paired by seed), the first seed and the looks: the numbers of paired seeds after
+which each open claim is looked at. At every look the claim's paired differences are tested against the group-
+sequential boundaries of :mod:`ema_pg.workbench.sequential` (overall two-sided error ``alpha``, spent by
+``spending``): a claim whose statistic crosses a boundary is decided (holds / fails) and gets no more seeds; at the
+last look (the cap) an open claim is "stopped at the cap". The command
+
+1. runs the (method, seed) cells the next look needs (only the methods of open claims; seeds from ``seed0``),
+   ``--workers`` at a time, each by the sweep's own per-cell command (``python -m ema_pg.train -m --config-dir
+   sweeps --config-name SWEEP +scale=... method=M seed=S``), into the plan's run folder;
+2. takes the look once every cell has finished, and appends its numbers to ``looks.csv`` beside the plan (one row
+   per claim and look: seeds, mean and sd of the paired difference, t, the boundaries, the repeated interval, the
+   verdict, the commit the runs ran from); ``sequential.md`` and ``sequential.png`` are written again from it;
+3. goes on to the next look until every claim is decided or capped.
+
+Run it again after an interruption: finished cells are kept, a killed one resumes from its checkpoint, looks
+already taken are read back, never retaken. SIGTERM stops the workers (each saves its checkpoint) and the command
+exits 75. A cell that failed (its failed.json) is left out of its claims' pairs at every look from then on, and the
+look says so: the boundaries are spent at the number of seeds a look actually has.
+
+    python -m ema_pg.decide reproductions/table2/claims/plan.yaml --workers 2
+    python -m ema_pg.decide reproductions/table2/claims/plan.yaml --status      # where it stands, nothing run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+
+from ..engine.runs import EXIT_INTERRUPTED
+from ..engine.sweeps import failed_record
+from .sequential import Design, look
+
+ROOT = Path(__file__).resolve().parents[2]
+LOOKS = "looks.csv"  #: every look's numbers, beside the plan
+
+
+@dataclass
+class Claim:
+    id: str
+    better: str
+    worse: str
+    text: str
+    score: str = "avg"  #: eval.json's ``avg``, or a split's name (its mean reward)
+
+
+@dataclass
+class Plan:
+    path: Path
+    sweep: str
+    scale: str
+    seed0: int
+    design: Design
+    claims: list[Claim]
+    runs: Path
+    overrides: list[str] = field(default_factory=list)
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+    @property
+    def methods(self) -> list[str]:
+        return list(dict.fromkeys(m for c in self.claims for m in (c.better, c.worse)))
+
+    def seeds(self, n: int) -> list[int]:
+        return list(range(self.seed0, self.seed0 + n))
+
+    def run_dir(self, method: str, seed: int) -> Path:
+        return self.runs / f"{method}_s{seed}"  # the table sweeps' subdir: ${hydra.runtime.choices.method}_s${seed}
+
+
+def load_plan(path: Path) -> Plan:
+    """The plan file, checked: every method a Hydra option of ``conf/method``, looks increasing, claims distinct."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(path))
+    need = ("sweep", "scale", "seed0", "looks", "claims")
+    missing = [k for k in need if k not in raw]
+    if missing:
+        raise SystemExit(f"{path}: the plan needs {', '.join(missing)} (see ema_pg/workbench/decide.py)")
+    try:
+        design = Design(looks=tuple(raw["looks"]), alpha=float(raw.get("alpha", 0.05)),
+                        spending=str(raw.get("spending", "obrien_fleming")))
+    except ValueError as e:
+        raise SystemExit(f"{path}: {e}") from None
+    claims = []
+    for cid, c in raw["claims"].items():
+        if not isinstance(c, dict) or not {"better", "worse", "text"} <= set(c):
+            raise SystemExit(f"{path}: claim {cid} needs better, worse and text")
+        claims.append(Claim(str(cid), str(c["better"]), str(c["worse"]), str(c["text"]), str(c.get("score", "avg"))))
+    known = {p.stem for p in (ROOT / "conf" / "method").glob("*.yaml")}
+    bad = sorted({m for c in claims for m in (c.better, c.worse)} - known)
+    if bad:
+        raise SystemExit(f"{path}: method {', '.join(bad)} is not in conf/method/ (there are: {', '.join(sorted(known))})")
+    if not (ROOT / "sweeps" / f"{raw['sweep']}.yaml").is_file():
+        raise SystemExit(f"{path}: sweep {raw['sweep']!r} is not sweeps/{raw['sweep']}.yaml")
+    runs = Path(raw.get("runs") or ROOT / "runs" / "reproduce" / f"{raw['sweep']}-{raw['scale']}")
+    return Plan(Path(path), str(raw["sweep"]), str(raw["scale"]), int(raw["seed0"]), design, claims,
+                runs if runs.is_absolute() else ROOT / runs, [str(o) for o in raw.get("overrides", [])])
+
+
+def cell_command(plan: Plan, method: str, seed: int) -> list[str]:
+    """The sweep's per-cell command (what ``make reproduce-table2 SCALE=...`` runs for one cell)."""
+    from .reproduce import SWEEPS, overlay_choices, scale_file
+
+    overlay = scale_file(plan.sweep, plan.scale)
+    return [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", str(SWEEPS), "--config-name", plan.sweep,
+            *overlay_choices(overlay), f"+scale={overlay}", f"hydra.sweep.dir={plan.runs}", f"method={method}",
+            f"seed={seed}", *plan.overrides]
+
+
+def finished(run: Path) -> bool:
+    return (run / "eval.json").is_file()
+
+
+def score(run: Path, key: str) -> float:
+    res = json.loads((run / "eval.json").read_text())
+    return float(res["avg"] if key == "avg" else res["splits"][key][res.get("metric", "em")])
+
+
+def read_looks(plan: Plan) -> pd.DataFrame:
+    f = plan.folder / LOOKS
+    return pd.read_csv(f) if f.is_file() else pd.DataFrame()
+
+
+def state(plan: Plan) -> tuple[dict[str, str], int]:
+    """(the verdict of each claim so far: decided ones as decided, open ones 'open'; the number of looks taken)."""
+    looks = read_looks(plan)
+    verdicts = {c.id: "open" for c in plan.claims}
+    taken = 0
+    if len(looks):
+        taken = int(looks["look"].max())
+        for c in plan.claims:
+            rows = looks[looks["claim"] == c.id]
+            if len(rows) and rows["verdict"].iloc[-1] != "continue":
+                verdicts[c.id] = str(rows["verdict"].iloc[-1])
+    return verdicts, taken
+
+
+def needed(plan: Plan, k: int, verdicts: dict[str, str]) -> list[tuple[str, int]]:
+    """The cells look ``k`` (1-based) needs that have not finished, seed-major (each seed's methods together)."""
+    methods = list(dict.fromkeys(m for c in plan.claims if verdicts[c.id] == "open" for m in (c.better, c.worse)))
+    return [(m, s) for s in plan.seeds(plan.design.looks[k - 1]) for m in methods
+            if not finished(plan.run_dir(m, s)) and failed_record(plan.run_dir(m, s)) is None]
+
+
+def take_look(plan: Plan, k: int, verdicts: dict[str, str]) -> list[dict]:
+    """Look ``k`` at every open claim; rows for looks.csv."""
+    from ..engine.runs import run_commit
+
+    looks = read_looks(plan)
+    rows = []
+    for c in plan.claims:
+        if verdicts[c.id] != "open":
+            continue
+        diffs, left_out = [], []
+        for j in range(k):
+            seeds = plan.seeds(plan.design.looks[j])
+            pairs = [(s, plan.run_dir(c.better, s), plan.run_dir(c.worse, s)) for s in seeds]
+            ok = [(s, a, b) for s, a, b in pairs if finished(a) and finished(b)]
+            diffs.append([score(a, c.score) - score(b, c.score) for _, a, b in ok])
+            if j == k - 1:
+                left_out = [s for s, a, b in pairs if not (finished(a) and finished(b))]
+        result = look(plan.design, diffs, final=k == len(plan.design.looks))[-1]
+        if result.look != k:  # an earlier look decided it: state() would have closed it
+            raise RuntimeError(f"claim {c.id}: decided at look {result.look}, but looks.csv says it was open")
+        ok_seeds = [s for s in plan.seeds(plan.design.looks[k - 1]) if s not in left_out]
+        commits = sorted({run_commit(plan.run_dir(m, s)) for s in ok_seeds for m in (c.better, c.worse)})
+        rows.append({"look": k, "claim": c.id, "text": c.text, "better": c.better, "worse": c.worse, "score": c.score,
+                     "planned_seeds": plan.design.looks[k - 1], "seeds": result.n, "left_out": " ".join(map(str, left_out)),
+                     "mean_better": _mean(plan, c.better, ok_seeds, c.score), "mean_worse": _mean(plan, c.worse, ok_seeds, c.score),
+                     "mean_diff": result.mean, "sd_diff": result.sd, "t": result.t, "z_bound": result.z_bound,
+                     "t_bound": result.bound, "lo": result.lo, "hi": result.hi, "verdict": result.verdict,
+                     "taken": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commits": " ".join(commits)})
+    out = pd.concat([looks, pd.DataFrame(rows)], ignore_index=True) if len(looks) else pd.DataFrame(rows)
+    from ..engine.files import atomic_write
+
+    atomic_write(plan.folder / LOOKS, out.to_csv(index=False))
+    return rows
+
+
+def _mean(plan: Plan, method: str, seeds: list[int], key: str) -> float:
+    xs = [score(plan.run_dir(method, s), key) for s in seeds]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def report(plan: Plan) -> Path:
+    """``sequential.md`` and ``sequential.png`` from looks.csv (and the plan)."""
+    looks = read_looks(plan)
+    d = plan.design
+    lines = [f"# Sequential decisions: {plan.path.parent.name}", "",
+             f"Plan: [`{plan.path.name}`]({plan.path.name}) (pre-registered); design: looks at {list(d.looks)} paired "
+             f"seeds from seed {plan.seed0}, two-sided overall error {d.alpha}, {d.spending.replace('_', '-')} "
+             f"spending (`ema_pg/workbench/sequential.py`). Written by `python -m ema_pg.decide {_rel(plan.path)}` "
+             "from `looks.csv`; every look's numbers are kept.", "",
+             "**holds** / **fails**: the paired t statistic crossed the upper / lower boundary; **continue**: more "
+             "seeds; **stopped at the cap**: no boundary crossed by the last look (undecided). The interval is the "
+             "repeated 95% confidence interval of the mean paired difference at that look (valid whenever the design "
+             "stops).", ""]
+    if not len(looks):
+        lines += ["No look taken yet."]
+    else:
+        lines += ["| claim | look | seeds | better | worse | Δ | sd | t | boundary | interval | verdict |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for _, r in looks.iterrows():
+            lines.append(f"| {r['claim']}: {r['text']} | {int(r['look'])} | {int(r['seeds'])}"
+                         f"{' (left out: ' + str(r['left_out']) + ')' if isinstance(r['left_out'], str) and r['left_out'] else ''} | "
+                         f"{r['mean_better']:.3f} | {r['mean_worse']:.3f} | {r['mean_diff']:+.4f} | {r['sd_diff']:.4f} | "
+                         f"{r['t']:+.2f} | ±{r['t_bound']:.2f} | [{r['lo']:+.4f}, {r['hi']:+.4f}] | **{r['verdict']}** |")
+        verdicts, taken = state(plan)
+        lines += ["", "Where each claim stands: " + "; ".join(f"{c.id} {verdicts[c.id]}" for c in plan.claims) + "."]
+        _plot(plan, looks)
+        lines += ["", "![the looks](sequential.png)"]
+    out = plan.folder / "sequential.md"
+    from ..engine.files import atomic_write
+
+    atomic_write(out, "\n".join(lines) + "\n")
+    return out
+
+
+def _rel(p: Path) -> str:
+    try:
+        return str(Path(p).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(p)
+
+
+def _plot(plan: Plan, looks: pd.DataFrame) -> None:
+    import matplotlib.pyplot as plt
+
+    from .results import set_style
+
+    set_style()
+    d = plan.design
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    ns = list(d.looks)
+    from .sequential import t_boundary
+
+    zb = d.boundaries()
+    tb = [t_boundary(c, n) for c, n in zip(zb, ns)]
+    ax = axes[0]
+    ax.plot(ns, tb, "k--", lw=1, label="boundaries (planned looks, t scale)")
+    ax.plot(ns, [-x for x in tb], "k--", lw=1)
+    for i, (cid, g) in enumerate(looks.groupby("claim", sort=False)):
+        ax.plot(g["seeds"], g["t"], "o-", color=f"C{i}", label=cid)
+        axes[1].errorbar(g["seeds"] + 0.4 * i, g["mean_diff"], yerr=[g["mean_diff"] - g["lo"], g["hi"] - g["mean_diff"]],
+                         fmt="o", color=f"C{i}", capsize=3, label=cid)
+    ax.set_ylim(-max(6, min(tb) * 1.5), max(6, min(tb) * 1.5))
+    ax.set_xlabel("paired seeds")
+    ax.set_ylabel("paired t statistic")
+    ax.set_title("Each look against the boundaries")
+    ax.legend(fontsize=7)
+    axes[1].axhline(0, color="k", lw=0.8)
+    axes[1].set_xlabel("paired seeds")
+    axes[1].set_ylabel("mean paired difference")
+    axes[1].set_title("Repeated 95% intervals")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(plan.folder / "sequential.png", dpi=150)
+    plt.close(fig)
+
+
+class Workers:
+    """At most ``n`` cells at a time, each a per-cell command in its own process group (a SIGTERM is passed on to
+    each, which saves its checkpoint)."""
+
+    def __init__(self, n: int, log_dir: Path):
+        self.n, self.log_dir, self.live = n, log_dir, {}
+        self.stopping = False
+
+    def run(self, plan: Plan, cells: list[tuple[str, int]]) -> None:
+        queue = list(cells)
+        total = len(queue)
+        done = 0
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc="cells of this look", unit="run")
+        while queue or self.live:
+            while queue and len(self.live) < self.n and not self.stopping:
+                m, s = queue.pop(0)
+                log = open(self.log_dir / f"{m}_s{s}.log", "ab")
+                p = subprocess.Popen(cell_command(plan, m, s), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+                self.live[p] = (m, s, log)
+            time.sleep(1)
+            for p in [p for p in self.live if p.poll() is not None]:
+                m, s, log = self.live.pop(p)
+                log.close()
+                done += 1
+                bar.update(1)
+                if p.returncode == EXIT_INTERRUPTED or self.stopping:
+                    continue
+                if p.returncode:
+                    tqdm.write(f"{m} seed {s} exited {p.returncode}: see {self.log_dir / f'{m}_s{s}.log'}")
+            if self.stopping and not self.live:
+                break
+        bar.close()
+
+    def stop(self, *_):
+        self.stopping = True
+        for p in self.live:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("plan", type=Path)
+    ap.add_argument("--workers", type=int, default=2, help="cells run at a time (default 2)")
+    ap.add_argument("--status", action="store_true", help="say where the plan stands and what the next look needs; run nothing")
+    ap.add_argument("--report-only", action="store_true", help="write sequential.md / .png from looks.csv; run nothing")
+    a = ap.parse_args(argv)
+    if not a.plan.is_file():
+        raise SystemExit(f"{a.plan}: no such plan file")
+    plan = load_plan(a.plan)
+    if a.report_only:
+        print(f"wrote {report(plan)}")
+        return 0
+    workers = Workers(max(1, a.workers), plan.runs / "logs")
+    signal.signal(signal.SIGTERM, workers.stop)
+    signal.signal(signal.SIGINT, workers.stop)
+    while True:
+        verdicts, taken = state(plan)
+        open_claims = [c for c in plan.claims if verdicts[c.id] == "open"]
+        print(f"{plan.path}: looks taken {taken} of {len(plan.design.looks)}; "
+              + "; ".join(f"{c.id} {verdicts[c.id]}" for c in plan.claims), flush=True)
+        if not open_claims or taken == len(plan.design.looks):
+            report(plan)
+            print("every claim is decided or at its cap")
+            return 0
+        k = taken + 1
+        todo = needed(plan, k, verdicts)
+        if a.status:
+            print(f"look {k} at {plan.design.looks[k - 1]} seeds needs {len(todo)} more cells: "
+                  + ", ".join(f"{m}:{s}" for m, s in todo[:12]) + (" ..." if len(todo) > 12 else ""))
+            if todo:
+                print("a cell's command: " + shlex.join(cell_command(plan, *todo[0])))
+            return 0
+        if todo:
+            plan.runs.mkdir(parents=True, exist_ok=True)
+            (plan.runs / "logs").mkdir(exist_ok=True)
+            print(f"look {k}: {len(todo)} cells to run ({a.workers} at a time)", flush=True)
+            workers.run(plan, todo)
+            if workers.stopping:
+                print("stopped by a signal: the cells saved their checkpoints; run the same command to continue",
+                      file=sys.stderr)
+                return EXIT_INTERRUPTED
+            if needed(plan, k, verdicts):
+                left = needed(plan, k, verdicts)
+                print(f"look {k}: {len(left)} cells did not finish ({', '.join(f'{m}:{s}' for m, s in left[:6])}); "
+                      f"see {plan.runs / 'logs'}; run the same command again", file=sys.stderr)
+                return 1
+        rows = take_look(plan, k, verdicts)
+        for r in rows:
+            print(f"  look {k}, {r['claim']} ({r['text']}): {r['seeds']} seeds, Δ {r['mean_diff']:+.4f} "
+                  f"[{r['lo']:+.4f}, {r['hi']:+.4f}], t {r['t']:+.2f} vs ±{r['t_bound']:.2f}: {r['verdict']}", flush=True)
+        report(plan)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,241 @@
+"""Group-sequential decisions on paired seeds: looks after batches of seeds, boundaries by alpha spending.
+
+A claim "A > B" is decided on the paired differences d_s = score(A, s) - score(B, s) over training seeds s, as
+every fixed-seed verdict of the workbench is (:mod:`ema_pg.workbench.results`). Instead of one look at a fixed
+number of seeds, the design looks after batches of seeds (n_1 < n_2 < ... < n_K = N, the cap) and stops a claim at
+the first look whose statistic crosses a boundary:
+
+- at look k, T_k = mean(d) / (sd(d) / sqrt(n_k)), the paired t statistic of the n_k seeds so far;
+- **holds** if T_k >= b_k, **fails** if T_k <= -b_k, otherwise the next look; at the cap with neither,
+  **stopped at the cap** (undecided), reported with its interval like any other verdict.
+
+The boundaries keep the overall error at ``alpha`` (two-sided, symmetric: under no effect, the chance of a "holds"
+at any look is alpha / 2, and of either verdict alpha), by Lan and DeMets' alpha spending (Biometrika 1983): the
+z statistics of the looks are those of a Brownian motion at information times t_k = n_k / N, and the boundary c_k
+of look k is set so that the chance of first crossing at look k, under no effect, is alpha(t_k) - alpha(t_{k-1}),
+computed by the recursive numerical integration of Armitage, McPherson and Rowe (1969) on a grid. Spending
+functions (two-sided alpha):
+
+- ``obrien_fleming`` (the default): each side spends alpha / 2 by 2 - 2 Phi(z_{1 - alpha/4} / sqrt t), as
+  ``ldbounds`` and ``gsDesign`` do for a two-sided design. Early looks need overwhelming evidence (|z| > 4.87
+  at a fifth of the seeds), the last one little more than the fixed design's 1.96 (2.03 at five equal looks), so
+  stopping early costs little at the cap;
+- ``pocock``: alpha(t) = alpha ln(1 + (e - 1) t), about equal boundaries at every look: stops early more often,
+  at the price of a higher last boundary.
+
+The differences' sd is estimated, so each look's boundary is carried from the z scale to the t distribution with
+n_k - 1 degrees of freedom at the same nominal one-sided p-value (the usual small-sample correction); the
+simulation in the tests checks that the false "holds" rate stays at or under alpha / 2 with it.
+At each look the **repeated confidence interval** mean +- b_k sd / sqrt(n_k) covers the true mean difference at
+every look at once with probability >= 1 - alpha (Jennison and Turnbull, 1989): the interval reported with a
+verdict, whenever the design stops. A look taken at another number of seeds than planned (a run that failed)
+spends alpha at its actual information time; the cap N stays as registered.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+SPENDING = ("obrien_fleming", "pocock")  #: the spending functions a design may name
+VERDICTS = ("holds", "fails", "continue", "stopped at the cap")  #: a look's outcome for one claim
+
+
+def _phi(x):
+    return np.exp(-0.5 * np.square(x)) / math.sqrt(2 * math.pi)
+
+
+def _Phi(x):
+    from scipy.special import ndtr
+
+    return ndtr(x)
+
+
+def _Phi_inv(p):
+    from scipy.special import ndtri
+
+    return ndtri(p)
+
+
+def spent(t: float, alpha: float, spending: str) -> float:
+    """Two-sided alpha spent by information time ``t`` in [0, 1]."""
+    if spending not in SPENDING:
+        raise ValueError(f"spending={spending!r}; choose one of {', '.join(SPENDING)}")
+    if t <= 0:
+        return 0.0
+    t = min(t, 1.0)
+    if spending == "obrien_fleming":  # each side spends alpha / 2 by the one-sided function
+        return float(2.0 * (2.0 - 2.0 * _Phi(_Phi_inv(1.0 - alpha / 4) / math.sqrt(t))))
+    return float(alpha * math.log(1.0 + (math.e - 1.0) * t))
+
+
+def z_boundaries(fractions, alpha: float = 0.05, spending: str = "obrien_fleming", grid: int = 4001) -> list[float]:
+    """The two-sided z boundaries c_1..c_K at increasing information times ``fractions`` (the last <= 1), so that
+    under no effect the chance of |Z_k| >= c_k first at look k is alpha(t_k) - alpha(t_{k-1}).
+
+    Recursive integration over the continuation region of B(t) = Z sqrt(t), a Brownian motion: the density of
+    B(t_k) on paths that have not stopped is carried on a grid of ``grid`` points (Simpson weights) from one look
+    to the next by the Gaussian transition kernel."""
+    ts = [float(t) for t in fractions]
+    if not ts or any(b <= a for a, b in zip(ts, ts[1:])) or ts[0] <= 0 or ts[-1] > 1 + 1e-12:
+        raise ValueError(f"information fractions must increase within (0, 1]; got {ts}")
+    grid += 1 - grid % 2  # an odd number of points for Simpson's rule
+    bounds: list[float] = []
+    x = w = dens = None  # the grid over the last continuation region, its weights, the density on it
+    prev_t, prev_spend = 0.0, 0.0
+    for t in ts:
+        target = spent(t, alpha, spending) - prev_spend
+        dt = t - prev_t
+        if x is None:  # the first look: B(t_1) ~ N(0, t_1)
+            c = float(_Phi_inv(1.0 - target / 2))
+
+            def exit_prob(c_, t=t):
+                return 2.0 * (1.0 - _Phi(c_))
+        else:
+            sd = math.sqrt(dt)
+
+            def exit_prob(c_, t=t, sd=sd):  # P(not stopped before, |B(t)| >= c sqrt t)
+                h = c_ * math.sqrt(t)
+                tail = (1.0 - _Phi((h - x) / sd)) + _Phi((-h - x) / sd)
+                return float(np.sum(w * dens * tail))
+            lo, hi = 0.0, 40.0
+            for _ in range(200):  # exit_prob falls as c grows
+                mid = 0.5 * (lo + hi)
+                lo, hi = (mid, hi) if exit_prob(mid) > target else (lo, mid)
+            c = 0.5 * (lo + hi)
+        bounds.append(c)
+        # the density of B(t) on the paths still going, over the new continuation region (-h, h)
+        h = c * math.sqrt(t)
+        x_new = np.linspace(-h, h, grid)
+        step = x_new[1] - x_new[0]
+        w_new = np.full(grid, 2.0)
+        w_new[1:-1:2] = 4.0
+        w_new[0] = w_new[-1] = 1.0
+        w_new *= step / 3.0
+        if x is None:
+            dens = _phi(x_new / math.sqrt(t)) / math.sqrt(t)
+        else:
+            sd = math.sqrt(dt)
+            kernel = _phi((x_new[:, None] - x[None, :]) / sd) / sd  # (new, old)
+            dens = kernel @ (w * dens)
+        x, w = x_new, w_new
+        prev_t, prev_spend = t, spent(t, alpha, spending)
+    return bounds
+
+
+def t_boundary(c: float, n: int) -> float:
+    """The z boundary ``c`` carried to the t distribution with n - 1 degrees of freedom at the same one-sided
+    nominal p-value."""
+    from scipy.stats import t as student_t
+
+    return float(student_t.isf(1.0 - _Phi(c), df=n - 1))
+
+
+@dataclass(frozen=True)
+class Design:
+    """A pre-registered group-sequential design: the looks (numbers of paired seeds, the last is the cap), the
+    two-sided overall error and the spending function."""
+
+    looks: tuple[int, ...] = (10, 20, 30, 45, 60)
+    alpha: float = 0.05
+    spending: str = "obrien_fleming"
+
+    def __post_init__(self):
+        looks = tuple(int(n) for n in self.looks)
+        object.__setattr__(self, "looks", looks)
+        if len(looks) < 1 or looks[0] < 3 or any(b <= a for a, b in zip(looks, looks[1:])):
+            raise ValueError(f"looks={list(looks)}: give increasing numbers of seeds, the first at least 3")
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha={self.alpha} must be in (0, 1)")
+        if self.spending not in SPENDING:
+            raise ValueError(f"spending={self.spending!r}; choose one of {', '.join(SPENDING)}")
+
+    @property
+    def cap(self) -> int:
+        return self.looks[-1]
+
+    def boundaries(self, taken: list[int] | None = None) -> list[float]:
+        """Z boundaries of the looks taken so far at ``taken`` seeds (default: the planned looks)."""
+        ns = list(taken) if taken is not None else list(self.looks)
+        return z_boundaries([n / self.cap for n in ns], self.alpha, self.spending)
+
+
+@dataclass
+class Look:
+    """One claim at one look."""
+
+    look: int  # 1-based
+    n: int  # paired seeds
+    mean: float  # mean paired difference
+    sd: float  # its sd over seeds
+    t: float  # paired t statistic
+    z_bound: float  # the boundary on the z scale (alpha spent at n / cap)
+    bound: float  # the boundary on the t scale with n - 1 degrees of freedom
+    lo: float  # the repeated confidence interval of the mean difference
+    hi: float
+    verdict: str  # holds | fails | continue | stopped at the cap
+
+    def row(self) -> dict:
+        return asdict(self)
+
+
+def look(design: Design, diffs_by_look: list, final: bool | None = None) -> list[Look]:
+    """The looks of one claim: ``diffs_by_look[k]`` holds the paired differences of every seed at look k (the
+    seeds of look k include those of the looks before). Stops at the first look that decides; the last look
+    given is the cap's when its size is the cap (or ``final``)."""
+    taken = [len(d) for d in diffs_by_look]
+    if any(n < 3 for n in taken):
+        raise ValueError(f"a look needs at least 3 paired seeds; got {taken}")
+    zb = design.boundaries(taken)
+    out: list[Look] = []
+    for k, (d, c) in enumerate(zip(diffs_by_look, zb), 1):
+        d = np.asarray(d, dtype=float)
+        n = len(d)
+        mean, sd = float(d.mean()), float(d.std(ddof=1))
+        se = sd / math.sqrt(n)
+        t = mean / se if se > 0 else (math.copysign(math.inf, mean) if mean else 0.0)
+        b = t_boundary(c, n)
+        last = (n >= design.cap) if final is None or k < len(diffs_by_look) else final
+        verdict = "holds" if t >= b else "fails" if t <= -b else ("stopped at the cap" if last else "continue")
+        out.append(Look(k, n, mean, sd, t, c, b, mean - b * se, mean + b * se, verdict))
+        if verdict != "continue":
+            break
+    return out
+
+
+def simulate(design: Design, effect: float, sd: float, sims: int = 20_000, seed: int = 0) -> dict:
+    """Operating characteristics by simulation: paired differences ~ Normal(``effect``, ``sd``) per seed, the
+    design's looks and t boundaries as :func:`look` applies them. Returns the shares of holds, fails and
+    stopped-at-the-cap verdicts, each with its Monte-Carlo standard error, and the mean number of seeds used."""
+    rng = np.random.default_rng(seed)
+    d = rng.normal(effect, sd, size=(sims, design.cap))
+    zb = design.boundaries()
+    state = np.zeros(sims, dtype=np.int8)  # 0 going, 1 holds, 2 fails
+    used = np.full(sims, design.cap)
+    for n, c in zip(design.looks, zb):
+        x = d[:, :n]
+        mean, s = x.mean(1), x.std(1, ddof=1)
+        t = mean / (s / math.sqrt(n))
+        b = t_boundary(c, n)
+        going = state == 0
+        up, down = going & (t >= b), going & (t <= -b)
+        state[up], state[down] = 1, 2
+        used[up | down] = n
+    out = {"sims": sims, "effect": effect, "sd": sd, "mean_seeds": float(used.mean())}
+    for name, code in (("holds", 1), ("fails", 2), ("stopped at the cap", 0)):
+        p = float((state == code).mean())
+        out[name] = p
+        out[f"{name} (MC se)"] = math.sqrt(p * (1 - p) / sims)
+    return out
+
+
+def fixed_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
+    """The chance that one look at ``n`` seeds, a two-sided t test at ``alpha``, finds ``effect`` > 0 (a 'holds'),
+    from the noncentral t distribution: the fixed design beside the sequential one."""
+    from scipy.stats import nct
+    from scipy.stats import t as student_t
+
+    crit = student_t.isf(alpha / 2, df=n - 1)
+    return float(nct.sf(crit, df=n - 1, nc=effect / sd * math.sqrt(n)))

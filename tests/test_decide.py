@@ -1,0 +1,106 @@
+"""``python -m ema_pg.decide``: a plan is checked before anything runs; looks are taken on the finished pairs,
+recorded once, and a decided claim asks for no more seeds; end to end on a tiny sweep (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from ema_pg.workbench.decide import LOOKS, load_plan, needed, report, state, take_look
+from ema_pg.workbench.sequential import Design, look
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_plan(folder: Path, runs: Path, looks=(3, 5), claims=None, **extra) -> Path:
+    claims = claims or {"A": {"better": "ema", "worse": "grpo", "text": "EMA anchor > GRPO"},
+                        "B": {"better": "ema_topk_reverse", "worse": "ema", "text": "Top-k reverse > K3"}}
+    plan = {"sweep": "fig5_methods", "scale": "smoke", "seed0": 100, "looks": list(looks), "alpha": 0.05,
+            "spending": "obrien_fleming", "runs": str(runs), "claims": claims, **extra}
+    folder.mkdir(parents=True, exist_ok=True)
+    import yaml
+
+    (folder / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+    return folder / "plan.yaml"
+
+
+def fake_run(runs: Path, method: str, seed: int, avg: float, commit: str = "abc123") -> None:
+    """A finished run folder as the trainer leaves one: config.yaml, git.txt and eval.json."""
+    d = runs / f"{method}_s{seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.yaml").write_text(f"method: {method}\nseed: {seed}\nname: demo\n")
+    (d / "git.txt").write_text(commit + "\n")
+    (d / "eval.json").write_text(json.dumps({"iteration": 4, "splits": {"test": {"acc": avg, "n": 16}}, "avg": avg,
+                                             "metric": "acc"}))
+
+
+def test_a_plan_is_checked_before_anything_runs(tmp_path):
+    bad = write_plan(tmp_path / "a", tmp_path / "runs", claims={"A": {"better": "emma", "worse": "grpo", "text": "x"}})
+    with pytest.raises(SystemExit, match="method emma is not in conf/method/"):
+        load_plan(bad)
+    with pytest.raises(SystemExit, match="increasing"):
+        load_plan(write_plan(tmp_path / "b", tmp_path / "runs", looks=(5, 5)))
+    with pytest.raises(SystemExit, match="needs better, worse and text"):
+        load_plan(write_plan(tmp_path / "c", tmp_path / "runs", claims={"A": {"better": "ema"}}))
+
+
+def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_no_more_seeds(tmp_path):
+    runs = tmp_path / "runs"
+    plan = load_plan(write_plan(tmp_path / "plan", runs))
+    rng = np.random.default_rng(0)
+    assert len(needed(plan, 1, state(plan)[0])) == 3 * 3  # three methods, three seeds
+    for s in plan.seeds(3):  # claim A: a huge effect, decided at once; claim B: nothing
+        g = 0.3 + rng.normal(0, 0.01)
+        fake_run(runs, "grpo", s, g)
+        fake_run(runs, "ema", s, g + 0.5 + rng.normal(0, 0.001))
+        fake_run(runs, "ema_topk_reverse", s, g + 0.5 + rng.normal(0, 0.05))
+    verdicts, taken = state(plan)
+    assert taken == 0 and needed(plan, 1, verdicts) == []
+    rows = {r["claim"]: r for r in take_look(plan, 1, verdicts)}
+    diff = [json.loads((runs / f"ema_s{s}/eval.json").read_text())["avg"]
+            - json.loads((runs / f"grpo_s{s}/eval.json").read_text())["avg"] for s in plan.seeds(3)]
+    expect = look(Design(looks=(3, 5)), [diff])[-1]
+    assert rows["A"]["verdict"] == "holds" == expect.verdict
+    assert rows["A"]["mean_diff"] == pytest.approx(expect.mean) and rows["A"]["lo"] == pytest.approx(expect.lo)
+    assert rows["B"]["verdict"] == "continue" and rows["A"]["commits"] == "abc123"
+    verdicts, taken = state(plan)
+    assert taken == 1 and verdicts == {"A": "holds", "B": "open"}
+    todo = needed(plan, 2, verdicts)  # only claim B's methods, seeds 103-104
+    assert sorted(todo) == sorted((m, s) for m in ("ema", "ema_topk_reverse") for s in (103, 104))
+    fake_run(runs, "ema", 103, 0.4)
+    (runs / "ema_topk_reverse_s103").mkdir()
+    (runs / "ema_topk_reverse_s103" / "failed.json").write_text(json.dumps({"kind": "diverged"}))
+    fake_run(runs, "ema", 104, 0.4)
+    fake_run(runs, "ema_topk_reverse", 104, 0.41)
+    assert needed(plan, 2, verdicts) == []  # a failed cell is not run again
+    rows = take_look(plan, 2, verdicts)
+    assert [r["claim"] for r in rows] == ["B"] and rows[0]["seeds"] == 4 and rows[0]["left_out"] == "103"
+    assert rows[0]["verdict"] == "stopped at the cap"
+    looks = pd.read_csv(plan.folder / LOOKS)
+    assert list(looks["look"]) == [1, 1, 2] and state(plan) == ({"A": "holds", "B": "stopped at the cap"}, 2)
+    md = report(plan).read_text()
+    assert "**holds**" in md and "stopped at the cap" in md and (plan.folder / "sequential.png").is_file()
+
+
+@pytest.mark.slow
+def test_the_command_runs_a_tiny_sweep_to_its_looks_and_continues_after_an_interruption(tmp_path):
+    """Real runs (the toy task at smoke scale, one cold start for every seed): look 1 at 3 seeds, look 2 at 4."""
+    runs = tmp_path / "runs"
+    plan = write_plan(tmp_path / "plan", runs, looks=(3, 4), claims={"A": {"better": "ema", "worse": "grpo",
+                                                                          "text": "EMA anchor > GRPO"}},
+                      overrides=["sft.seed=0", f"sft.cache_dir={tmp_path / 'cache'}"])
+    cmd = [sys.executable, "-m", "ema_pg.decide", str(plan), "--workers", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    looks = pd.read_csv(tmp_path / "plan" / LOOKS)
+    assert list(looks["seeds"])[:1] == [3] and set(looks["claim"]) == {"A"}
+    assert all((runs / f"{m}_s{s}" / "eval.json").is_file() for m in ("ema", "grpo") for s in (100, 101, 102))
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)  # nothing left: no look retaken
+    assert again.returncode == 0 and pd.read_csv(tmp_path / "plan" / LOOKS).equals(looks)
+    assert "every claim is decided or at its cap" in again.stdout

@@ -1,0 +1,96 @@
+"""The group-sequential design (ema_pg.workbench.sequential): boundaries against published values, the error rate
+under no effect by simulation, and the verdict rules of one claim's looks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from ema_pg.workbench.sequential import Design, fixed_power, look, simulate, spent, t_boundary, z_boundaries
+
+FIVE = [0.2, 0.4, 0.6, 0.8, 1.0]
+
+
+def test_boundaries_match_the_published_lan_demets_values():
+    """Five equally spaced looks, two-sided alpha 0.05: the Lan-DeMets O'Brien-Fleming-type and Pocock-type
+    boundaries as tabulated by ldbounds / gsDesign (Reboussin et al. 2000, Table 1)."""
+    obf = z_boundaries(FIVE, 0.05, "obrien_fleming")
+    assert obf == pytest.approx([4.8769, 3.3570, 2.6803, 2.2898, 2.0310], abs=2e-4)
+    pocock = z_boundaries(FIVE, 0.05, "pocock")
+    assert pocock == pytest.approx([2.4380, 2.4268, 2.4102, 2.3966, 2.3860], abs=2e-4)
+    # one look spends all of alpha: the fixed design's boundary
+    assert z_boundaries([1.0], 0.05)[0] == pytest.approx(1.959964, abs=1e-5)
+
+
+def test_the_spending_functions_spend_alpha_by_the_cap_and_nothing_at_zero():
+    for s in ("obrien_fleming", "pocock"):
+        assert spent(0.0, 0.05, s) == 0.0
+        assert spent(1.0, 0.05, s) == pytest.approx(0.05, abs=1e-12)
+        assert spent(0.5, 0.05, s) < 0.05
+    assert spent(0.2, 0.05, "obrien_fleming") < spent(0.2, 0.05, "pocock")  # O'Brien-Fleming spends late
+    with pytest.raises(ValueError, match="spending"):
+        spent(0.5, 0.05, "haybittle")
+
+
+def test_under_no_effect_false_holds_stay_at_or_under_half_alpha():
+    """The whole procedure as the command applies it (t statistics of estimated sd, t boundaries), simulated:
+    a "holds" under no effect at most alpha / 2 = 2.5% (within 3 Monte-Carlo standard errors), either verdict at
+    most alpha; the same for Pocock's spending and for unequal looks."""
+    for design in (Design(), Design(spending="pocock"), Design(looks=(5, 12, 20))):
+        r = simulate(design, effect=0.0, sd=0.03, sims=40_000, seed=1)
+        assert r["holds"] <= 0.025 + 3 * r["holds (MC se)"], (design, r)
+        assert r["holds"] + r["fails"] <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 40_000), (design, r)
+        assert r["holds"] > 0.015  # the boundaries are not so wide that nothing is ever decided
+
+
+def test_under_an_effect_the_design_decides_with_the_fixed_designs_power_and_fewer_seeds():
+    design = Design()
+    r = simulate(design, effect=0.013, sd=0.028, sims=20_000, seed=2)
+    fixed = fixed_power(0.013, 0.028, design.cap)
+    assert abs(r["holds"] - fixed) < 0.02  # O'Brien-Fleming loses little power at the cap
+    assert r["mean_seeds"] < 0.8 * design.cap  # and stops early on average
+    assert r["fails"] == 0.0
+
+
+def test_naive_repeated_looks_would_inflate_the_error():
+    """The guard that the boundaries matter: testing at 1.96 at every look gives far more than 2.5% false holds."""
+    rng = np.random.default_rng(3)
+    d = rng.normal(0.0, 1.0, size=(20_000, 60))
+    hit = np.zeros(20_000, dtype=bool)
+    for n in Design().looks:
+        x = d[:, :n]
+        hit |= x.mean(1) / (x.std(1, ddof=1) / math.sqrt(n)) >= t_boundary(1.959964, n)
+    assert hit.mean() > 0.05
+
+
+def test_a_look_stops_at_the_first_crossing_and_reports_the_repeated_interval():
+    design = Design(looks=(5, 10, 20))
+    strong = [0.05, 0.06, 0.055, 0.052, 0.058, 0.051, 0.057, 0.054, 0.056, 0.053]
+    looks = look(design, [strong[:5], strong])
+    assert [x.verdict for x in looks][-1] == "holds"
+    first = looks[0]
+    assert first.n == 5 and first.mean == pytest.approx(np.mean(strong[:5]))
+    se = np.std(strong[:5], ddof=1) / math.sqrt(5)
+    assert first.lo == pytest.approx(first.mean - first.bound * se)
+    assert first.hi == pytest.approx(first.mean + first.bound * se)
+    # a hopeless claim at the cap: stopped there, with its interval containing 0
+    noise = np.random.default_rng(4).normal(0, 1, 20)
+    noise -= noise.mean()
+    out = look(design, [noise[:5], noise[:10], noise])
+    assert [x.verdict for x in out] == ["continue", "continue", "stopped at the cap"]
+    assert out[-1].lo < 0 < out[-1].hi
+    # a clear negative: fails
+    assert look(design, [[-x for x in strong[:5]], [-x for x in strong]])[-1].verdict == "fails"
+
+
+def test_designs_refuse_what_cannot_be_a_design():
+    with pytest.raises(ValueError, match="increasing"):
+        Design(looks=(10, 10, 20))
+    with pytest.raises(ValueError, match="at least 3"):
+        Design(looks=(2, 10))
+    with pytest.raises(ValueError, match="alpha"):
+        Design(alpha=1.5)
+    with pytest.raises(ValueError, match="at least 3"):
+        look(Design(), [[0.1, 0.2]])

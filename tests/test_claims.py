@@ -1,0 +1,54 @@
+"""reproductions/CLAIMS.md: generated, up to date, and holding every verdict every committed results file states."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+
+from ema_pg.workbench.claims import PAGE, REPRO, all_verdicts, render, table_verdicts
+
+
+def _norm(x: str) -> str:
+    return re.sub(r"\s+", "", x.replace("−", "-"))
+
+
+def test_the_committed_page_is_the_one_the_command_writes():
+    assert PAGE.read_text() == render(all_verdicts()), \
+        "reproductions/CLAIMS.md is out of date: run python -m ema_pg.workbench.claims"
+
+
+def test_every_verdict_of_every_results_file_is_on_the_page():
+    """Each verdict row (its reproduction, its verdict and its interval, or its claim where it has no interval) is on
+    a line of the page; the verdict CSVs' rows too (by id and verdict)."""
+    page = PAGE.read_text().splitlines()
+    verdicts = all_verdicts()
+    assert len(verdicts) > 100  # the guard: the parser reads the committed results
+    for v in verdicts:
+        mark = _norm(v.interval) if v.interval.startswith("[") else None
+        hits = [ln for ln in page if f"({v.folder}/" in ln and f"**{v.verdict}**" in ln
+                and (mark in _norm(ln) if mark else (v.key in ln or v.text in ln))]
+        assert hits, f"{v.file}: {v.key} ({v.verdict} {v.interval}) is not on reproductions/CLAIMS.md"
+    for csv in list(REPRO.rglob("verdicts.csv")) + list(REPRO.rglob("claims.csv")):
+        rows = pd.read_csv(csv)
+        if "verdict" not in rows or "id" not in rows:
+            continue
+        folder = str(csv.parent.relative_to(REPRO))
+        for _, r in rows.iterrows():
+            verdict = str(r['verdict']).strip('()')
+            assert any(f"({folder}/" in ln and f"**{verdict}**" in ln for ln in page), (csv, r["id"])
+
+
+def test_the_parser_reads_a_verdict_table_as_the_reports_write_it(tmp_path, monkeypatch):
+    import ema_pg.workbench.claims as claims
+
+    monkeypatch.setattr(claims, "REPRO", tmp_path)
+    f = tmp_path / "fig0" / "README.md"
+    f.parent.mkdir()
+    f.write_text("Intro.\n\n| id | claim | direction | verdict |\n|---|---|---|---|\n| E1 | a plan's row | x > 0 | holds / fails"
+                 " / undecided |\n\n| id | claim | Δ mean ± sd | 95% CI | verdict | min. detectable Δ |\n|---|---|---|---|---|---|\n"
+                 "| E1 | eta 0.9 > eta 1.0 | +0.034 ± 0.029 | [+0.014, +0.059] | **holds** (5/5 seeds) | 0.036 |\n"
+                 "| E2 | forward | +0.016 ± 0.091 | [−0.064, +0.070] | **undecided** (4/5 seeds) | 0.114 |\n")
+    got = table_verdicts(f)
+    assert [(v.key, v.verdict, v.interval, v.seeds, v.delta) for v in got] == [
+        ("E1", "holds", "[+0.014, +0.059]", "5", "+0.034 ± 0.029"), ("E2", "undecided", "[−0.064, +0.070]", "5", "+0.016 ± 0.091")]

@@ -270,6 +270,11 @@ class AlgoConfig:
     #: go through the output layer; equal to the padded passes to float rounding. On by default: a multi-turn search
     #: batch is 26% padding and its policy tokens 12% of its response columns (2.3x faster update on this CPU)
     padding_free: bool = True
+    #: split each minibatch into micro-batches of at most this many real tokens (prompt, response and observations),
+    #: their gradients accumulated into one optimizer step: the same update as the whole minibatch at once (each
+    #: micro-batch's loss is its share of the minibatch's aggregation), with memory bounded by the budget; 0 = the
+    #: whole minibatch in one pass
+    max_tokens_per_microbatch: int = 0
     #: padding_free: rows that begin alike (a prompt's G samples: the prompt, often a first search and its
     #: observation) compute their common prefix once; exact, so a model with dropout packs its rows apart instead
     share_prefixes: bool = True
@@ -319,6 +324,7 @@ class AlgoConfig:
                  "whole batch)")
         if self.iterations < 1 or self.eval_every < 1:
             _bad(f"algo.iterations and algo.eval_every must be >= 1; got {self.iterations}, {self.eval_every}")
+        _at_least(("algo.max_tokens_per_microbatch", self.max_tokens_per_microbatch, 0))
         if self.reward_kl not in ("none", "sequence"):
             _bad(f"algo.reward_kl={self.reward_kl!r}; choose none or sequence")
         _at_least(("algo.grad_clip", self.grad_clip, 0), ("algo.warmup_steps", self.warmup_steps, 0),

@@ -21,7 +21,7 @@ import copy
 import torch
 from torch import Tensor
 
-from .losses import masked_mean
+from .losses import Share, masked_mean
 from .packing import Packing, packed_states
 from .rollout.base import Rollouts
 
@@ -64,22 +64,26 @@ def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     return torch.where(m, (x - v.mean()) / (v.std() + eps), torch.zeros_like(x))
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float) -> tuple[Tensor, dict]:
-    """The clipped value loss of PPO (``clip`` <= 0: unclipped), a masked token mean, and its metrics."""
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float,
+               share: Share | None = None) -> tuple[Tensor, dict]:
+    """The clipped value loss of PPO (``clip`` <= 0: unclipped), a masked token mean, and its metrics (``share``: a
+    micro-batch's share of its minibatch's mean, :class:`ema_pg.losses.Share`)."""
     err = (values - returns) ** 2
     if clip > 0:
         clipped = old_values + (values - old_values).clamp(-clip, clip)
         err_c = (clipped - returns) ** 2
         loss_tok = 0.5 * torch.maximum(err, err_c)
-        frac = masked_mean((err_c > err).float(), mask)
+        frac = masked_mean((err_c > err).float(), mask, share)
     else:
         loss_tok, frac = 0.5 * err, torch.zeros(())
-    loss = masked_mean(loss_tok, mask)
-    with torch.no_grad():
-        m = mask.bool()
-        r, v = returns[m], values.detach()[m]
-        ev = 1 - (r - v).var() / r.var() if r.numel() > 1 and r.var() > 1e-8 else torch.tensor(float("nan"))
-    return loss, {"value_loss": loss.detach(), "value_clip_frac": frac, "value_explained_var": ev}
+    loss = masked_mean(loss_tok, mask, share)
+    return loss, {"value_loss": loss.detach(), "value_clip_frac": frac}
+
+
+def explained_variance(values: Tensor, returns: Tensor) -> Tensor:
+    """1 - Var(R - V) / Var(R) over the policy tokens given (NaN when the returns do not vary)."""
+    r, v = returns, values
+    return 1 - (r - v).var() / r.var() if r.numel() > 1 and r.var() > 1e-8 else torch.tensor(float("nan"))
 
 
 class ValueModel(torch.nn.Module):
@@ -119,18 +123,31 @@ class Critic:
         self.model.eval()
         return self.model(batch, packing)
 
-    def update(self, batch: Rollouts, old_values: Tensor, returns: Tensor, mask: Tensor,
-               packing: Packing | None = None) -> dict[str, float]:
+    def update(self, parts: list[tuple], share: Share | None = None) -> dict[str, float]:
+        """One optimizer step of the value model over a minibatch: ``parts`` are its micro-batches, each (batch,
+        old values, returns, mask, packing or None), their gradients accumulated (``share``: the minibatch's counts,
+        when there are several)."""
         self.model.train()
-        loss, metrics = value_loss(self.model(batch, packing), old_values, returns, mask, self.clip)
         self.opt.zero_grad(set_to_none=True)
-        if not torch.isfinite(loss):  # the policy's guard handles the policy; a bad value step is skipped here
-            return {k: float(v) for k, v in metrics.items()}
-        loss.backward()
+        sums: dict[str, float] = {}
+        seen_v, seen_r = [], []
+        for batch, old_values, returns, mask, packing in parts:
+            values = self.model(batch, packing)
+            loss, metrics = value_loss(values, old_values, returns, mask, self.clip, share)
+            if not torch.isfinite(loss):  # the policy's guard handles the policy; a bad value step is skipped here
+                self.opt.zero_grad(set_to_none=True)
+                return {k: float(v) for k, v in metrics.items()}
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            m = mask.bool()
+            seen_v.append(values.detach()[m])
+            seen_r.append(returns[m])
         if self.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()
-        return {k: float(v) for k, v in metrics.items()}
+        sums["value_explained_var"] = float(explained_variance(torch.cat(seen_v), torch.cat(seen_r)))
+        return sums
 
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}

@@ -19,6 +19,7 @@ Departures from the paper's text, all documented at their function:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -167,7 +168,18 @@ SURROGATES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
 }
 
 
-def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean", norm_len: int | None = None) -> Tensor:
+@dataclass(frozen=True)
+class Share:
+    """A micro-batch's place in its minibatch: the minibatch's loss-mask tokens and rows. A micro-batch's loss and its
+    mean metrics are then its share of the minibatch's (sums over its tokens or rows over the minibatch's counts), and
+    the micro-batches' shares add up to the whole minibatch's value, for every aggregation."""
+
+    tokens: float
+    rows: int
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean", norm_len: int | None = None,
+              share: Share | None = None) -> Tensor:
     """Reduce a (B, T) per-token loss over the loss mask to a scalar.
 
     ``seq-mean-token-mean``     mean over sequences of the mean over each one's tokens
@@ -181,6 +193,8 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean"
     Positions outside the mask contribute nothing, even if they hold inf or nan. A sequence with no
     token in the mask counts as 0 in the ``seq-mean-*`` means (it is one of the B); verl leaves such
     rows out of the mean, so with fully masked rows (DAPO's overlong filtering) the two differ.
+    ``share``: these rows are a micro-batch of a minibatch (:class:`Share`): the sums are divided by the
+    minibatch's tokens or rows, so the micro-batches' values add up to the minibatch's.
     """
     if mode not in LOSS_AGGS:
         raise ValueError(f"unknown loss aggregation {mode!r}; choose one of: {', '.join(LOSS_AGGS)}")
@@ -188,23 +202,24 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "seq-mean-token-mean"
     x = torch.where(m, per_token, torch.zeros_like(per_token))  # (B, T)
     mf = m.to(per_token.dtype)
     if mode == "token-mean":
-        return x.sum() / mf.sum().clamp(min=1.0)
+        return x.sum() / (mf.sum().clamp(min=1.0) if share is None else max(share.tokens, 1.0))
     if mode == "seq-mean-token-mean":
         per_seq = x.sum(-1) / mf.sum(-1).clamp(min=1.0)  # (B,)
     elif mode == "seq-mean-token-sum":
         per_seq = x.sum(-1)  # (B,)
     else:
         per_seq = x.sum(-1) / float(norm_len or per_token.shape[-1])  # (B,)
-    return per_seq.mean()
+    return per_seq.mean() if share is None else per_seq.sum() / share.rows
 
 
 def _masked(x: Tensor, m: Tensor) -> Tensor:
     return torch.where(m, x, torch.zeros_like(x))
 
 
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor, share: Share | None = None) -> Tensor:
+    """The mean of ``x`` over the mask; with ``share``, the sum over the mask over the minibatch's tokens."""
     m = mask.bool()
-    return torch.where(m, x, torch.zeros_like(x)).sum() / m.sum().clamp(min=1)
+    return torch.where(m, x, torch.zeros_like(x)).sum() / (m.sum().clamp(min=1) if share is None else max(share.tokens, 1.0))
 
 
 def grpo_loss(
@@ -224,6 +239,7 @@ def grpo_loss(
     entropy: Tensor | None = None,
     norm_len: int | None = None,
     pg_weight: Tensor | None = None,
+    share: Share | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """L = aggregate(-w * J + beta * KL - c_H * H, mask): Algorithm 3 line 22 (w = 1, c_H = 0), with metrics.
 
@@ -238,6 +254,9 @@ def grpo_loss(
 
     ``kl`` is the (B, T) output of any registry estimator (or None). Observation and padding
     tokens have mask 0: they carry neither policy loss nor KL.
+
+    ``share`` (:class:`Share`): these rows are a micro-batch; the loss and the mean metrics are its share of the
+    minibatch's, so that the micro-batches' add up (``ratio_max`` / ``ratio_min`` combine by max / min).
     """
     if surrogate not in SURROGATES:
         raise ValueError(f"unknown surrogate {surrogate!r}; choose one of: {', '.join(SURROGATES)}")
@@ -253,21 +272,23 @@ def grpo_loss(
         if entropy is None:
             raise ValueError("entropy_coef != 0 needs the policy's per-token entropy (with its gradient)")
         per_token = per_token - entropy_coef * entropy
-    loss = aggregate(per_token, mask, loss_agg, norm_len)
+    loss = aggregate(per_token, mask, loss_agg, norm_len, share)
     with torch.no_grad():
         ratio = info["ratio"]
+        mean = lambda x: masked_mean(x, mask, share)
         metrics = {
-            "pg_loss": aggregate(-J.detach() if pg_weight is None else -J.detach() * pg_weight, mask, loss_agg, norm_len),
-            "kl": masked_mean(kl.detach(), mask) if kl is not None else torch.zeros(()),
-            "clip_frac_low": masked_mean(info["clipped_low"].to(ratio.dtype), mask),
-            "clip_frac_high": masked_mean(info["clipped_high"].to(ratio.dtype), mask),
-            "ratio_mean": masked_mean(ratio, mask),
+            "pg_loss": aggregate(-J.detach() if pg_weight is None else -J.detach() * pg_weight, mask, loss_agg, norm_len,
+                                 share),
+            "kl": mean(kl.detach()) if kl is not None else torch.zeros(()),
+            "clip_frac_low": mean(info["clipped_low"].to(ratio.dtype)),
+            "clip_frac_high": mean(info["clipped_high"].to(ratio.dtype)),
+            "ratio_mean": mean(ratio),
             "ratio_max": ratio[m].max() if m.any() else torch.ones(()),
             "ratio_min": ratio[m].min() if m.any() else torch.ones(()),
-            "approx_kl_old": masked_mean(-torch.log(ratio), mask),  # k1 of (pi_old || pi), cleanrl-style
+            "approx_kl_old": mean(-torch.log(ratio)),  # k1 of (pi_old || pi), cleanrl-style
         }
         if "clipped_dual" in info:
-            metrics["clip_frac_dual"] = masked_mean(info["clipped_dual"].to(ratio.dtype), mask)
+            metrics["clip_frac_dual"] = mean(info["clipped_dual"].to(ratio.dtype))
         if entropy is not None and entropy.requires_grad:
-            metrics["entropy_cur"] = masked_mean(entropy.detach(), mask)
+            metrics["entropy_cur"] = mean(entropy.detach())
     return loss, metrics

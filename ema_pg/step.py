@@ -32,7 +32,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -43,7 +42,7 @@ from .kl.sampled import k3_core
 from .dist import World
 from .advantages import ADVANTAGES, NEEDS_CRITIC, AdvantageInputs
 from .corrections import correct
-from .losses import grpo_loss, masked_mean
+from .losses import Share, grpo_loss, masked_mean
 from .packing import Packing, packer
 from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
@@ -76,9 +75,11 @@ class OldAndAnchorScorer:
     """
 
     def __init__(self, estimator: Estimator, temperature: float, chunk: Callable[[int], int],
-                 pack: Callable[[Rollouts], Packing | None] = lambda batch: None):
+                 pack: Callable[[Rollouts], Packing | None] = lambda batch: None, budget: int = 0,
+                 world: World = World()):
         self.source, self.k, self.full = estimator.topk_source, estimator.k, estimator.needs_full_logits
         self.temperature, self.chunk, self.pack = temperature, chunk, pack
+        self.budget, self.world = budget, world  # algo.max_tokens_per_microbatch: the passes go by micro-batches
 
     def request(self) -> ScoreRequest | None:
         """What the sampler should return of pi_old (None: the exact estimators need full logits)."""
@@ -89,7 +90,21 @@ class OldAndAnchorScorer:
     @torch.no_grad()
     def __call__(self, policy, anchor_model, rollouts: Rollouts, packing: Packing | None = None) -> OldAndAnchor:
         """``rollouts.old`` (the sampler's scores) is pi_old when present; else ``policy`` is scored here.
-        ``packing``: the batch's (else made here by ``pack``)."""
+        ``packing``: the batch's (else made here by ``pack``). With a token budget the batch goes by micro-batches
+        (:func:`micro_batches`), each scored apart, the rows put back in their order."""
+        if self.budget > 0:
+            parts = micro_batches(rollouts, self.budget, self.world)
+            if len(parts) > 1:
+                outs = [self._score(policy, anchor_model, rollouts.select(p), None) for p in parts]
+                back = torch.argsort(torch.cat(parts))
+                cat = lambda xs: None if xs[0] is None else torch.cat(xs)[back]
+                scores = lambda ts: None if ts[0] is None else TokenScores(
+                    **{f: cat([getattr(t, f) for t in ts]) for f in ("logp", "index", "index_logp", "logits", "entropy")})
+                return OldAndAnchor(scores([o.old for o in outs]), scores([o.anchor for o in outs]),
+                                    cat([o.index for o in outs]), cat([o.anchor_index_logp for o in outs]))
+        return self._score(policy, anchor_model, rollouts, packing)
+
+    def _score(self, policy, anchor_model, rollouts: Rollouts, packing: Packing | None) -> OldAndAnchor:
         packing = packing if packing is not None else self.pack(rollouts)
         ch, kw = self.chunk(rollouts.response_mask.numel()), {"temperature": self.temperature, "packing": packing}
         old = rollouts.old
@@ -139,44 +154,102 @@ class FiniteGuard:
                                    "Adam's eps underflows); nothing after the last checkpoint was saved")
 
 
-class Updater(Protocol):
-    """Applies one gradient update for a loss: zero grads, backward, clip, optimizer and LR steps."""
+class Updater:
+    """Applies one gradient update for a loss, or for the losses of a minibatch's micro-batches, whose gradients
+    accumulate (each loss carries its share of the minibatch's aggregation): zero grads; per loss the finite check
+    and backward; the gradient norm, its check and clipping; the optimizer and LR steps; ``after_step``. The
+    :class:`FiniteGuard` skips an update whose loss or gradient norm is not finite (nothing moves).
 
-    def step(self, loss: Tensor) -> dict[str, float]: ...
+    One sequence for every trainer; how a step reaches the model is the subclass's: :class:`TorchUpdater` (a plain
+    torch optimizer: tests, benchmarks, scripts) and the Lightning module's (``ema_pg.engine.module``: backward and
+    clipping through the strategy; under DeepSpeed the engine clips and reports the norm after its step)."""
+
+    norm_after_step = False  #: the gradient norm is known only after the optimizer step (DeepSpeed's engine)
+
+    def __init__(self, max_bad_steps: int, after_step: Callable[[], None] | None = None):
+        self.guard = FiniteGuard(max_bad_steps)
+        self.after_step = after_step  # run after every applied optimizer step (an anchor's soft sync counts them)
+
+    def step(self, losses, count: int | None = None) -> dict[str, float]:
+        """``losses``: a loss tensor, or an iterable of ``count`` of them (a generator computes each micro-batch's
+        forward only when the one before it has gone backward: memory holds one micro-batch's graph)."""
+        if isinstance(losses, Tensor):
+            losses, count = [losses], 1
+        if count is None:
+            raise ValueError("Updater.step: give the number of losses an iterable yields (count)")
+        self._zero()
+        total = 0.0
+        for i, loss in enumerate(losses):
+            value = self._loss_value(loss)
+            if not math.isfinite(value):
+                self.guard.bad(value)  # raises at the limit
+                self._zero()
+                return {"skipped_steps": 1.0}
+            total += value
+            self._backward(loss, last=i == count - 1)
+        if self.norm_after_step:
+            self.guard.bad(total)
+            self._opt_step()
+            norm = self._norm()
+        else:
+            norm = self._norm()
+            if self.guard.bad(total, norm):
+                self._zero()
+                return {"skipped_steps": 1.0, "grad_norm": norm}
+            self._clip(norm)
+            self._opt_step()
+            self._check_params()
+        self._sched_step()
+        if self.after_step is not None:
+            self.after_step()
+        return {"grad_norm": norm, "skipped_steps": 0.0}
+
+    # how a step reaches the model (``last``: the backward that ends the accumulation, where a reduction happens)
+    def _zero(self) -> None: ...
+    def _loss_value(self, loss: Tensor) -> float: return float(loss.detach())
+    def _backward(self, loss: Tensor, last: bool) -> None: ...
+    def _norm(self) -> float: ...
+    def _clip(self, norm: float) -> None: ...
+    def _opt_step(self) -> None: ...
+    def _check_params(self) -> None: ...
+    def _sched_step(self) -> None: ...
 
     @property
     def lr(self) -> float: ...
 
 
-class TorchUpdater:
-    """:class:`Updater` over a plain torch optimizer (tests, benchmarks, scripts), with the :class:`FiniteGuard`."""
+class TorchUpdater(Updater):
+    """:class:`Updater` over a plain torch optimizer (tests, benchmarks, scripts)."""
 
     def __init__(self, params, optimizer: torch.optim.Optimizer, scheduler=None, grad_clip: float = 0.0,
                  max_bad_steps: int = 3, after_step: Callable[[], None] | None = None):
+        super().__init__(max_bad_steps, after_step)
         self.params, self.opt, self.sched, self.grad_clip = list(params), optimizer, scheduler, grad_clip
-        self.guard = FiniteGuard(max_bad_steps)
-        self.after_step = after_step  # run after every applied optimizer step (an anchor's soft sync counts them)
 
-    def step(self, loss: Tensor) -> dict[str, float]:
+    def _zero(self):
         self.opt.zero_grad(set_to_none=True)
-        if self.guard.bad(float(loss.detach())):
-            return {"skipped_steps": 1.0}
+
+    def _backward(self, loss, last):
         loss.backward()
+
+    def _norm(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if self.guard.bad(float(loss.detach()), float(norm)):
-            self.opt.zero_grad(set_to_none=True)
-            return {"skipped_steps": 1.0, "grad_norm": float(norm)}
-        out = {"grad_norm": float(norm), "skipped_steps": 0.0}
+        self._total_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        return float(self._total_norm)
+
+    def _clip(self, norm):
         if self.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, norm)
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.grad_clip, self._total_norm)
+
+    def _opt_step(self):
         self.opt.step()
+
+    def _check_params(self):
         self.guard.check_params(self.params)
+
+    def _sched_step(self):
         if self.sched is not None:
             self.sched.step()
-        if self.after_step is not None:
-            self.after_step()
-        return out
 
     @property
     def lr(self) -> float:
@@ -280,7 +353,8 @@ def sample_ahead(iteration: int, version: int, *, policy, anchor_model, task, sa
     always filled in (the trainer's policy has moved on); ``anchor_model`` (the anchor of the same version, or
     None) is scored too. One process (a worker serves one trainer)."""
     t0 = time.perf_counter()
-    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk, packer(algo, policy))
+    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk, packer(algo, policy),
+                                algo.max_tokens_per_microbatch)
     device = next(policy.parameters()).device
     rollouts, rewards, metrics = _collect(step_seed(seed, iteration), policy=policy, task=task, sampler=sampler,
                                           algo=algo, rollout=rollout, score=scorer.request(), world=World(),
@@ -298,22 +372,73 @@ class StepResult:
     rollouts: Rollouts
 
 
+class PgKlGrads:
+    """How much the KL term steers the update: the gradients of the loss without its KL term (the policy gradient,
+    with the entropy bonus if any) and of the KL term alone (``loss`` minus that: the aggregation is linear), summed
+    over a minibatch's micro-batches; :meth:`norms` gives their norms and ``kl_pg_grad_ratio`` = ||grad beta KL|| /
+    ||grad J||. Each graph is kept for the update's own backward. On several processes, this rank's local
+    gradients."""
+
+    def __init__(self, policy):
+        self.params = [p for p in policy.parameters() if p.requires_grad]
+        self.pg: list[Tensor | None] = [None] * len(self.params)
+        self.kl: list[Tensor | None] = [None] * len(self.params)
+
+    def add(self, loss: Tensor, loss_without_kl: Tensor) -> None:
+        for acc, x in ((self.pg, loss_without_kl), (self.kl, loss - loss_without_kl)):
+            if not x.requires_grad:
+                continue
+            for i, g in enumerate(torch.autograd.grad(x, self.params, retain_graph=True, allow_unused=True)):
+                if g is not None:
+                    acc[i] = g if acc[i] is None else acc[i] + g
+
+    def norms(self) -> dict[str, Tensor]:
+        def norm(acc):
+            gs = [g for g in acc if g is not None]
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in gs])) if gs else torch.zeros(())
+
+        g_pg, g_kl = norm(self.pg), norm(self.kl)
+        return {"grad_norm_pg": g_pg, "grad_norm_kl": g_kl, "kl_pg_grad_ratio": g_kl / g_pg.clamp(min=1e-30)}
+
+
 def grad_norms_pg_kl(policy, loss: torch.Tensor, loss_without_kl: torch.Tensor) -> dict[str, torch.Tensor]:
-    """How much the KL term steers the update: the gradient norms of the loss without its KL term (the
-    policy gradient, with the entropy bonus if any) and of the KL term alone (``loss`` minus that: the
-    aggregation is linear), and their ratio ``kl_pg_grad_ratio`` = ||grad beta KL|| / ||grad J||. The
-    graph is kept for the update's own backward. On several processes, this rank's local gradients."""
-    params = [p for p in policy.parameters() if p.requires_grad]
+    """:class:`PgKlGrads` of one loss."""
+    g = PgKlGrads(policy)
+    g.add(loss, loss_without_kl)
+    return g.norms()
 
-    def norm(x: torch.Tensor) -> torch.Tensor:
-        if not x.requires_grad:
-            return torch.zeros(())
-        grads = torch.autograd.grad(x, params, retain_graph=True, allow_unused=True)
-        gs = [g for g in grads if g is not None]
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in gs])) if gs else torch.zeros(())
 
-    g_pg, g_kl = norm(loss_without_kl), norm(loss - loss_without_kl)
-    return {"grad_norm_pg": g_pg, "grad_norm_kl": g_kl, "kl_pg_grad_ratio": g_kl / g_pg.clamp(min=1e-30)}
+def micro_batches(batch: Rollouts, budget: int, world: World = World()) -> list[Tensor]:
+    """The rows (indices into ``batch``) of each micro-batch of a minibatch: rows in prompt order (a prompt's samples
+    together, so that they share their prefix), a new micro-batch whenever the next row's real tokens would take it
+    over ``budget`` (a row longer than the budget goes alone). On several processes every rank makes as many
+    micro-batches as the rank that needs the most (its heaviest ones split in two): some strategies' forwards are
+    collective. ``budget`` 0: one micro-batch, the whole minibatch."""
+    n = len(batch)
+    if budget <= 0:
+        return [torch.arange(n)]
+    order = sorted(range(n), key=lambda i: batch.prompt_index[i])
+    tokens = batch.attention_mask.sum(1).tolist()
+    groups, cur, total = [], [], 0
+    for i in order:
+        if cur and total + tokens[i] > budget:
+            groups.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += tokens[i]
+    groups.append(cur)
+    count = world.max(len(groups)) if world.size > 1 else len(groups)
+    while len(groups) < count:  # as many as the other ranks: split the heaviest divisible one at its middle token
+        j = max((g for g in range(len(groups)) if len(groups[g]) > 1), key=lambda g: sum(tokens[i] for i in groups[g]))
+        g = groups.pop(j)
+        half, acc, cut = sum(tokens[i] for i in g) / 2, 0, 1
+        for k, i in enumerate(g[:-1], 1):
+            acc += tokens[i]
+            cut = k
+            if acc >= half:
+                break
+        groups[j:j] = [g[:cut], g[cut:]]
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
 
 
 def engine_mismatch(old: TokenScores, rollouts: Rollouts, mask: Tensor, rollout) -> tuple[Tensor | None, dict]:
@@ -329,10 +454,8 @@ def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, e
     """``algo.ppo_epochs`` passes of minibatch updates (Alg 3, lines 13-23); the mean of each update's metrics.
 
     ``beta`` is the token KL's weight: ``algo.beta``, over the batch std under ``algo.global_kl_scale``."""
-    old, anchor = scores.old, scores.anchor
     n_rows = len(rollouts)
     minibatch = algo.minibatch_size // world.size or n_rows  # per rank
-    token_kl = algo.beta != 0.0 and algo.reward_kl == "none" and estimator.name != "none"
     order_gen = torch.Generator().manual_seed(it_seed)
     sums: dict[str, float] = {}
     diagnostics: dict[str, torch.Tensor] = {}
@@ -341,32 +464,13 @@ def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, e
         order = torch.randperm(n_rows, generator=order_gen) if minibatch < n_rows else torch.arange(n_rows)
         for start in range(0, n_rows, minibatch):
             rows = order[start : start + minibatch].to(mask.device)
-            batch = rollouts.select(rows)
-            packing = scorer.pack(batch)  # None: the padded pass
-            index = None if scores.index is None else scores.index[rows]  # (mb, T, k)
-            cur = head(policy, batch, index=index, full_logits=scorer.full, temperature=rollout.temperature,
-                       chunk=chunk(batch.response_mask.numel()), entropy=algo.entropy_coef != 0, packing=packing)
-            kl = None
-            if token_kl:
-                kl = estimator(KLInputs(
-                    logp=cur.logp, logp_old=old.logp[rows], logp_ref=anchor.logp[rows],
-                    tokens=batch.input_ids[:, batch.prompt_len:], topk_idx=index, topk_logp=cur.index_logp,
-                    topk_logp_ref=None if scores.anchor_index_logp is None else scores.anchor_index_logp[rows],
-                    logits=cur.logits, ref_logits=None if anchor.logits is None else anchor.logits[rows],
-                ))  # (mb, T)
-            loss_args = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg, surrogate=algo.loss,
-                             clip_ratio_c=algo.clip_ratio_c, entropy_coef=algo.entropy_coef, entropy=cur.entropy,
-                             norm_len=rollout.max_new_tokens, pg_weight=None if tis is None else tis[rows])
-            loss, loss_metrics = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], kl, beta=beta, **loss_args)
-            if grad_ratio and n_updates == 0:  # measured once, not averaged over the updates
-                without_kl, _ = grpo_loss(cur.logp, old.logp[rows], adv[rows], mask[rows], None, beta=0.0, **loss_args)
-                diagnostics.update(grad_norms_pg_kl(policy, loss, without_kl))
-            if world.size > 1 and algo.loss_agg == "token-mean":  # the strategy averages over ranks: weigh
-                n_tok = mask[rows].sum().float()              # each rank's token mean by its share of tokens
-                loss = loss * (world.size * n_tok / world.sum(n_tok).clamp(min=1))
-            loss_metrics.update(updater.step(loss), loss=loss.detach())
-            if critic is not None:  # the value model's own update on the same rows
-                loss_metrics.update(critic.update(batch, values[rows], returns[rows], mask[rows], packing))
+            pg_kl = PgKlGrads(policy) if grad_ratio and n_updates == 0 else None  # measured once, not averaged
+            loss_metrics = _minibatch_update(rows, policy=policy, rollouts=rollouts, scores=scores, scorer=scorer,
+                                             adv=adv, mask=mask, tis=tis, estimator=estimator, updater=updater,
+                                             algo=algo, rollout=rollout, world=world, chunk=chunk, critic=critic,
+                                             values=values, returns=returns, beta=beta, pg_kl=pg_kl)
+            if pg_kl is not None:
+                diagnostics.update(pg_kl.norms())
             n_updates += 1
             for key, value in loss_metrics.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
@@ -374,6 +478,63 @@ def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, e
     metrics.update({f"train/{key}": float(v) for key, v in diagnostics.items()})
     metrics["train/skipped_steps"] = sums.get("skipped_steps", 0.0)  # a count, not a mean
     metrics["train/kl_beta"] = beta  # the KL weight in force (algo.beta, or over the batch std: global_kl_scale)
+    return metrics
+
+
+#: how a minibatch's metric combines its micro-batches' (the rest are shares that add up: losses, token means)
+COMBINE = {"ratio_max": max, "ratio_min": min}
+
+
+def _minibatch_update(rows: Tensor, *, policy, rollouts, scores, scorer, adv, mask, tis, estimator, updater, algo,
+                      rollout, world, chunk, critic, values, returns, beta, pg_kl) -> dict[str, float]:
+    """One optimizer step on the minibatch ``rows``, over its micro-batches (``algo.max_tokens_per_microbatch``):
+    each one's forward, KL and loss (its share of the minibatch's aggregation, so the gradients add up to the whole
+    minibatch's), then its backward, before the next one's forward; then the critic's step on the same rows."""
+    old, anchor = scores.old, scores.anchor
+    token_kl = algo.beta != 0.0 and algo.reward_kl == "none" and estimator.name != "none"
+    parts = [rows[g] for g in micro_batches(rollouts.select(rows), algo.max_tokens_per_microbatch, world)]
+    share = None if len(parts) == 1 else Share(tokens=float(mask[rows].sum()), rows=len(rows))
+    weight = 1.0
+    if world.size > 1 and algo.loss_agg == "token-mean":  # the strategy averages over ranks: weigh
+        n_tok = mask[rows].sum().float()                 # each rank's token mean by its share of tokens
+        weight = world.size * n_tok / world.sum(n_tok).clamp(min=1)
+    seen: list[dict] = []
+    packings: list = []
+
+    def losses():
+        for r in parts:
+            batch = rollouts.select(r)
+            packing = scorer.pack(batch)  # None: the padded pass
+            packings.append(packing)
+            index = None if scores.index is None else scores.index[r]  # (mb, T, k)
+            cur = head(policy, batch, index=index, full_logits=scorer.full, temperature=rollout.temperature,
+                       chunk=chunk(batch.response_mask.numel()), entropy=algo.entropy_coef != 0, packing=packing)
+            kl = None
+            if token_kl:
+                kl = estimator(KLInputs(
+                    logp=cur.logp, logp_old=old.logp[r], logp_ref=anchor.logp[r],
+                    tokens=batch.input_ids[:, batch.prompt_len:], topk_idx=index, topk_logp=cur.index_logp,
+                    topk_logp_ref=None if scores.anchor_index_logp is None else scores.anchor_index_logp[r],
+                    logits=cur.logits, ref_logits=None if anchor.logits is None else anchor.logits[r],
+                ))  # (mb, T)
+            loss_args = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg, surrogate=algo.loss,
+                             clip_ratio_c=algo.clip_ratio_c, entropy_coef=algo.entropy_coef, entropy=cur.entropy,
+                             norm_len=rollout.max_new_tokens, pg_weight=None if tis is None else tis[r], share=share)
+            loss, m = grpo_loss(cur.logp, old.logp[r], adv[r], mask[r], kl, beta=beta, **loss_args)
+            if pg_kl is not None:
+                without_kl, _ = grpo_loss(cur.logp, old.logp[r], adv[r], mask[r], None, beta=0.0, **loss_args)
+                pg_kl.add(loss, without_kl)
+            loss = loss * weight
+            m["loss"] = loss.detach()
+            seen.append(m)
+            yield loss
+
+    out = updater.step(losses(), count=len(parts))
+    metrics = {k: float(COMBINE.get(k, sum)(float(m[k]) for m in seen)) for k in (seen[0] if seen else {})}
+    metrics.update(out)
+    if critic is not None and len(seen) == len(parts):  # the value model's own update on the same rows
+        metrics.update(critic.update([(rollouts.select(r), values[r], returns[r], mask[r], p)
+                                      for r, p in zip(parts, packings)], share))
     return metrics
 
 
@@ -415,7 +576,8 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     """
     device = next(policy.parameters()).device
     it_seed = step_seed(seed, iteration)
-    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk, packer(algo, policy))
+    scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk, packer(algo, policy),
+                                algo.max_tokens_per_microbatch, world)
     t0 = time.perf_counter()
 
     # 1. prompts, rollouts from pi_old (= the current policy), rewards; DAPO's dynamic sampling refills
@@ -441,7 +603,11 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     old, anchor = scores.old, scores.anchor
     t2 = time.perf_counter()
     rewards, shaped = shape_rewards(rewards, rollouts, old, anchor, algo, rollout)
-    values = critic.values(rollouts, packing) if algo.advantage in NEEDS_CRITIC else None  # (N, T)
+    values = None
+    if algo.advantage in NEEDS_CRITIC:  # (N, T), by micro-batches under a token budget
+        parts = micro_batches(rollouts, algo.max_tokens_per_microbatch, world)
+        values = critic.values(rollouts, packing) if len(parts) == 1 else torch.cat(
+            [critic.values(rollouts.select(p), scorer.pack(rollouts.select(p))) for p in parts])[torch.argsort(torch.cat(parts))]
     est = ADVANTAGES[algo.advantage](AdvantageInputs(shaped, algo.group_size, rollouts.response_mask, mask, world,
                                                      algo.adv_norm, values, algo.gamma, algo.lam, algo.global_kl_scale))
     adv, returns = est.adv, est.returns  # (N,) or (N, T)

@@ -77,7 +77,7 @@ def test_the_value_loss_falls_on_toy_task_rollouts(toy_rollouts):
     old = critic.values(ro)
     assert float(old.abs().max()) == 0.0  # zero-initialized head: the first values are 0
     _, ret = gae(last_token_rewards(R, mask), old, mask, 1.0, 1.0)
-    losses = [critic.update(ro, old, ret, mask)["value_loss"] for _ in range(40)]
+    losses = [critic.update([(ro, old, ret, mask, None)])["value_loss"] for _ in range(40)]
     assert losses[-1] < 0.2 * losses[0], losses[::8]
     assert all(p.grad is None for p in m.parameters())  # the policy is not touched by the critic
 

@@ -46,8 +46,9 @@ class RecordingUpdater:
     def __init__(self, params):
         self.params, self.grads = list(params), []
 
-    def step(self, loss):
-        self.grads.append(torch.autograd.grad(loss, self.params, allow_unused=True))
+    def step(self, losses, count=None):
+        for loss in [losses] if torch.is_tensor(losses) else losses:
+            self.grads.append(torch.autograd.grad(loss, self.params, allow_unused=True))
         return {}
 
     @property

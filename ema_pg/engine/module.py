@@ -21,7 +21,7 @@ from ..config import ConfigError, build_estimator
 from ..dist import World, Zero3FullWeights, full_shape, zero3_partitioned
 from ..prompts import PromptEncoder
 from ..rollout import build_sampler
-from ..step import FiniteGuard, NonFiniteUpdates, rl_step
+from ..step import NonFiniteUpdates, Updater, rl_step
 from .anchor import AnchorCallback
 from .evaluate import eval_metrics, evaluate_policy
 from .models import compile_body
@@ -38,43 +38,55 @@ class EvalCallback(L.Callback):
         """Called after every evaluation with its result (``iteration``, ``splits``, ``avg``, ``metric``)."""
 
 
-class _StrategyUpdater:
-    """The :class:`ema_pg.step.Updater` of a Lightning module: backward and clipping through the strategy."""
+class _StrategyUpdater(Updater):
+    """The :class:`ema_pg.step.Updater` of a Lightning module: backward and clipping through the strategy. Several
+    losses (micro-batches) accumulate: under DDP only the last backward all-reduces (the ranks may have different
+    numbers of micro-batches); under DeepSpeed the engine is told which backward ends the accumulation, and it
+    clips (``gradient_clipping`` = algo.grad_clip) and reports the norm after its step."""
 
     def __init__(self, module: GRPOModule, grad_clip: float, max_bad_steps: int, deepspeed: bool, after_step=None):
-        self.module, self.grad_clip, self.deepspeed, self.after_step = module, grad_clip, deepspeed, after_step
-        self.guard = FiniteGuard(max_bad_steps)
+        super().__init__(max_bad_steps, after_step)
+        self.module, self.grad_clip, self.deepspeed = module, grad_clip, deepspeed
+        self.norm_after_step = deepspeed
 
-    def step(self, loss: torch.Tensor) -> dict[str, float]:
-        opt, sched = self.module.optimizers(), self.module.lr_schedulers()
-        opt.zero_grad(set_to_none=True)
-        if self.deepspeed:  # gradients live in DeepSpeed's partitions; it clips
-            # (gradient_clipping = algo.grad_clip); every rank must skip together, so the loss check is global
-            loss_bad = World.current().max(int(not torch.isfinite(loss.detach()).item()))
-            if self.guard.bad(float("nan") if loss_bad else float(loss.detach())):
-                return {"skipped_steps": 1.0}
+    def _zero(self):
+        self.module.optimizers().zero_grad(set_to_none=True)
+
+    def _loss_value(self, loss):
+        if self.deepspeed:  # every rank must skip together: the check is global
+            return float("nan") if World.current().max(int(not torch.isfinite(loss.detach()).item())) else float(loss.detach())
+        return float(loss.detach())
+
+    def _backward(self, loss, last):
+        strategy = self.module.trainer.strategy
+        if self.deepspeed:
+            strategy.model.set_gradient_accumulation_boundary(last)
             self.module.manual_backward(loss)
-            opt.step()
-            sched.step()
-            if self.after_step is not None:
-                self.after_step()
-            return {"grad_norm": float(self.module.trainer.model.get_global_grad_norm() or 0.0), "skipped_steps": 0.0}
-        if self.guard.bad(float(loss.detach())):
-            return {"skipped_steps": 1.0}
-        self.module.manual_backward(loss)  # DDP: gradients are all-reduced here, so every rank sees one norm
+        elif last or not hasattr(strategy, "block_backward_sync"):
+            self.module.manual_backward(loss)  # DDP: the accumulated gradients are all-reduced here
+        else:
+            with strategy.block_backward_sync():
+                self.module.manual_backward(loss)
+
+    def _norm(self) -> float:
+        if self.deepspeed:
+            return float(self.module.trainer.model.get_global_grad_norm() or 0.0)
         grads = [p.grad for p in self.module.policy.parameters() if p.grad is not None]
-        norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        if self.guard.bad(float(loss.detach()), norm):
-            opt.zero_grad(set_to_none=True)
-            return {"skipped_steps": 1.0, "grad_norm": norm}
+        return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    def _clip(self, norm):
         if self.grad_clip > 0:
+            opt = self.module.optimizers()
             self.module.clip_gradients(opt, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
-        opt.step()
+
+    def _opt_step(self):
+        self.module.optimizers().step()
+
+    def _check_params(self):
         self.guard.check_params(self.module.policy.parameters())
-        sched.step()
-        if self.after_step is not None:
-            self.after_step()
-        return {"grad_norm": norm, "skipped_steps": 0.0}
+
+    def _sched_step(self):
+        self.module.lr_schedulers().step()
 
     @property
     def lr(self) -> float:

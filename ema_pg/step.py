@@ -624,4 +624,6 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     metrics = {**updates, **_batch_metrics(rollouts, rewards, old, anchor, mask, world), **mismatch, **sampling,
                "train/lr": updater.lr, "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
                "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)}
+    if packing is not None:  # what the padding-free passes leave out of the padded grid (algo.padding_free)
+        metrics["perf/padding_saved"] = 1.0 - packing.tokens / packing.padded_tokens
     return StepResult(world.reduce_metrics(metrics), rollouts)

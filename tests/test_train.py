@@ -1,6 +1,7 @@
 """End-to-end runs on CPU with a tiny model: run folder, exact resume, cold-start cache, evaluation."""
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -203,6 +204,16 @@ def test_anchor_policy_is_evaluated_when_asked(tmp_path):
     df = pd.read_csv(objs["run_dir"] / "metrics.csv")
     assert df["eval_anchor/avg/em"].notna().sum() == 2  # iterations 0 and 2
     assert df["eval_anchor/heldout/em"].notna().sum() == 2
+
+
+def test_a_run_evaluated_only_at_its_end_has_one_evaluation_and_checkpoints_as_before(tmp_path):
+    metrics, objs = train(compose_cfg(["algo.iterations=4", "algo.eval_every=2", "algo.eval_only_at_end=true"], tmp_path))
+    df = pd.read_csv(objs["run_dir"] / "metrics.csv")
+    assert df.dropna(subset=["eval/avg/em"])["step"].tolist() == [4]  # not at 0, not at 2
+    res = json.loads((objs["run_dir"] / "eval.json").read_text())
+    assert res["iteration"] == 4 and "base_avg" not in res and math.isnan(metrics["base/avg"])
+    assert sorted(p.name for p in (objs["run_dir"] / "checkpoints").iterdir()) == ["iter4.ckpt", "last.ckpt"]
+    assert len(res["splits"]["heldout"]["per_problem"]) == res["splits"]["heldout"]["n"]  # runs pair by question
 
 
 def test_cold_start_key_ignores_run_time_knobs():

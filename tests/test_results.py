@@ -386,3 +386,11 @@ def test_table2_transfer_column_reads_each_runs_transfer_evaluation_by_hand(tmp_
     # unseen - 0.9 x own per seed: 0.2 - 0.36 and 0.1 - 0.18; the bootstrap's means of two values lie in [-0.16, -0.08]
     assert "| GRPO | 0.300 ± 0.141 | 0.150 ± 0.071 | 0.500 | -0.120 [-0.160, -0.080] | **fails** | 5 | 2 |" in md
     assert "| EMA |" not in md
+
+
+def test_the_run_plot_smooths_training_curves_by_a_debiased_moving_average():
+    """TensorBoard's debiased EMA: m_t = w m_(t-1) + (1 - w) x_t over 1 - w^t; by hand for w = 0.5 on 1, 0, 0: 1, 1/3, 1/7."""
+    from ema_pg.engine.plotting import smoothed
+
+    assert smoothed(pd.Series([1.0, 0.0, 0.0]), 0.5).tolist() == pytest.approx([1.0, 1 / 3, 1 / 7])
+    assert smoothed(pd.Series([2.0] * 4)).tolist() == pytest.approx([2.0] * 4)  # a constant stays itself

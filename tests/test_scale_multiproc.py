@@ -99,6 +99,33 @@ def test_two_processes_train_like_one(strategy, one_process, two_process):
         assert step > 0.1 and diff / step < 1e-2, (which, float(diff / step))
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
+def test_micro_batches_on_two_processes_train_like_one_process_in_one_pass(strategy, tmp_path, cache, one_process):
+    """algo.max_tokens_per_microbatch on two processes (each rank's minibatch in micro-batches: DDP all-reduces on
+    the last backward only, DeepSpeed is told which backward ends the accumulation) against one process's single
+    pass: the same first update, the same weights after 6 within the tolerance of the test above."""
+    got = run(tmp_path / "run", TWO[strategy] + ["algo.max_tokens_per_microbatch=24"], cache=cache)
+    ref, new = curves(one_process), curves(got)
+    assert new["train/reward_mean"].tolist() == ref["train/reward_mean"].tolist()
+    for key in ("train/grad_norm", "anchor/lag_norm"):
+        assert float(new[key].iloc[0]) == pytest.approx(float(ref[key].iloc[0]), rel=1e-5), key
+    init = weights(one_process, "initial")
+    a, b = weights(one_process, "policy"), weights(got, "policy")
+    step = sum(((a[k] - init[k]) ** 2).sum() for k in a) ** 0.5
+    diff = sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5
+    assert step > 0.1 and diff / step < 1e-2, float(diff / step)
+
+
+def test_zero3_packed_passes_equal_its_padded_ones(tmp_path, cache, two_process):
+    """Under ZeRO-3 (partitioned weights gathered module by module) the padding-free passes give the padded
+    passes' first update: gradient norm and anchor lag to 1e-5."""
+    padded = run(tmp_path / "padded", TWO["zero3"] + ["algo.padding_free=false"], cache=cache)
+    ref, new = curves(padded), curves(two_process("zero3"))
+    assert new["train/reward_mean"].tolist() == ref["train/reward_mean"].tolist()
+    for key in ("train/grad_norm", "anchor/lag_norm"):
+        assert float(new[key].iloc[0]) == pytest.approx(float(ref[key].iloc[0]), rel=1e-5), key
+
+
 def test_ranks_take_disjoint_blocks_of_whole_groups():
     from ema_pg.dist import World
     from ema_pg.rollout.base import prompt_seeds

@@ -388,13 +388,15 @@ def main(argv: list[str] | None = None) -> None:
         encode = PromptEncoder(tok, cfg.task.get("chat_template", "auto"))
     except ValueError as e:
         raise SystemExit(f"config error: {e}") from None
-    result = evaluate_policy(model.eval(), sampler, task, cfg.rollout, splits=splits, show=a.show, encode=encode)
+    bars = bool(cfg.trainer.progress_bar)  # as a run's: off for a log meant for a scheduler
+    result = evaluate_policy(model.eval(), sampler, task, cfg.rollout, splits=splits, show=a.show, encode=encode,
+                             progress=bars)
     if a.train:
         prompts = training_prompts(task, a.train)
         if a.baseline != "none":
             prompts = task.baseline_prompts(prompts, a.baseline)
         result["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
-                                          desc="train", encode=encode)["splits"]["train"]
+                                          desc="train", encode=encode, progress=bars)["splits"]["train"]
     if a.transfer:  # the same questions' shapes, in worlds of other names and facts
         from omegaconf import open_dict
 
@@ -407,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
             sp = None if a.baseline == "none" else {k: other.baseline_prompts(v, a.baseline)
                                                     for k, v in other.eval_splits().items()}
             each.append(evaluate_policy(model, sampler, other, cfg.rollout, splits=sp, desc=f"world {seed}",
-                                        encode=encode))
+                                        encode=encode, progress=bars))
         result["transfer"] = {**mean_results(each), "seeds": transfer_seeds(a.transfer)}
     result.update(baseline=a.baseline, which=a.which, overrides=list(a.overrides))
     if is_run:  # which checkpoint was read: the final policy and a live run's snapshot are told apart

@@ -1,4 +1,6 @@
-"""Learning-curve plot of one run folder (``curves.png``)."""
+"""Learning-curve plot of one run folder (``curves.png``). The training curves are drawn raw, faint, with their
+exponential moving average over them (weight :data:`SMOOTHING` on the previous value, as TensorBoard's and
+wandb's smoothing slider do, debiased at the start), so that a trend shows through the batch-to-batch noise."""
 
 from __future__ import annotations
 
@@ -6,6 +8,13 @@ from pathlib import Path
 
 import pandas as pd
 from matplotlib.figure import Figure  # no pyplot: no GUI backend is chosen or needed
+
+SMOOTHING = 0.9  #: the moving average's weight on its previous value (TensorBoard's default slider is 0.6, wandb's 0.8-0.9)
+
+
+def smoothed(x: pd.Series, weight: float = SMOOTHING) -> pd.Series:
+    """The debiased exponential moving average of ``x``: m_t = w m_{t-1} + (1 - w) x_t, divided by 1 - w^t."""
+    return x.ewm(alpha=1 - weight, adjust=True).mean()
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -19,9 +28,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig = Figure(figsize=(4.2 * len(panels), 3.3))
     axes = fig.subplots(1, len(panels), squeeze=False)
     for ax, (title, cols) in zip(axes[0], panels):
-        for c in cols:
+        for i, c in enumerate(cols):
             s = df[["step", c]].dropna()
-            ax.plot(s["step"], s[c], marker="o" if c.startswith("eval") else None, ms=3, label=c)
+            if c.startswith("eval") or len(s) < 5:
+                ax.plot(s["step"], s[c], marker="o" if c.startswith("eval") else None, ms=3, color=f"C{i}", label=c)
+                continue
+            ax.plot(s["step"], s[c], color=f"C{i}", alpha=0.3, lw=0.8)
+            ax.plot(s["step"], smoothed(s[c]), color=f"C{i}", lw=1.6, label=f"{c} (EMA {SMOOTHING})")
         ax.set_title(title)
         ax.set_xlabel("RL iteration")
         ax.grid(alpha=0.3)

@@ -33,7 +33,7 @@ def build_policy(cfg, task):
         return model, tok
     seed = cfg.seed if cfg.sft.seed is None else cfg.sft.seed
     model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                               stop=tuple(cfg.rollout.stop))
+                               stop=tuple(cfg.rollout.stop), progress=cfg.trainer.progress_bar)
     return model.to(DTYPES[cfg.model.dtype]), tok
 
 

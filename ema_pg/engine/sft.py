@@ -153,8 +153,9 @@ def check_finite_weights(model, where) -> None:
         raise ValueError(f"the weights at {where} hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
 
 
-def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int = 16, stop: tuple = ()):
-    """(model, tokenizer, model_dir) of the cached base policy, built on first use."""
+def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int = 16, stop: tuple = (),
+               progress: bool = True):
+    """(model, tokenizer, model_dir) of the cached base policy, built on first use (``progress``: its SFT bar)."""
     from ..prompts import PromptEncoder
 
     key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop),
@@ -196,7 +197,7 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
                 r = sum(task.reward(probe[i], t) for i, t in zip(ro.prompt_index, ro.responses)) / len(probe)
                 return r >= sft_cfg.stop_at_reward
 
-        losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed,
+        losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed, progress=progress,
                            stop_fn=stop_fn, check_every=sft_cfg.check_every,
                            mask_fn=loss_mask_fn(task, sft_cfg), encode=encode,
                            lr_schedule=sft_cfg.lr_schedule)

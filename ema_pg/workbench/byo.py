@@ -140,6 +140,9 @@ def write_model(path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from ..engine.console import quiet_third_party
+
+    quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", default="examples/byo", help="where to write them (default: examples/byo)")
     out = write_examples(ap.parse_args(argv).out)

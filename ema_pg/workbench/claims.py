@@ -329,6 +329,9 @@ def render(verdicts: list[Verdict]) -> str:
 
 
 def main(argv=None) -> int:
+    from ..engine.console import quiet_third_party
+
+    quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=PAGE)
     ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from what would be written")

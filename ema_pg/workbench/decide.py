@@ -320,6 +320,9 @@ class Workers:
 
 
 def main(argv=None) -> int:
+    from ..engine.console import quiet_third_party
+
+    quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("plan", type=Path)
     ap.add_argument("--workers", type=int, default=2, help="cells run at a time (default 2)")

@@ -40,6 +40,9 @@ def export(run_dir: str | Path, out_dir: str | Path, which: str = "policy", dtyp
 
 
 def main(argv=None) -> None:
+    from ..engine.console import quiet_third_party
+
+    quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", help="a run folder")
     ap.add_argument("out", help="the directory to write (new or empty)")

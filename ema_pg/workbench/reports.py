@@ -108,6 +108,9 @@ def run_report(name: str, runs_dir: str | Path, out: str | Path, include_unfinis
 
 
 def main(argv=None) -> dict:
+    from ..engine.console import quiet_third_party
+
+    quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=sorted(REPORTS))
     ap.add_argument("--runs", required=True, help="folder of runs (a sweep's multirun folder)")

@@ -98,6 +98,9 @@ def commands(name: str, scale: str, overrides: list[str], runs: Path | None = No
 
 
 def main(argv=None) -> int:
+    from ..engine.console import quiet_third_party
+
+    quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", choices=sorted(REPORTS), help="the sweep (sweeps/<name>.yaml)")
     ap.add_argument("--scale", default="smoke", choices=SCALES)

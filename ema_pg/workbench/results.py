@@ -425,6 +425,9 @@ def provenance_lines(runs: pd.DataFrame, scale: str, command: str, knobs: list[s
 
 def table_args(name: str, doc: str, argv=None):
     """The command line of a table's writer (``ema_pg.workbench.table2``, ``ema_pg.workbench.table3``): runs, out, scale, command, all."""
+    from ..engine.console import quiet_third_party
+
+    quiet_third_party()
     import argparse
 
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -353,6 +353,9 @@ def summary(spec: StudySpec) -> str:
 
 
 def main(argv=None) -> int:
+    from ..engine.console import quiet_third_party
+
+    quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("study", help="a study file, e.g. conf/hparams_search/ema_topk.yaml")
     ap.add_argument("--n-trials", type=int, help="total trials of the study (over all workers); default: the file's")

@@ -149,6 +149,9 @@ def plot(curve: pd.DataFrame, out: Path) -> None:
 
 
 def main(argv=None) -> int:
+    from ..engine.console import quiet_third_party
+
+    quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, required=True, help="a folder of run folders (a sweep's)")
     ap.add_argument("--eval", default="eval", help="the evaluation to read: 'eval' (the run's own eval.json) or the "

@@ -40,6 +40,17 @@ SUFFIXES = (".parquet", ".jsonl", ".json")
 GSM8K_SOURCE = "openai/gsm8k"  #: verl's data_source of its GSM8K rows (answer after "####")
 
 
+def read_text(f: Path) -> str:
+    """A data file's text as UTF-8, or one line naming the file, the line and the byte that is not UTF-8."""
+    raw = f.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{f}: line {line}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); data files are "
+                         "read as UTF-8: convert it (iconv -f <its encoding> -t utf-8)") from None
+
+
 def read_rows(f: Path) -> list[dict]:
     """The rows of one data file: a parquet table, JSON lines, or a JSON array of objects."""
     if f.suffix == ".parquet":
@@ -51,7 +62,7 @@ def read_rows(f: Path) -> list[dict]:
             raise ValueError(f"{f}: not a readable parquet file ({type(e).__name__}: {e})") from None
     if f.suffix == ".json":
         try:
-            rows = json.loads(f.read_text())
+            rows = json.loads(read_text(f))
         except json.JSONDecodeError as e:
             raise ValueError(f"{f}: not JSON ({e.msg} at line {e.lineno}); a .json file is one array of rows") from None
         if not isinstance(rows, list):
@@ -62,7 +73,7 @@ def read_rows(f: Path) -> list[dict]:
                 raise ValueError(f"{f}: row {i}: a row must be a JSON object; got {type(row).__name__}")
         return rows
     rows = []
-    for i, line in enumerate(f.read_text().splitlines(), 1):
+    for i, line in enumerate(read_text(f).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -77,15 +88,29 @@ def read_rows(f: Path) -> list[dict]:
 
 
 def _golds(x) -> list[str]:
-    """Gold answers as text: a string, a number (142.0), or a list / array of either."""
-    items = [x] if x is None or isinstance(x, str | int | float) else list(x) if hasattr(x, "__iter__") else [x]
+    """Gold answers as text: a string, a number (142.0), or a list / array of either. Anything else (an object, a
+    NaN, a boolean) raises TypeError: its text would be a gold answer nobody meant (``{"value": "14"}`` read as
+    "value", a missing answer as "nan")."""
+    import math
+
+    if x is None:
+        return []
+    if isinstance(x, dict) or (hasattr(x, "keys") and not isinstance(x, str)):
+        raise TypeError(f"an object ({x!r}) is not an answer")
+    items = [x] if isinstance(x, str | int | float) else list(x) if hasattr(x, "__iter__") else [x]
     out = []
     for a in items:
-        if isinstance(a, bool) or a is None:
+        if a is None:
             continue
+        if hasattr(a, "item") and not isinstance(a, str):  # numpy scalars from parquet
+            a = a.item()
+        if isinstance(a, bool) or not isinstance(a, str | int | float):
+            raise TypeError(f"{a!r} ({type(a).__name__}) is not an answer")
+        if isinstance(a, float) and not math.isfinite(a):
+            raise TypeError(f"{a!r} is not an answer (a missing value?)")
         if isinstance(a, int | float):
             a = str(int(a)) if float(a).is_integer() else str(a)
-        if isinstance(a, str) and a.strip():
+        if a.strip():
             out.append(a.strip())
     return out
 
@@ -116,7 +141,10 @@ def row_to_prompt(row: dict, where: str, template: str) -> Prompt:
         if gold is None and isinstance(rm, dict):
             gold = rm.get("ground_truth")
         text = template.format(problem=problem)
-    golds = _golds(gold)
+    try:
+        golds = _golds(gold)
+    except TypeError as e:
+        raise ValueError(f"{where}: the gold answer must be text, a number or a list of them; {e}") from None
     if not golds:
         raise ValueError(f"{where}: the row has no gold answer: 'answer' (DeepScaleR), 'ground_truth' (rLLM) or "
                          f"'reward_model.ground_truth' (verl), as text, a number or a list; got {gold!r}")

@@ -49,7 +49,13 @@ def row_to_prompt(row: dict, where: str) -> Prompt:
     rm = row.get("reward_model")
     gt = rm.get("ground_truth") if isinstance(rm, dict) else None
     target = gt.get("target") if isinstance(gt, dict) else gt
-    golds = [str(t) for t in _as_list(target if target is not None else row.get("golden_answers"))]
+    golds = []
+    for t in _as_list(target if target is not None else row.get("golden_answers")):
+        t = t.item() if hasattr(t, "item") and not isinstance(t, str) else t
+        if isinstance(t, bool) or not isinstance(t, str | int | float) or (isinstance(t, float) and t != t):
+            raise ValueError(f"{where}: a gold answer must be text or a number; got {t!r:.80} "
+                             f"({type(t).__name__}) in reward_model.ground_truth.target / golden_answers")
+        golds.append(str(t))
     if not any(g.strip() for g in golds):
         raise ValueError(f"{where}: the row has no gold answers (reward_model.ground_truth.target, or golden_answers)")
     user = [m["content"] for m in msgs if m["role"] == "user"]

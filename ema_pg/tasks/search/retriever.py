@@ -28,7 +28,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 from ..base import ServiceError
 
-logging.getLogger("bm25s").setLevel(logging.WARNING)  # an empty query is a policy action, not news
 logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # each retry's warning: the final error says it
 ROUTE = "/retrieve"  #: the server's route (Search-R1's retrieval_server.py)
 BACKOFF_S = 0.5  #: urllib3's backoff factor: waits of 0.5, 1, 2, ... s between tries
@@ -54,6 +53,8 @@ def bm25s_module():
     finally:
         if hide:
             del sys.modules["jax"]
+    logging.getLogger("bm25s").setLevel(logging.WARNING)  # its import sets DEBUG: a line per index built, one per
+    # empty query (a policy action, not news); its warnings and errors still pass
     return bm25s
 
 

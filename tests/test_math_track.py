@@ -225,7 +225,7 @@ def test_sampled_evaluation_reports_pass_at_k_from_its_own_samples(tiny_policy):
     assert again["splits"] == res["splits"]
     # greedy evaluation (eval_samples = 1) keeps its single score
     greedy = evaluate_policy(model, HFSampler(tok), task, cfg.rollout, splits=splits, progress=False)
-    assert set(greedy["splits"]["math500"]) == {"acc", "n"} and "avg_scores" not in greedy
+    assert set(greedy["splits"]["math500"]) == {"acc", "n", "per_problem"} and "avg_scores" not in greedy
 
 
 def test_sampled_eval_settings_are_checked_at_start():

@@ -359,7 +359,7 @@ def test_a_run_saved_before_sampled_evaluation_existed_evaluates_and_resumes(tmp
     OmegaConf.save(old, run / "config.yaml")  # as a version without these knobs saved it
     evaluate_main([str(run)])
     ev = json.loads((run / "evaluations" / "policy.json").read_text())
-    assert set(ev["splits"]["heldout"]) == {"em", "n"}  # greedy, as that run evaluated
+    assert set(ev["splits"]["heldout"]) == {"em", "n", "per_problem"}  # greedy, as that run evaluated
     resumed = OmegaConf.load(run / "config.yaml")
     resumed.algo.iterations, resumed.resume = 3, str(run)
     metrics, _ = train(resumed)

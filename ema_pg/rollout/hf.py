@@ -108,6 +108,52 @@ class RowsLayer(DynamicLayer):
         return self.parent.n
 
 
+class FrontLayer(DynamicLayer):
+    """A :class:`GrowingLayer` seen through its first ``n`` rows (a view, no copy): an update writes those rows' new
+    column and zeros for the others' (never attended), and returns the first rows' keys and values. The sampler keeps
+    the rows that go on at the front of its cache (:class:`Slots`), so a decode step computes them only."""
+
+    def __init__(self, parent: GrowingLayer, n: int):
+        super().__init__()
+        self.parent, self.front, self.is_initialized = parent, n, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        p = self.parent
+        grow = lambda x: torch.cat([x, x.new_zeros(p.kbuf.shape[0] - self.front, *x.shape[1:])])
+        p.update(grow(key_states), grow(value_states))
+        return p.kbuf[: self.front, :, : p.n], p.vbuf[: self.front, :, : p.n]
+
+    def get_seq_length(self) -> int:
+        return self.parent.n
+
+
+class Slots:
+    """Where each row's keys and values sit in a batch's :class:`GrowingLayer` cache: row r at slot ``slot[r]``. Rows
+    are moved (their cache rows swapped) so that a set of rows occupies the first slots, moving as few as it takes:
+    a decode step then runs on a prefix of the cache, a view."""
+
+    def __init__(self, n: int, layers: list):
+        self.slot, self.row, self.layers = list(range(n)), list(range(n)), layers
+
+    def to_front(self, rows: list[int]) -> None:
+        """Put ``rows`` in the first len(rows) slots (in some order)."""
+        k, want = len(rows), set(rows)
+        out_of_place = [r for r in rows if self.slot[r] >= k]
+        free = [s for s in range(k) if self.row[s] not in want]
+        for r, s in zip(out_of_place, free):
+            a, b = self.slot[r], s
+            for layer in self.layers:
+                for buf in (layer.kbuf, layer.vbuf):
+                    buf[[a, b]] = buf[[b, a]]
+            other = self.row[b]
+            self.row[a], self.row[b] = other, r
+            self.slot[other], self.slot[r] = a, b
+
+    def rows(self, k: int) -> list[int]:
+        """The rows in the first ``k`` slots, slot order."""
+        return self.row[:k]
+
+
 class FixedLayer(StaticLayer):
     """transformers' :class:`StaticLayer` (preallocated keys and values, written in place at fixed addresses)
     whose values keep their own dtype: under autocast the rotary embedding leaves the keys in float32 while
@@ -256,6 +302,7 @@ class HFSampler:
         #: observations go through the model for the rows that have one, once per distinct history (a GrowingLayer
         #: cache; ZeRO-3's lockstep runs every rank's forwards alike, so there the whole block goes)
         by_rows = not static and self.lockstep is None and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+        slots = Slots(N, cache.layers if by_rows else [])  # each row's place in the cache (by_rows moves rows)
         next_logits = out.logits[:, -1].float()  # (N, V)
         cols_ids, cols_am, cols_lm, cols_lp = [], [], [], []
         cols_ti, cols_tl, cols_en = [], [], []
@@ -296,7 +343,8 @@ class HFSampler:
             sub, rep = R[first], R[first[inv]]  # the rows computed; each row's representative
             bpos = last_pos[:, None] + block_am.cumsum(-1)
             bpos = torch.where(block_am.bool(), bpos, last_pos[:, None].clamp(min=0))
-            view = Cache(layers=[RowsLayer(layer, sub) for layer in cache.layers])
+            at = torch.tensor([slots.slot[r] for r in sub.tolist()], device=dev)  # their rows of the cache
+            view = Cache(layers=[RowsLayer(layer, at) for layer in cache.layers])
             full_am = torch.cat([am] + cols_am, 1)
             o = model(input_ids=block[sub], attention_mask=full_am[sub], position_ids=bpos[sub], use_cache=True,
                       **{kv: view})
@@ -304,13 +352,31 @@ class HFSampler:
             logits[sub] = torch.where(block_am[sub, -1].bool()[:, None], o.logits[:, -1].float(), next_logits[sub])
             copies = R[rep != R]
             if len(copies):  # the same history and observation: the same new columns and next-token logits
+                dst = torch.tensor([slots.slot[r] for r in copies.tolist()], device=dev)
+                src = torch.tensor([slots.slot[r] for r in rep[rep != R].tolist()], device=dev)
                 for layer in cache.layers:
                     W = block.shape[1]
-                    layer.kbuf[copies, :, n0 : n0 + W] = layer.kbuf[rep[rep != R], :, n0 : n0 + W]
-                    layer.vbuf[copies, :, n0 : n0 + W] = layer.vbuf[rep[rep != R], :, n0 : n0 + W]
+                    layer.kbuf[dst, :, n0 : n0 + W] = layer.kbuf[src, :, n0 : n0 + W]
+                    layer.vbuf[dst, :, n0 : n0 + W] = layer.vbuf[src, :, n0 : n0 + W]
                 logits[copies] = logits[rep[rep != R]]
             next_logits = logits
             last_pos = last_pos + block_am.sum(-1)
+
+        def feed_front(tokens: Tensor, a: Tensor, rows: list[int]) -> None:
+            """A decode step for ``rows`` only (the rows that sampled and go on), moved to the front of the cache; the
+            other rows' new column is empty (masked), as feeding every row with a mask of 0 made it."""
+            nonlocal next_logits, last_pos
+            slots.to_front(rows)
+            order = torch.tensor(slots.rows(len(rows)), device=dev)
+            bpos = (last_pos + a)[order][:, None]
+            full_am = torch.cat([am] + cols_am, 1)
+            view = Cache(layers=[FrontLayer(layer, len(rows)) for layer in cache.layers])
+            o = model(input_ids=tokens[order][:, None], attention_mask=full_am[order], position_ids=bpos, use_cache=True,
+                      **{kv: view})
+            logits = next_logits.clone()
+            logits[order] = o.logits[:, -1].float()
+            next_logits = logits
+            last_pos = last_pos + a
 
         def add_columns(block: Tensor, block_am: Tensor) -> None:
             """Observation columns: attended, loss mask 0, no scores."""
@@ -398,7 +464,16 @@ class HFSampler:
                 # left the cache a column short of the mask from then on: each later step read its rows' keys one
                 # column off, so pi_old's scores and the samples of every multi-turn batch after such a step were not
                 # the policy's. Found by scoring the sampler's batches with the log-prob head: up to 1.8 nats apart.)
-                feed(nxt[:, None], a[:, None])
+                go_on = (sampling & active).nonzero().flatten().tolist()
+                if by_rows:  # the rows that go on, at the front of the cache (which is in slot order from now on)
+                    if go_on:
+                        feed_front(nxt, a, go_on)
+                    else:  # nobody goes on from this step's token (the others wait): an empty column keeps the count
+                        for layer in cache.layers:
+                            z = layer.kbuf.new_zeros(N, layer.kbuf.shape[1], 1, layer.kbuf.shape[-1])
+                            layer.update(z, torch.zeros_like(z, dtype=layer.vbuf.dtype))
+                else:
+                    feed(nxt[:, None], a[:, None])
         model.train(was_training)
         # Pack each row's real response tokens to the left. Holes (columns where a row had nothing:
         # other rows' observations, finished rows) are masked and do not advance positions, so

@@ -345,6 +345,15 @@ class OptimConfig:
         _at_least(("optim.weight_decay", self.weight_decay, 0))
 
 
+DEEPSPEED_STRATEGIES = ("deepspeed_stage_2", "deepspeed_stage_3")  #: trainer.strategy values that run DeepSpeed
+
+
+def is_deepspeed(cfg) -> bool:
+    """Whether a run (its config, or its trainer node) trains under DeepSpeed: the one place that says so."""
+    trainer = cfg.trainer if hasattr(cfg, "trainer") else cfg
+    return str(trainer.strategy).startswith("deepspeed")
+
+
 @dataclass
 class TrainerConfig:
     name: str = "cpu"  #: cpu | gpu | ddp | deepspeed
@@ -356,8 +365,8 @@ class TrainerConfig:
     progress_bar: bool = True  #: Lightning's progress bar
 
     def check(self) -> None:
-        if "deepspeed" in str(self.strategy) and str(self.strategy) not in ("deepspeed_stage_2", "deepspeed_stage_3"):
-            _bad(f"trainer.strategy={self.strategy!r}; choose deepspeed_stage_2 or deepspeed_stage_3")
+        if is_deepspeed(self) and str(self.strategy) not in DEEPSPEED_STRATEGIES:
+            _bad(f"trainer.strategy={self.strategy!r}; choose {' or '.join(DEEPSPEED_STRATEGIES)}")
 
 
 @dataclass
@@ -584,7 +593,7 @@ def _check_installed(cfg) -> None:
     if lg in ("wandb", "tensorboard") and not (importlib.util.find_spec(lg) or (
             lg == "tensorboard" and importlib.util.find_spec("tensorboardX"))):
         _bad(f"logger={lg} needs its package: pip install -e '.[{lg}]' (or use logger=csv)")
-    if "deepspeed" in str(cfg.trainer.strategy) and not importlib.util.find_spec("deepspeed"):
+    if is_deepspeed(cfg) and not importlib.util.find_spec("deepspeed"):
         _bad("trainer=deepspeed needs DeepSpeed: `make scale-setup` (CPU) or pip install -e '.[gpu]' (CUDA); "
              "or use trainer=cpu / trainer=ddp")
     if cfg.rollout.name == "vllm" and not importlib.util.find_spec("vllm"):
@@ -640,16 +649,16 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
              "algo.reward_kl=none to keep the token KL")
     m = cfg.model
     if m.lora_rank:
-        if ro.name == "vllm" or "deepspeed" in strategy:
+        if ro.name == "vllm" or is_deepspeed(cfg):
             _bad("model.lora_rank > 0 is built for rollout=hf on one process (trainer=cpu or gpu); pushing adapters to "
                  "vLLM and sharding them under DeepSpeed are not built")
         if an.name != "teacher" and (an.eval_every or an.path):
             _bad("with model.lora_rank > 0 the anchor is an adapter of the policy: anchor.eval_every and anchor.path are "
                  "not built for it; set them to 0 / null (anchor=teacher, a separate model, works)")
-    if m.compile and "deepspeed" in strategy:
+    if m.compile and is_deepspeed(cfg):
         _bad("model.compile=true is not built under DeepSpeed (its parameter hooks and partitions break the compiled "
              "graph); set model.compile=false, or use trainer=cpu, ddp or gpu")
-    if cfg.monitor.grad_ratio_every and "deepspeed" in strategy:
+    if cfg.monitor.grad_ratio_every and is_deepspeed(cfg):
         _bad("monitor.grad_ratio_every is not built under DeepSpeed (its gradients live in the engine's partitions); "
              "measure the ratio on a cpu or ddp run with the same settings, or set it to 0")
     tiny = not OmegaConf.is_interpolation(m, "path") and not m.path
@@ -661,7 +670,7 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if tiny and est.k > m.tokenizer_vocab:  # known before the cold start builds anything
         _bad(f"kl.k={est.k} is larger than the vocabulary of the tiny model (model.tokenizer_vocab="
              f"{m.tokenizer_vocab}); choose kl.k <= {m.tokenizer_vocab}")
-    if ro.max_staleness and ("deepspeed" in strategy or "ddp" in strategy or cfg.trainer.devices not in (1, "1")):
+    if ro.max_staleness and (is_deepspeed(cfg) or "ddp" in strategy or cfg.trainer.devices not in (1, "1")):
         _bad(f"rollout.max_staleness={ro.max_staleness} (a rollout worker beside one trainer process) is not built for "
              f"several processes or DeepSpeed (trainer.strategy={strategy}); use trainer=cpu or gpu, or max_staleness=0")
     if ro.max_staleness and m.lora_rank:

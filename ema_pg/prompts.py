@@ -31,7 +31,7 @@ def has_chat_template(tokenizer) -> bool:
 
 def plain_text(prompt) -> str:
     """A prompt as plain text: ``text``, or its chat messages' contents joined by a blank line."""
-    if getattr(prompt, "messages", None):
+    if prompt.messages:
         return "\n\n".join(str(m["content"]) for m in prompt.messages)
     return prompt.text
 
@@ -49,7 +49,11 @@ def encode_plain(tokenizer, text: str) -> list[int]:
 class PromptEncoder:
     """Renders and tokenizes prompts for one tokenizer; ``mode`` is ``task.chat_template``."""
 
-    def __init__(self, tokenizer, mode: str = "auto"):
+    def __init__(self, tokenizer, mode: str | None = None):
+        if mode is None:  # the default's one home: conf/task/_common.yaml
+            from .tasks import common_defaults
+
+            mode = common_defaults()["chat_template"]
         if mode not in CHAT_TEMPLATE_MODES:
             raise ValueError(f"task.chat_template={mode!r}; choose one of: {', '.join(CHAT_TEMPLATE_MODES)}")
         if mode == "on" and not has_chat_template(tokenizer):
@@ -57,6 +61,11 @@ class PromptEncoder:
                              "has no chat_template); use task.chat_template=auto or off, or a tokenizer with one")
         self.tok, self.mode = tokenizer, mode
         self.chat = mode == "on" or (mode == "auto" and has_chat_template(tokenizer))
+
+    @classmethod
+    def of(cls, tokenizer, task_cfg) -> PromptEncoder:
+        """The encoder a task's config asks for (``task.chat_template``, its default where a config lacks it)."""
+        return cls(tokenizer, task_cfg.get("chat_template"))
 
     def render(self, prompt) -> str:
         """The text the model reads for ``prompt`` (the response starts right after it)."""

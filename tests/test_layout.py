@@ -35,3 +35,26 @@ def test_every_root_module_has_a_floor():
         entry = 'if __name__ == "__main__":' in src and len(src.splitlines()) < 60
         assert entry, (f"{name} is neither in the algorithm's import contract (pyproject.toml) nor a command entry "
                        "of a few lines; add it to the contract, or move it into ema_pg/engine or ema_pg/workbench")
+
+
+def _sources():
+    return {p: p.read_text() for p in (ROOT / "ema_pg").rglob("*.py")}
+
+
+def test_each_fact_has_one_home():
+    """A decision made in one place stays there: whether a run is DeepSpeed's (config.is_deepspeed), the chat-template
+    default (conf/task/_common.yaml, read by PromptEncoder), a task's metric (its class; never assumed "em" where a
+    run's records are written), Table 2's method labels (results.METHOD_LABELS); and the project's own objects are
+    asked for what they declare, not probed."""
+    import re
+
+    homes = {
+        r'"deepspeed" in|startswith\("deepspeed"\)': {"ema_pg/config.py"},  # is_deepspeed
+        r'chat_template", "auto"|chat_template=.auto.': set(),
+        r'"eval/avg/em"': {"ema_pg/workbench/table2.py", "ema_pg/workbench/async_study.py"},  # EM by definition there
+        r'"(EMA-PG: w/ EMA anchor|\+ Top-k (forward|reverse) KL[^"]*)"': {"ema_pg/workbench/results.py"},
+        r'getattr\((task|prompt|self\.task|self\.sampler), |hasattr\((task|prompt|self\.task|self\.sampler), ': set(),
+    }
+    for pattern, allowed in homes.items():
+        found = {str(p.relative_to(ROOT)) for p, src in _sources().items() if re.search(pattern, src)}
+        assert found <= allowed, f"{pattern}: written in {sorted(found - allowed)} besides its home {sorted(allowed)}"

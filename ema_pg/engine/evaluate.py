@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"evaluate: {e}") from None
     task = build_task(cfg.task)
-    if a.transfer and not getattr(task, "generated", False):
+    if a.transfer and not task.generated:
         raise SystemExit(f"--transfer scores the policy on other generated worlds; task={cfg.task.name} has none (the "
                          "synthetic search world has: task=search_qa without task.data_dir)")
     if a.transfer and cfg.task.seed in transfer_seeds(a.transfer):
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"config error: {problem}")
     sampler = build_sampler(cfg.rollout, tok)
     try:
-        encode = PromptEncoder(tok, cfg.task.get("chat_template", "auto"))
+        encode = PromptEncoder.of(tok, cfg.task)
     except ValueError as e:
         raise SystemExit(f"config error: {e}") from None
     bars = bool(cfg.trainer.progress_bar)  # as a run's: off for a log meant for a scheduler

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
-from ..config import ConfigError, build_scheme, validate
+from ..config import ConfigError, build_scheme, is_deepspeed, validate
 from ..step import NonFiniteUpdates
 from ..heads import check_head
 from ..packing import pack_problem
@@ -64,7 +64,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
         check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step
         if cfg.algo.padding_free and (problem := pack_problem(policy)):
             raise ValueError(problem)
-        encode = PromptEncoder(tok, cfg.task.chat_template)
+        encode = PromptEncoder.of(tok, cfg.task)
     except (ValueError, ServiceError, NotImplementedError) as e:  # NoColdStart is a ValueError
         raise ConfigError(str(e)) from None
     mc = policy.config
@@ -105,7 +105,7 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     callbacks = ([ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
                  + [_CheckpointOnSigterm(run_dir / "checkpoints" / "last.ckpt")]  # last: after the anchor's update
                  + ([IterationBar()] if cfg.trainer.progress_bar else []))
-    deepspeed = str(cfg.trainer.strategy).startswith("deepspeed")  # DeepSpeed writes its own checkpoint folders
+    deepspeed = is_deepspeed(cfg)  # DeepSpeed writes its own checkpoint folders
     tc = cfg.trainer
     trainer = L.Trainer(
         accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(cfg), precision=tc.precision,

@@ -17,7 +17,7 @@ import torch
 
 from ..advantages import NEEDS_CRITIC, ONE_PROCESS
 from ..chunked import HeadChunk, chunk_budget_mb
-from ..config import ConfigError, build_estimator
+from ..config import ConfigError, build_estimator, is_deepspeed
 from ..dist import World, Zero3FullWeights, full_shape, zero3_partitioned
 from ..prompts import PromptEncoder
 from ..rollout import build_sampler
@@ -101,9 +101,9 @@ class GRPOModule(L.LightningModule):
         self.automatic_optimization = False
         self.estimator = estimator or build_estimator(cfg.kl)  # the run's, built once (ema_pg.engine.runs.open_run)
         self.sampler = build_sampler(cfg.rollout, tokenizer, lora=bool(cfg.model.lora_rank))
-        self.encode = encode or PromptEncoder(tokenizer, cfg.task.get("chat_template", "auto"))  # the one prompt -> ids
+        self.encode = encode or PromptEncoder.of(tokenizer, cfg.task)  # the one prompt -> ids
         self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps,
-                                        deepspeed="deepspeed" in str(cfg.trainer.strategy),
+                                        deepspeed=is_deepspeed(cfg),
                                         after_step=None if anchor is None else lambda: anchor.after_optimizer_step(policy))
         self.critic = None
         if cfg.algo.advantage in NEEDS_CRITIC:  # PPO's value model: its own optimizer, saved in checkpoints
@@ -253,10 +253,10 @@ class GRPOModule(L.LightningModule):
         if any(zero3_partitioned(p) for p in self.policy.parameters()):
             self.sampler.lockstep = World.current()  # every forward is collective under ZeRO-3
             offload = getattr(getattr(self.trainer.strategy.model, "optimizer", None), "parameter_offload", None)
-            if self.cfg.rollout.zero3_gather and hasattr(self.sampler, "full_weights") and offload is not None:
+            if self.cfg.rollout.zero3_gather and offload is not None and self.cfg.rollout.name == "hf":
                 self.sampler.full_weights = Zero3FullWeights(offload)
             log.info("ZeRO-3: rollouts sample from %s", "the gathered weights (rollout.zero3_gather)"
-                     if getattr(self.sampler, "full_weights", None) is not None else "the partitioned weights")
+                     if self.sampler.full_weights is not None else "the partitioned weights")
         if self.cfg.model.compile:  # after the anchor's copy (attached at setup): each model compiles its own body
             for model in (self.policy, None if self.anchor is None else self.anchor.model):
                 if model is not None:

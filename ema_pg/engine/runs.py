@@ -412,7 +412,10 @@ def open_run(cfg: DictConfig) -> OpenedRun:
             return OpenedRun(cfg, run_dir, skipped=done)
         failed = failed_record(run_dir)
         if failed is not None and failed.get("kind") == "diverged":  # deterministic: it would diverge again
-            return OpenedRun(cfg, run_dir, skipped={"eval/avg/em": float("nan"), "iteration": failed.get("checkpoint_iteration"),
+            from ..tasks import task_metric  # (math's is acc: a skipped math run once reported eval/avg/em)
+
+            metric = f"eval/avg/{task_metric(cfg.task.name)}"
+            return OpenedRun(cfg, run_dir, skipped={metric: float("nan"), "iteration": failed.get("checkpoint_iteration"),
                                                     "base/avg": float("nan"), "failed": failed["error"]})
         if checkpoint_file(run_dir) is not None:
             cfg.resume, composed = str(run_dir), True

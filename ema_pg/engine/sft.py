@@ -159,7 +159,7 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
     from ..prompts import PromptEncoder
 
     key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop),
-                         task_format=getattr(task, "format_version", 0))
+                         task_format=task.format_version)
     d = Path(sft_cfg.cache_dir).expanduser() / f"{task.name}-{key}"
     if (d / "config.json").is_file():
         try:
@@ -178,7 +178,7 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
         except ValueError as e:
             raise NoColdStart(str(e)) from None
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=model_cfg.tokenizer_vocab)
-    encode = PromptEncoder(tok, task_cfg.get("chat_template", "auto"))
+    encode = PromptEncoder.of(tok, task_cfg)
     model = build_tiny_model(
         len(tok), hidden_size=model_cfg.hidden_size, num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads,
         num_kv_heads=model_cfg.num_kv_heads, max_positions=model_cfg.max_positions, seed=seed,

@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from ..config import is_deepspeed
+
 
 def deepspeed_config(cfg) -> dict:
     stage = int(str(cfg.trainer.strategy).rsplit("_", 1)[-1])
@@ -31,7 +33,7 @@ def deepspeed_config(cfg) -> dict:
 def build_strategy(cfg):
     """The Lightning strategy for ``cfg.trainer`` (a name for the stock ones, an object for DeepSpeed)."""
     name = str(cfg.trainer.strategy)
-    if not name.startswith("deepspeed"):
+    if not is_deepspeed(cfg):
         return name
     from lightning.pytorch.strategies import DeepSpeedStrategy
 

@@ -118,12 +118,16 @@ class Sampler(Protocol):
     ``score``: what to return of pi_old (the sampling policy) in ``Rollouts.old``. A sampler that
     cannot score with the trainer's numerics (an inference engine with its own kernels) returns
     ``old=None`` and the trainer scores pi_old itself.
+    ``full_weights``: see the attribute.
     ``lockstep``: None, or the :class:`ema_pg.dist.World` whose processes must run every forward together
     (ZeRO-3 gathers parameters collectively): a sampler that steps token by token then runs until every
     rank is done. A sampler whose engine holds its own weights (vLLM) has nothing to keep in step.
     """
 
     lockstep: object | None
+    #: None, or a function of the model sampled giving a context in which it samples (DeepSpeed ZeRO-3: its weights
+    #: gathered once, :class:`ema_pg.dist.Zero3FullWeights`); a sampler whose engine holds its own weights ignores it
+    full_weights: object | None
 
     def generate(self, model, prompts: list[str] | list[list[int]], n: int, *, temperature: float, top_p: float,
                  max_new_tokens: int, stop: list[str] | None = None, on_stop: OnStop | None = None,

@@ -123,6 +123,7 @@ class VLLMSampler:
     """Sampler over an in-process vLLM engine. ``cfg`` is the ``rollout`` config node."""
 
     lockstep = None  # the engine holds its own weights: nothing to keep in step with ZeRO-3 (Sampler.lockstep)
+    full_weights = None  # (Sampler.full_weights) unused: the engine samples from its own copy of the weights
 
     def __init__(self, tokenizer, cfg):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process

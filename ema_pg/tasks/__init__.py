@@ -34,6 +34,11 @@ def task_defaults(name: str) -> dict:
     return {**common_defaults(), **own}
 
 
+def task_metric(name: str) -> str:
+    """The evaluation metric of task ``name`` (its class declares it), known before the task is built."""
+    return TASKS[name].metric if name in TASKS else Task.metric
+
+
 def build_task(cfg) -> Task:
     """Build the task named ``cfg["name"]``; knobs missing from ``cfg`` take their defaults."""
     cfg = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else dict(cfg)
@@ -49,4 +54,4 @@ def build_task(cfg) -> Task:
         raise ValueError(f"task={name}: {e}; check the task.* keys against conf/task/{name}.yaml") from None
 
 
-__all__ = ["TASKS", "Prompt", "ServiceError", "Task", "build_task", "common_defaults", "task_defaults"]
+__all__ = ["TASKS", "Prompt", "ServiceError", "Task", "build_task", "common_defaults", "task_defaults", "task_metric"]

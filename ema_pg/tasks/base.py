@@ -32,6 +32,12 @@ class ServiceError(RuntimeError):
 class Task:
     name: str = ""
     metric: str = "em"  #: the name of the evaluation metric (the mean reward on an eval split)
+    #: the version of the layout of its demonstrations (a new layout makes a new cold start: part of its cache key)
+    format_version: int = 0
+    #: its questions come from worlds generated from ``task.seed`` (``--transfer`` can score other worlds)
+    generated: bool = False
+    #: every question is asked in a world of its own (the recall measurement rebuilds each one)
+    episodic: bool = False
 
     # ---------------------------------------------------------------- required
     def sample(self, n: int, seed: int) -> list[Prompt]:

@@ -106,7 +106,7 @@ def run_sources(run: Path, which: str = "policy") -> list[dict]:
 
     cfg = upgraded(OmegaConf.load(run / "config.yaml"))
     task = build_task(cfg.task)
-    if not getattr(task, "episodic", False):
+    if not task.episodic:
         raise SystemExit(f"{run}: task.world={cfg.task.get('world')}; the sources of recalled answers are measured "
                          "in the episode world (task.world=episode)")
     if cfg.trainer.num_threads:
@@ -116,7 +116,7 @@ def run_sources(run: Path, which: str = "policy") -> list[dict]:
     model, tok = load_run_model(run, which)
     splits = task.eval_splits()
     res = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, progress=False,
-                          show=max(map(len, splits.values())), encode=PromptEncoder(tok, cfg.task.get("chat_template", "auto")))
+                          show=max(map(len, splits.values())), encode=PromptEncoder.of(tok, cfg.task))
     rows = []
     for split, samples in res["samples"].items():
         each = [answer_source(task, splits[split][s["index"]], s["response"], trained, control) for s in samples]

@@ -34,7 +34,8 @@ DIAGNOSTICS = list(TASK_DIAGNOSTICS)  # the evaluation's diagnostics (``eval_dia
 PAPER = Path(__file__).resolve().parents[2] / "reproductions" / "table2" / "paper_table2.csv"
 ROWS = ["before RL", *METHOD_LABELS.values()]  # the paper's rows, then ours (the corrected tail)
 METHODS = list(METHOD_LABELS.values())
-EMA, FWD, REV = "EMA-PG: w/ EMA anchor", "+ Top-k forward KL", "+ Top-k reverse KL"
+EMA, FWD, REV, GRPO, WARP, PPO = (METHOD_LABELS[m] for m in ("ema", "ema_topk_forward", "ema_topk_reverse", "grpo",
+                                                             "warp", "ppo"))  # the rows, by their methods' labels
 #: the share of its own held-out EM a policy that reads keeps on worlds it never saw (issue 39's bar): the transfer
 #: table tests unseen - TRANSFER_BAR x own, paired by seed
 TRANSFER_BAR = 0.9
@@ -85,11 +86,11 @@ def ours_markdown(t: pd.DataFrame) -> str:
 
 
 def gain_row(means: pd.DataFrame, label: str) -> str:
-    if REV not in means.index or "GRPO" not in means.index:
+    if REV not in means.index or GRPO not in means.index:
         return f"| {label} | " + " | ".join(["—"] * len(COLS)) + " | |"
     cells = []
     for s in COLS:
-        g, m = means.loc["GRPO", s], means.loc[REV, s]
+        g, m = means.loc[GRPO, s], means.loc[REV, s]
         cells.append(f"{100 * (m - g) / g:+.1f}%" if g > 0 else ("0 → 0" if m == 0 else f"0 → {m:.3f}"))
     return f"| {label} | " + " | ".join(cells) + " | |"
 
@@ -153,24 +154,24 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
                        p=float("nan"), seeds="")
         out.append(row)
 
-    compare("EMA anchor > GRPO (avg)", EMA, "GRPO")
+    compare("EMA anchor > GRPO (avg)", EMA, GRPO)
     compare("Top-k forward > K3, both with the EMA anchor (avg)", FWD, EMA)
     compare("Top-k reverse > K3, both with the EMA anchor (avg)", REV, EMA)
-    compare("GRPO > WARP (token-level beats sequence-level KL, §6)", "GRPO", "WARP")
+    compare("GRPO > WARP (token-level beats sequence-level KL, §6)", GRPO, WARP)
     compare("RL raises multi-hop EM: Top-k reverse > before RL (mean of the 4 multi-hop splits)", REV, "before RL",
             "multihop")
-    compare("RL raises multi-hop EM: GRPO > before RL (multi-hop mean)", "GRPO", "before RL", "multihop")
-    compare("Top-k reverse > GRPO on multi-hop (multi-hop mean)", REV, "GRPO", "multihop")
-    compare("Top-k reverse > GRPO on general QA (general mean)", REV, "GRPO", "general")
+    compare("RL raises multi-hop EM: GRPO > before RL (multi-hop mean)", GRPO, "before RL", "multihop")
+    compare("Top-k reverse > GRPO on multi-hop (multi-hop mean)", REV, GRPO, "multihop")
+    compare("Top-k reverse > GRPO on general QA (general mean)", REV, GRPO, "general")
 
     row = {"claim": "relative gain over GRPO (Top-k reverse) larger on multi-hop than on general QA", "claimed": True}
-    pg, pmh = _rel_gains(pm.loc[REV], pm.loc["GRPO"], GENERAL), _rel_gains(pm.loc[REV], pm.loc["GRPO"], MULTIHOP)
+    pg, pmh = _rel_gains(pm.loc[REV], pm.loc[GRPO], GENERAL), _rel_gains(pm.loc[REV], pm.loc[GRPO], MULTIHOP)
     row.update(paper=f"{100 * pmh:+.1f}% vs {100 * pg:+.1f}%", paper_holds=bool(pmh > pg), ci="—", mde=float("nan"),
                n_detect=float("nan"), p=float("nan"), verdict="(descriptive)")
-    if REV in om.index and "GRPO" in om.index:
-        og, omh = _rel_gains(om.loc[REV], om.loc["GRPO"], GENERAL), _rel_gains(om.loc[REV], om.loc["GRPO"], MULTIHOP)
-        ag = float((om.loc[REV, GENERAL] - om.loc["GRPO", GENERAL]).mean())
-        amh = float((om.loc[REV, MULTIHOP] - om.loc["GRPO", MULTIHOP]).mean())
+    if REV in om.index and GRPO in om.index:
+        og, omh = _rel_gains(om.loc[REV], om.loc[GRPO], GENERAL), _rel_gains(om.loc[REV], om.loc[GRPO], MULTIHOP)
+        ag = float((om.loc[REV, GENERAL] - om.loc[GRPO, GENERAL]).mean())
+        amh = float((om.loc[REV, MULTIHOP] - om.loc[GRPO, MULTIHOP]).mean())
         if og is None or omh is None:
             row.update(ours=f"undefined: GRPO scores 0 on a split (absolute gains: multi-hop {amh:+.3f}, general {ag:+.3f})",
                        ours_holds=None, seeds="")
@@ -192,7 +193,7 @@ def orderings(scores: pd.DataFrame, paper: pd.DataFrame) -> list[dict]:
     for fwd_rev, paper_tail in (("forward", FWD), ("reverse", REV)):
         compare(f"Top-k {fwd_rev}: corrected tail − paper's tail (avg)", f"{paper_tail} (corrected tail)",
                 paper_tail, claimed=False)
-    compare("GRPO − PPO (avg)", "GRPO", "PPO", claimed=False)
+    compare("GRPO − PPO (avg)", GRPO, PPO, claimed=False)
     return out
 
 

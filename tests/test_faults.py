@@ -139,6 +139,9 @@ def _claim(run_dir, barrier, out):
 
     barrier.wait()
     out.put(str(claim_run_dir(Path(run_dir))))
+    import time
+
+    time.sleep(2)  # a run lives on holding its folder
 
 
 def test_runs_started_at_the_same_moment_get_different_folders(tmp_path):
@@ -157,14 +160,22 @@ def test_runs_started_at_the_same_moment_get_different_folders(tmp_path):
 def test_a_dead_runs_claim_is_taken_over_and_a_live_ones_is_not(tmp_path):
     import socket
 
-    from ema_pg.engine.runs import CLAIM, claim_run_dir
+    from test_faults_lifecycle import holder
+
+    from ema_pg.engine.runs import CLAIM, claim_run_dir, release_run_dir
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / CLAIM).write_text(f"{socket.gethostname()} 999999999")  # no such process
+    (run / CLAIM).write_text(f"{socket.gethostname()} 999999999")  # a dead run's claim: nobody holds its lock
     assert claim_run_dir(run) == run
-    (run / CLAIM).write_text(f"{socket.gethostname()} {os.getppid()}")  # alive (the test runner's parent)
-    assert claim_run_dir(run) == tmp_path / "run-2"
+    release_run_dir(run)
+    p = holder(run)  # a live run
+    try:
+        assert claim_run_dir(run) == tmp_path / "run-2"
+        release_run_dir(tmp_path / "run-2")
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_a_truncated_last_checkpoint_falls_back_to_the_intact_one(tmp_path, caplog):

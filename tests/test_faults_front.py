@@ -165,18 +165,18 @@ def test_anchor_of_an_anchorless_run_is_one_line(tmp_path):
 
 
 def test_evaluate_of_a_live_run_says_so(finished_run, tmp_path):
-    from ema_pg.engine.evaluate import run_is_live
-    from ema_pg.engine.runs import CLAIM
+    from test_faults_lifecycle import holder
 
-    claim = finished_run / CLAIM
-    before = claim.read_text()
+    from ema_pg.engine.evaluate import run_is_live
+
+    assert not run_is_live(finished_run)
+    p = holder(finished_run)
     try:
-        claim.write_text(f"{socket.gethostname()} {os.getppid()}")
         assert run_is_live(finished_run)
-        claim.write_text(f"{socket.gethostname()} 999999999")
-        assert not run_is_live(finished_run)
     finally:
-        claim.write_text(before)
+        p.kill()
+        p.wait()
+    assert not run_is_live(finished_run)
 
 
 # ---------------------------------------------------------------------- the Optuna search

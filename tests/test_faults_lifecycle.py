@@ -59,52 +59,71 @@ def test_an_empty_or_damaged_metrics_file_is_recovered_not_fatal(tmp_path, caplo
 
 
 # ---------------------------------------------------------------------- one writer per run folder
-def test_a_live_runs_folder_refuses_a_second_writer_with_its_process(tmp_path):
-    from ema_pg.engine.runs import CLAIM, own_run_dir
+HOLD = ("import sys, time; from pathlib import Path; from ema_pg.engine.runs import own_run_dir\n"
+        "own_run_dir(Path(sys.argv[1])); print('holding', flush=True); time.sleep(600)")
+
+
+def holder(run: Path) -> subprocess.Popen:
+    """A real process that claims ``run`` (as a run does) and lives on holding it."""
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "holding"
+    return p
+
+
+def test_a_live_runs_folder_refuses_a_second_writer_and_a_killed_ones_is_free_at_once(tmp_path):
+    """The claim is a lock the kernel drops when its process ends, however it ends: a SIGKILLed run's folder is free
+    at once, even before its parent reaps it (a killed sweep worker re-queued by its launcher is not refused)."""
+    from ema_pg.engine.runs import CLAIM, live_owner, own_run_dir, release_run_dir
 
     run = tmp_path / "run"
-    run.mkdir()
-    live = os.getppid()  # alive: the test runner's parent
-    (run / CLAIM).write_text(f"{socket.gethostname()} {live}")
-    with pytest.raises(ConfigError, match=f"being written by a live run \\(process {live} on"):
-        own_run_dir(run)
-    (run / CLAIM).write_text(f"{socket.gethostname()} 999999999")  # a killed run's claim: taken over
-    own_run_dir(run)
-    assert (run / CLAIM).read_text() == f"{socket.gethostname()} {os.getpid()}"
-
-
-def test_a_killed_but_unreaped_runs_claim_is_taken_over(tmp_path):
-    """A SIGKILLed worker its launcher has not waited for yet is a zombie: kill(pid, 0) still succeeds, but it
-    writes nothing, so its folder is free (a sweep re-queuing the killed worker's trial must not be refused)."""
-    from ema_pg.engine.runs import CLAIM, _is_zombie, own_run_dir
-
-    run = tmp_path / "run"
-    run.mkdir()
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    p = holder(run)
     try:
-        (run / CLAIM).write_text(f"{socket.gethostname()} {child.pid}")
-        with pytest.raises(ConfigError, match="being written by a live run"):
-            own_run_dir(run)  # alive: refused
-        child.send_signal(signal.SIGKILL)
+        with pytest.raises(ConfigError, match=f"being written by a live run \\(process {p.pid} on"):
+            own_run_dir(run)
+        assert live_owner(run) == [socket.gethostname(), str(p.pid)]
+        p.send_signal(signal.SIGKILL)
         t0 = time.time()
-        while not _is_zombie(child.pid):  # (refused above while alive: a check that always says yes fails there)
-            assert time.time() - t0 < 30
-            time.sleep(0.05)
-        os.kill(child.pid, 0)  # the unreaped child still answers a signal check...
-        own_run_dir(run)  # ...but its claim is stale
+        while live_owner(run) is not None:  # the lock goes with the process (not yet reaped: no wait() here)
+            assert time.time() - t0 < 10
+            time.sleep(0.02)
+        own_run_dir(run)
         assert (run / CLAIM).read_text() == f"{socket.gethostname()} {os.getpid()}"
+        release_run_dir(run)
     finally:
-        child.kill()
-        child.wait()
+        p.kill()
+        p.wait()
+
+
+def test_of_many_processes_reaching_for_a_dead_runs_folder_exactly_one_gets_it(tmp_path):
+    """A scheduler's requeue and a person resuming at once, or more: every process tries at the same moment, one
+    proceeds, the others are refused naming it. (The rename-based takeover let two win: each replaced the claim with
+    its own and read its own back.)"""
+    from ema_pg.engine.runs import CLAIM
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / CLAIM).write_text(f"{socket.gethostname()} 999999999")  # a dead run's claim
+    go = tmp_path / "go"
+    race = ("import sys, time; from pathlib import Path; from ema_pg.config import ConfigError\n"
+            "from ema_pg.engine.runs import own_run_dir\n"
+            "go = Path(sys.argv[2])\n"
+            "while not go.exists(): time.sleep(0.001)\n"
+            "try:\n    own_run_dir(Path(sys.argv[1])); print('won', flush=True); time.sleep(3)\n"
+            "except ConfigError as e: print('refused', e, flush=True)")
+    ps = [subprocess.Popen([sys.executable, "-c", race, str(run), str(go)], stdout=subprocess.PIPE, text=True)
+          for _ in range(8)]
+    time.sleep(3)  # every process imported and waits at the line
+    go.write_text("")
+    outs = [p.communicate(timeout=60)[0] for p in ps]
+    winners = [o for o in outs if o.startswith("won")]
+    assert len(winners) == 1, outs
+    assert all("being written by a live run" in o for o in outs if not o.startswith("won"))
 
 
 def test_resume_of_a_live_run_is_refused(finished_run):
     from ema_pg.engine.fit import train
-    from ema_pg.engine.runs import CLAIM
 
-    claim = finished_run / CLAIM
-    before = claim.read_text()
-    claim.write_text(f"{socket.gethostname()} {os.getppid()}")
+    p = holder(finished_run)
     try:
         cfg = OmegaConf.load(finished_run / "config.yaml")
         with open_dict(cfg):
@@ -112,7 +131,8 @@ def test_resume_of_a_live_run_is_refused(finished_run):
         with pytest.raises(ConfigError, match="being written by a live run"):
             train(cfg)
     finally:
-        claim.write_text(before)
+        p.kill()
+        p.wait()
 
 
 # ---------------------------------------------------------------------- resume trusts the checkpoint

@@ -34,7 +34,7 @@ from .module import GRPOModule
 from .plotting import plot_run
 from .policy import build_policy
 from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multirun, is_rank_zero, job_folder,
-                   make_loggers, open_run, record_failure, record_run)
+                   make_loggers, open_run, record_failure, record_run, release_run_dir)
 from .strategies import build_strategy
 
 log = logging.getLogger("ema_pg")
@@ -50,6 +50,13 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
     """
     quiet_third_party()
     opened = open_run(cfg)
+    try:
+        return _train(opened, callbacks)
+    finally:
+        release_run_dir(opened.run_dir)  # the folder is free once its run ends (this process may go on: a sweep)
+
+
+def _train(opened, callbacks) -> tuple[dict, dict]:
     cfg, run_dir = opened.cfg, opened.run_dir
     if opened.skipped is not None:
         return opened.skipped, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True,

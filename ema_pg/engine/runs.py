@@ -489,15 +489,19 @@ def record_run(opened: OpenedRun, policy, tokenizer) -> None:
     atomic_write(run_dir / "machine.txt", machine() + "\n")
 
 
-CLAIM = ".ema_pg_run"  #: the file whose exclusive creation makes a folder one run's own
+CLAIM = ".ema_pg_run"  #: the claim file: locked (flock) by the process that writes the folder, holding its host and pid
+_HELD: dict[str, int] = {}  #: the run folders this process holds: resolved path -> the claim's open descriptor
 
 
 def claim_run_dir(run_dir: Path) -> Path:
     """Make ``run_dir`` this process's run folder, atomically; if another live run holds it (two runs
     started in the same second get the same Hydra folder), take ``<name>-2``, ``-3``, ... instead.
 
-    The claim is a file created with O_EXCL holding host and pid; a claim whose process is gone
-    (a killed run being started again) is taken over.
+    The claim is an exclusive lock (``flock``) on the folder's claim file, held while the run lives: the kernel
+    releases it when the process ends, however it ends (SIGKILL too), so a killed run's folder is free at once and
+    of any number of processes reaching for it, exactly one gets it. The file holds the holder's host and pid, for
+    messages; a claim written on another host (a shared file system, where the lock does not reach) is never
+    taken over.
     """
     for i in range(1, 1000):
         cand = run_dir if i == 1 else run_dir.with_name(f"{run_dir.name}-{i}")
@@ -516,65 +520,76 @@ def own_run_dir(run_dir: Path) -> None:
                           "then resume")
 
 
+def release_run_dir(run_dir: Path) -> None:
+    """Let go of a run folder this process holds (its run ended; the process may live on: a sweep, a test)."""
+    fd = _HELD.pop(str(Path(run_dir).resolve()), None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
 def live_owner(run_dir: Path) -> list[str] | None:
-    """[host, pid] of the live process that claimed ``run_dir`` (None: no claim, or its process is gone)."""
+    """[host, pid] of the live process that holds ``run_dir`` (None: no claim, or its process is gone)."""
+    import fcntl
+
+    claim = Path(run_dir) / CLAIM
+    if str(Path(run_dir).resolve()) in _HELD:
+        return _me().split()
     try:
-        owner = (Path(run_dir) / CLAIM).read_text().split()
+        owner = claim.read_text().split()
+        fd = os.open(claim, os.O_RDWR)
     except OSError:
         return None
-    return None if _claim_is_stale(owner) else owner
+    try:
+        if _other_host(owner):
+            return owner
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return owner or ["another", "process"]
+        fcntl.flock(fd, fcntl.LOCK_UN)  # free: nobody holds it
+        return None
+    finally:
+        os.close(fd)
+
+
+def _me() -> str:
+    import socket
+
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def _other_host(owner: list[str]) -> bool:
+    import socket
+
+    return len(owner) == 2 and owner[0] != socket.gethostname()
 
 
 def _try_claim(folder: Path) -> list[str] | None:
-    """Claim ``folder`` for this process (None), or return the claim's live owner; a stale claim is taken over."""
-    import socket
+    """Claim ``folder`` for this process (None), or return the claim's live owner."""
+    import fcntl
 
-    me = f"{socket.gethostname()} {os.getpid()}"
     folder.mkdir(parents=True, exist_ok=True)
+    key = str(folder.resolve())
     claim = folder / CLAIM
-    while True:
-        try:
-            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            owner = claim.read_text().split()
-            if not _claim_is_stale(owner):
-                return owner
-            if _take_over(claim, me):
-                return None
-            continue  # another process took it over first: read who
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
+    if key in _HELD:  # this process holds it already (a run started again in-process)
         return None
-
-
-def _claim_is_stale(owner: list[str]) -> bool:
-    import socket
-
-    if len(owner) != 2 or owner[0] != socket.gethostname():
-        return False  # another machine's run (a shared file system): never taken over
+    fd = os.open(claim, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        os.kill(int(owner[1]), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, ValueError):
-        return False
-    # this process claimed it before (a run started again in-process), or the process is dead but not yet
-    # reaped by its parent (a killed sweep worker whose launcher has not waited): it writes nothing any more
-    return int(owner[1]) == os.getpid() or _is_zombie(int(owner[1]))
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        try:
+            owner = claim.read_text().split()
+        except OSError:
+            owner = []
+        return owner or ["another", "process"]
+    owner = os.pread(fd, 256, 0).decode(errors="replace").split()
+    if _other_host(owner):  # written on another machine: its lock is not ours to see
+        os.close(fd)
+        return owner
+    os.ftruncate(fd, 0)  # in place: the lock is on this file, so it is never replaced
+    os.pwrite(fd, _me().encode(), 0)
+    _HELD[key] = fd
+    return None
 
 
-def _is_zombie(pid: int) -> bool:
-    """Whether ``pid`` has exited and only waits for its parent to reap it (Linux's /proc; False elsewhere)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] == ["Z"]  # the state follows the command name, which may hold ")"
-
-
-def _take_over(claim: Path, me: str) -> bool:
-    """Replace a stale claim; of several processes taking over at once exactly one wins (rename is atomic)."""
-    tmp = claim.with_name(f"{CLAIM}.{os.getpid()}")
-    tmp.write_text(me)
-    os.replace(tmp, claim)
-    return claim.read_text() == me

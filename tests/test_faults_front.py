@@ -5,8 +5,6 @@ what is not there; held-out prompts are distinct. Each case failed on the code b
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest

@@ -107,7 +107,10 @@ def test_with_a_critic_the_values_returns_and_value_step_are_the_single_passes(s
     for name, over in PASSES.items():
         got, m, w = one_step(setup, [*over, *case], critic=True)
         torch.testing.assert_close(got.grad, ref.grad, rtol=1e-4, atol=1e-6, msg=name)
-        torch.testing.assert_close(w, ref_w, rtol=1e-4, atol=1e-6, msg=f"{name}: the value model after its step")
+        # Adam's first step moves each weight by about lr (1e-3) times the sign of its gradient; a gradient near
+        # Adam's eps (1e-8) moves by a fraction of that which the last bits of the gradient decide, so the weights
+        # agree to 1% of a step, not to the gradient's tolerance (a wrong value step is off by a whole step)
+        torch.testing.assert_close(w, ref_w, rtol=1e-4, atol=1e-5, msg=f"{name}: the value model after its step")
         for k in ("train/value_loss", "train/value_clip_frac", "train/value_explained_var"):
             assert m[k] == pytest.approx(ref_m[k], rel=1e-4, abs=1e-6, nan_ok=True), (name, k)
 

@@ -1,6 +1,7 @@
 """Advantage estimators as a registry, like :mod:`ema_pg.kl`: ``algo.advantage`` picks one.
 
-    adv = ADVANTAGES[name](AdvantageInputs(rewards, group_size, tokens, mask, world, ...))
+    spec = ADVANTAGES[name]            # an AdvantageSpec: the estimator and what it needs
+    adv = spec(AdvantageInputs(rewards, group_size, tokens, mask, world, ...))
 
 ``group``         GRPO's Monte-Carlo group baseline, scaled by ``algo.adv_norm`` (Appendix A, Fig 9):
                   :func:`ema_pg.losses.advantages`; ``global`` z-scores over the whole batch, all ranks,
@@ -18,7 +19,7 @@ An estimator returns (N,) per-sequence or (N, T) per-token advantages; the surro
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -42,7 +43,8 @@ class AdvantageInputs:
     values: Tensor | None = None  # (N, T) the critic's values (gae)
     gamma: float = 1.0
     lam: float = 1.0
-    global_kl_scale: bool = False  # algo.global_kl_scale (group estimator, norm=global)
+    #: algo.global_kl_scale (group estimator, norm=global): given by the caller, since its default's home is AlgoConfig
+    global_kl_scale: bool = field(kw_only=True)
 
 
 @dataclass
@@ -86,9 +88,23 @@ def gae(inp: AdvantageInputs) -> Advantages:
     return Advantages(adv, returns)
 
 
-ADVANTAGES: dict[str, Callable[[AdvantageInputs], Advantages]] = {
-    "group": group, "rloo": rloo, "reinforce_pp": reinforce_pp, "gae": gae,
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """One entry of the registry: the estimator and the properties the step and the checks ask of it, in one place
+    (as :mod:`ema_pg.kl` and :mod:`ema_pg.anchors` keep theirs)."""
+
+    fn: Callable[[AdvantageInputs], Advantages]
+    needs_critic: bool = False  #: it reads a value model's values (the run builds the critic)
+    per_token: bool = False  #: its advantages are (N, T), not one per sequence (GSPO cannot take them)
+    one_process: bool = False  #: its statistics are one process's batch's (refused on several)
+
+    def __call__(self, inp: AdvantageInputs) -> Advantages:
+        return self.fn(inp)
+
+
+ADVANTAGES: dict[str, AdvantageSpec] = {
+    "group": AdvantageSpec(group),
+    "rloo": AdvantageSpec(rloo),
+    "reinforce_pp": AdvantageSpec(reinforce_pp, per_token=True, one_process=True),
+    "gae": AdvantageSpec(gae, needs_critic=True, per_token=True, one_process=True),
 }
-NEEDS_CRITIC = ("gae",)  #: estimators that read a value model
-PER_TOKEN = ("reinforce_pp", "gae")  #: estimators whose advantages are (N, T)
-ONE_PROCESS = ("reinforce_pp", "gae")  #: estimators whose statistics are taken on one process's batch only

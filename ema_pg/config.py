@@ -280,7 +280,7 @@ class AlgoConfig:
     share_prefixes: bool = True
 
     def check(self) -> None:
-        from .advantages import ADVANTAGES, PER_TOKEN
+        from .advantages import ADVANTAGES
         from .losses import ADV_NORMS, LOSS_AGGS, SURROGATES
 
         if self.group_size < 2:
@@ -304,7 +304,7 @@ class AlgoConfig:
         if self.advantage not in ADVANTAGES:
             _bad(f"algo.advantage={self.advantage!r}; choose one of: {', '.join(ADVANTAGES)} (group: GRPO's; gae: "
                  "PPO's critic)")
-        if self.advantage in PER_TOKEN and self.loss == "gspo":
+        if self.advantage in ADVANTAGES and ADVANTAGES[self.advantage].per_token and self.loss == "gspo":
             _bad(f"algo.loss=gspo needs one advantage per sequence; algo.advantage={self.advantage} gives one per "
                  "token: use algo.loss=ppo or cispo")
         if self.advantage == "gae":

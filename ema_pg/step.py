@@ -40,7 +40,7 @@ from .heads import head
 from .kl import Estimator, KLInputs, sequence_kl_penalty
 from .kl.sampled import k3_core
 from .dist import World
-from .advantages import ADVANTAGES, NEEDS_CRITIC, AdvantageInputs
+from .advantages import ADVANTAGES, AdvantageInputs
 from .corrections import correct
 from .losses import Share, grpo_loss, masked_mean
 from .packing import Packing, packer
@@ -604,12 +604,13 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     t2 = time.perf_counter()
     rewards, shaped = shape_rewards(rewards, rollouts, old, anchor, algo, rollout)
     values = None
-    if algo.advantage in NEEDS_CRITIC:  # (N, T), by micro-batches under a token budget
+    if ADVANTAGES[algo.advantage].needs_critic:  # (N, T), by micro-batches under a token budget
         parts = micro_batches(rollouts, algo.max_tokens_per_microbatch, world)
         values = critic.values(rollouts, packing) if len(parts) == 1 else torch.cat(
             [critic.values(rollouts.select(p), scorer.pack(rollouts.select(p))) for p in parts])[torch.argsort(torch.cat(parts))]
     est = ADVANTAGES[algo.advantage](AdvantageInputs(shaped, algo.group_size, rollouts.response_mask, mask, world,
-                                                     algo.adv_norm, values, algo.gamma, algo.lam, algo.global_kl_scale))
+                                                     algo.adv_norm, values, algo.gamma, algo.lam,
+                                                     global_kl_scale=algo.global_kl_scale))
     adv, returns = est.adv, est.returns  # (N,) or (N, T)
     tis, mismatch = engine_mismatch(old, rollouts, mask, rollout)  # vLLM's numerics vs the trainer's
 

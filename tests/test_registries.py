@@ -4,13 +4,13 @@ entry usable by name, and masked positions that reach neither a loss nor its gra
 import pytest
 import torch
 
-from ema_pg.advantages import ADVANTAGES, NEEDS_CRITIC, AdvantageInputs
+from ema_pg.advantages import ADVANTAGES, AdvantageInputs
 from ema_pg.losses import SURROGATES, grpo_loss, gspo_surrogate
 
 
 def inputs(rewards, group_size, lengths, T=3):
     mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
-    return AdvantageInputs(torch.tensor(rewards, dtype=torch.float32), group_size, mask, mask)
+    return AdvantageInputs(torch.tensor(rewards, dtype=torch.float32), group_size, mask, mask, global_kl_scale=True)
 
 
 def test_rloo_is_the_leave_one_out_baseline_by_hand():
@@ -36,7 +36,7 @@ def test_every_advantage_and_surrogate_runs_by_name():
     for name, fn in ADVANTAGES.items():
         out = fn(inp)
         assert out.adv.shape[0] == 4 and torch.isfinite(out.adv).all(), name
-        assert (out.returns is not None) == (name in NEEDS_CRITIC)
+        assert (out.returns is not None) == ADVANTAGES[name].needs_critic
     logp = torch.log(torch.full((4, 3), 0.5)).requires_grad_()
     for name in SURROGATES:
         loss, _ = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0, 0.5, 0.0]), inp.mask, None, beta=0.0,

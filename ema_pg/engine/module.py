@@ -15,7 +15,7 @@ import math
 import lightning as L
 import torch
 
-from ..advantages import NEEDS_CRITIC, ONE_PROCESS
+from ..advantages import ADVANTAGES
 from ..chunked import HeadChunk, chunk_budget_mb
 from ..config import ConfigError, build_estimator, is_deepspeed
 from ..dist import World, Zero3FullWeights, full_shape, zero3_partitioned
@@ -106,7 +106,7 @@ class GRPOModule(L.LightningModule):
                                         deepspeed=is_deepspeed(cfg),
                                         after_step=None if anchor is None else lambda: anchor.after_optimizer_step(policy))
         self.critic = None
-        if cfg.algo.advantage in NEEDS_CRITIC:  # PPO's value model: its own optimizer, saved in checkpoints
+        if ADVANTAGES[cfg.algo.advantage].needs_critic:  # PPO's value model: its own optimizer, saved in checkpoints
             from ..critic import Critic
 
             self.critic = Critic(policy, cfg.algo.critic_lr, cfg.algo.cliprange_value, cfg.algo.grad_clip)
@@ -239,7 +239,7 @@ class GRPOModule(L.LightningModule):
                               f"processes ({w}): each takes a block of whole prompt groups")
         if self.cfg.model.lora_rank and w > 1:
             raise ConfigError("model.lora_rank > 0 with several processes is not built; use one process")
-        if a.advantage in ONE_PROCESS and w > 1:
+        if ADVANTAGES[a.advantage].one_process and w > 1:
             raise ConfigError(f"algo.advantage={a.advantage} with several processes is not built (its statistics, and "
                               "gae's value model, would be one process's); use one process")
         if a.dynamic_sampling and w > 1:

@@ -17,11 +17,12 @@ Beside them: the update's FLOP floor as ``benchmarks/rl_step.py`` computes one (
 for the policy's forward and backward, 2 for the anchor's forward, attention 4 L^2 d per layer and row), over the
 run's real tokens, at this CPU's measured fp32 matmul rate.
 
-    python benchmarks/seed_cost.py --variants decide_episode:padded,claims --method ema_topk_reverse --seed 11 \\
-        --out benchmarks/results/seed_cost_cpu.json
+    python benchmarks/seed_cost.py --variants decide_episode@534d1b9,claims:padded@dadebca,claims@dadebca \\
+        --method ema_topk_reverse --seed 11 --out benchmarks/results/seed_cost_cpu.json
 
-A variant is ``OVERLAY[:EXTRA]``: the scale overlay ``sweeps/scale/table2_<OVERLAY>.yaml``, and ``padded`` adds
-``algo.padding_free=false`` (the passes as they were before ema_pg.packing). Every variant's final evaluation is
+A variant is ``OVERLAY[:EXTRA][@COMMIT]``: the scale overlay ``sweeps/scale/table2_<OVERLAY>.yaml``; ``padded``
+adds ``algo.padding_free=false`` (the passes as they were before ema_pg.packing); ``@COMMIT`` runs that commit's
+code from a git worktree made here (the "before" of a before/after, in the same run). Every variant's final evaluation is
 in the JSON, so a reader sees that the cheaper seed trains to the same kind of result.
 """
 

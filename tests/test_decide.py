@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ema_pg.workbench.decide import LOOKS, load_plan, needed, report, state, take_look
+from ema_pg.workbench.decide import CELLS, LOOKS, load_plan, needed, read_cells, record_cells, report, state, take_look
 from ema_pg.workbench.sequential import Design, look
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,6 +86,38 @@ def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_n
     assert list(looks["look"]) == [1, 1, 2] and state(plan) == ({"A": "holds", "B": "stopped at the cap"}, 2)
     md = report(plan).read_text()
     assert "**holds**" in md and "stopped at the cap" in md and (plan.folder / "sequential.png").is_file()
+
+
+def test_a_plan_carried_to_a_fresh_machine_counts_the_cells_its_ledger_holds(tmp_path):
+    """Run folders are never committed; cells.csv is. With the folders gone, the finished cells are not run again
+    and the next look is the one it would have been with them."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    plan = load_plan(write_plan(tmp_path / "plan", runs, claims={"A": {"better": "ema", "worse": "grpo", "text": "x"},
+                                                               "S": {"better": "ema", "worse": "grpo", "text": "y",
+                                                                     "score": "test"}}))
+    rng = np.random.default_rng(1)
+    for s in plan.seeds(5):
+        fake_run(runs, "grpo", s, 0.3 + rng.normal(0, 0.02), commit="c1")
+        fake_run(runs, "ema", s, 0.31 + rng.normal(0, 0.02), commit="c2" if s == 104 else "c1")
+    here = take_look(plan, 1, state(plan)[0])
+    cells = read_cells(plan)
+    assert len(cells) == 10 and cells[("ema", 104)] == {"scores": {"avg": pytest.approx(
+        json.loads((runs / "ema_s104/eval.json").read_text())["avg"]), "test": pytest.approx(
+        json.loads((runs / "ema_s104/eval.json").read_text())["splits"]["test"]["acc"])}, "commit": "c2"}
+    both = take_look(plan, 2, state(plan)[0])
+    moved = tmp_path / "moved"
+    shutil.copytree(tmp_path / "plan", moved / "plan")
+    (moved / "plan" / LOOKS).unlink()  # the same plan at its first look, on a machine without the run folders
+    shutil.rmtree(runs)
+    fresh = load_plan(moved / "plan" / "plan.yaml")
+    assert needed(fresh, 2, state(fresh)[0]) == [] and record_cells(fresh) == 0
+    again = take_look(fresh, 1, state(fresh)[0]) + take_look(fresh, 2, state(fresh)[0])
+    for a, b in zip(here + both, again):
+        assert {k: a[k] for k in ("claim", "seeds", "mean_diff", "lo", "hi", "verdict", "commits")} == \
+               {k: b[k] for k in ("claim", "seeds", "mean_diff", "lo", "hi", "verdict", "commits")}
+    assert again[-1]["look"] == 2 and again[-1]["commits"] == "c1 c2" and (moved / "plan" / CELLS).is_file()
 
 
 @pytest.mark.slow

@@ -15,6 +15,10 @@ last look (the cap) an open claim is "stopped at the cap". The command
    verdict, the commit the runs ran from); ``sequential.md`` and ``sequential.png`` are written again from it;
 3. goes on to the next look until every claim is decided or capped.
 
+Every finished cell's scores also go to ``cells.csv`` beside the plan (method, seed, the final evaluation's
+scores, the commit it ran from): small enough to commit as cells land, so that a plan carried to a fresh machine
+(run folders are never committed) counts the cells it already has and runs only the rest.
+
 Run it again after an interruption: finished cells are kept, a killed one resumes from its checkpoint, looks
 already taken are read back, never retaken. SIGTERM stops the workers (each saves its checkpoint) and the command
 exits 75. A cell that failed (its failed.json) is left out of its claims' pairs at every look from then on, and the
@@ -46,6 +50,7 @@ from .sequential import Design, look
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOKS = "looks.csv"  #: every look's numbers, beside the plan
+CELLS = "cells.csv"  #: every finished cell's scores, beside the plan
 
 
 @dataclass
@@ -127,9 +132,60 @@ def finished(run: Path) -> bool:
     return (run / "eval.json").is_file()
 
 
-def score(run: Path, key: str) -> float:
-    res = json.loads((run / "eval.json").read_text())
-    return float(res["avg"] if key == "avg" else res["splits"][key][res.get("metric", "em")])
+def _scores(res: dict) -> dict[str, float]:
+    """The scores a claim may name, from an eval.json: ``avg`` and each split's metric."""
+    metric = res.get("metric", "em")
+    return {"avg": float(res["avg"]), **{k: float(v[metric]) for k, v in res["splits"].items()}}
+
+
+def read_cells(plan: Plan) -> dict[tuple[str, int], dict]:
+    """{(method, seed): {"scores": {...}, "commit": ...}} from cells.csv."""
+    f = plan.folder / CELLS
+    if not f.is_file():
+        return {}
+    return {(str(r.method), int(r.seed)): {"scores": json.loads(r.scores), "commit": str(r.commit)}
+            for r in pd.read_csv(f).itertuples()}
+
+
+def record_cells(plan: Plan) -> int:
+    """Add every finished cell of the plan's run folder that cells.csv lacks; the number added."""
+    from ..engine.files import atomic_write
+    from ..engine.runs import run_commit
+
+    have = read_cells(plan)
+    new = []
+    for run in sorted(plan.runs.glob("*_s*")) if plan.runs.is_dir() else []:
+        method, _, seed = run.name.rpartition("_s")
+        if not seed.isdigit() or (method, int(seed)) in have or not finished(run):
+            continue
+        res = json.loads((run / "eval.json").read_text())
+        new.append({"method": method, "seed": int(seed), "scores": json.dumps(_scores(res), sort_keys=True),
+                    "commit": run_commit(run)})
+    if new:
+        old = pd.read_csv(plan.folder / CELLS) if (plan.folder / CELLS).is_file() else pd.DataFrame()
+        out = pd.concat([old, pd.DataFrame(new)], ignore_index=True).sort_values(["method", "seed"])
+        atomic_write(plan.folder / CELLS, out.to_csv(index=False))
+    return len(new)
+
+
+def done(plan: Plan, method: str, seed: int, cells: dict | None = None) -> bool:
+    """Whether a cell has finished: its run folder's eval.json, or its row in cells.csv."""
+    cells = read_cells(plan) if cells is None else cells
+    return (method, seed) in cells or finished(plan.run_dir(method, seed))
+
+
+def score(plan: Plan, method: str, seed: int, key: str, cells: dict | None = None) -> float:
+    cells = read_cells(plan) if cells is None else cells
+    run = plan.run_dir(method, seed)
+    if finished(run):
+        return _scores(json.loads((run / "eval.json").read_text()))[key]
+    return float(cells[(method, seed)]["scores"][key])
+
+
+def commit_of(plan: Plan, method: str, seed: int, cells: dict) -> str:
+    from ..engine.runs import run_commit
+
+    return cells[(method, seed)]["commit"] if (method, seed) in cells else run_commit(plan.run_dir(method, seed))
 
 
 def read_looks(plan: Plan) -> pd.DataFrame:
@@ -154,14 +210,15 @@ def state(plan: Plan) -> tuple[dict[str, str], int]:
 def needed(plan: Plan, k: int, verdicts: dict[str, str]) -> list[tuple[str, int]]:
     """The cells look ``k`` (1-based) needs that have not finished, seed-major (each seed's methods together)."""
     methods = list(dict.fromkeys(m for c in plan.claims if verdicts[c.id] == "open" for m in (c.better, c.worse)))
+    cells = read_cells(plan)
     return [(m, s) for s in plan.seeds(plan.design.looks[k - 1]) for m in methods
-            if not finished(plan.run_dir(m, s)) and failed_record(plan.run_dir(m, s)) is None]
+            if not done(plan, m, s, cells) and failed_record(plan.run_dir(m, s)) is None]
 
 
 def take_look(plan: Plan, k: int, verdicts: dict[str, str]) -> list[dict]:
     """Look ``k`` at every open claim; rows for looks.csv."""
-    from ..engine.runs import run_commit
-
+    record_cells(plan)
+    cells = read_cells(plan)
     looks = read_looks(plan)
     rows = []
     for c in plan.claims:
@@ -170,19 +227,20 @@ def take_look(plan: Plan, k: int, verdicts: dict[str, str]) -> list[dict]:
         diffs, left_out = [], []
         for j in range(k):
             seeds = plan.seeds(plan.design.looks[j])
-            pairs = [(s, plan.run_dir(c.better, s), plan.run_dir(c.worse, s)) for s in seeds]
-            ok = [(s, a, b) for s, a, b in pairs if finished(a) and finished(b)]
-            diffs.append([score(a, c.score) - score(b, c.score) for _, a, b in ok])
+            ok = [s for s in seeds if done(plan, c.better, s, cells) and done(plan, c.worse, s, cells)]
+            diffs.append([score(plan, c.better, s, c.score, cells) - score(plan, c.worse, s, c.score, cells)
+                          for s in ok])
             if j == k - 1:
-                left_out = [s for s, a, b in pairs if not (finished(a) and finished(b))]
+                left_out = [s for s in seeds if s not in ok]
         result = look(plan.design, diffs, final=k == len(plan.design.looks))[-1]
         if result.look != k:  # an earlier look decided it: state() would have closed it
             raise RuntimeError(f"claim {c.id}: decided at look {result.look}, but looks.csv says it was open")
         ok_seeds = [s for s in plan.seeds(plan.design.looks[k - 1]) if s not in left_out]
-        commits = sorted({run_commit(plan.run_dir(m, s)) for s in ok_seeds for m in (c.better, c.worse)})
+        commits = sorted({commit_of(plan, m, s, cells) for s in ok_seeds for m in (c.better, c.worse)})
         rows.append({"look": k, "claim": c.id, "text": c.text, "better": c.better, "worse": c.worse, "score": c.score,
                      "planned_seeds": plan.design.looks[k - 1], "seeds": result.n, "left_out": " ".join(map(str, left_out)),
-                     "mean_better": _mean(plan, c.better, ok_seeds, c.score), "mean_worse": _mean(plan, c.worse, ok_seeds, c.score),
+                     "mean_better": _mean(plan, c.better, ok_seeds, c.score, cells),
+                     "mean_worse": _mean(plan, c.worse, ok_seeds, c.score, cells),
                      "mean_diff": result.mean, "sd_diff": result.sd, "t": result.t, "z_bound": result.z_bound,
                      "t_bound": result.bound, "lo": result.lo, "hi": result.hi, "verdict": result.verdict,
                      "taken": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commits": " ".join(commits)})
@@ -193,8 +251,8 @@ def take_look(plan: Plan, k: int, verdicts: dict[str, str]) -> list[dict]:
     return rows
 
 
-def _mean(plan: Plan, method: str, seeds: list[int], key: str) -> float:
-    xs = [score(plan.run_dir(method, s), key) for s in seeds]
+def _mean(plan: Plan, method: str, seeds: list[int], key: str, cells: dict) -> float:
+    xs = [score(plan, method, s, key, cells) for s in seeds]
     return sum(xs) / len(xs) if xs else float("nan")
 
 
@@ -300,6 +358,8 @@ class Workers:
             for p in [p for p in self.live if p.poll() is not None]:
                 m, s, log = self.live.pop(p)
                 log.close()
+                if p.returncode == 0:
+                    record_cells(plan)
                 done += 1
                 bar.update(1)
                 if p.returncode == EXIT_INTERRUPTED or self.stopping:
@@ -338,6 +398,8 @@ def main(argv=None) -> int:
     workers = Workers(max(1, a.workers), plan.runs / "logs")
     signal.signal(signal.SIGTERM, workers.stop)
     signal.signal(signal.SIGINT, workers.stop)
+    if not a.status:
+        record_cells(plan)
     while True:
         verdicts, taken = state(plan)
         open_claims = [c for c in plan.claims if verdicts[c.id] == "open"]

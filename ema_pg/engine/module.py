@@ -60,7 +60,13 @@ class _StrategyUpdater(Updater):
     def _backward(self, loss, last):
         strategy = self.module.trainer.strategy
         if self.deepspeed:
-            strategy.model.set_gradient_accumulation_boundary(last)
+            engine = strategy.model
+            # what the engine's own forward does first: ZeRO-3 counts a micro-batch there, and copies (not adds)
+            # the gradients of a backward it counts as the first; the passes here call the module, not the engine
+            clear = getattr(getattr(engine, "optimizer", None), "clear_backward_seen_flag", None)
+            if clear is not None:
+                clear()
+            engine.set_gradient_accumulation_boundary(last)
             self.module.manual_backward(loss)
         elif last or not hasattr(strategy, "block_backward_sync"):
             self.module.manual_backward(loss)  # DDP: the accumulated gradients are all-reduced here

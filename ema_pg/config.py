@@ -202,7 +202,8 @@ ANCHOR_ALIGNS = ("current", "behaviour")
 class AnchorConfig:
     """The anchor (reference) policy: a scheme of the registry ``ema_pg.anchors.SCHEMES`` (or none). The
     scheme parameters left None take the scheme's registry default (``fill_defaults`` writes them in);
-    a parameter of another scheme is left as written and unused (a sweep over schemes may set each one's)."""
+    a parameter of another scheme is refused (a sweep over schemes gives each its own option: see
+    ``sweeps/anchor/``)."""
 
     name: str = "ema"  #: fixed | ema | reset | sync | bema | teacher (ema_pg.anchors) | none (no anchor, no KL)
     eval_every: int = 0  #: evaluate the anchor policy itself every N iterations (0 = never)
@@ -497,15 +498,21 @@ def build_estimator(kl_cfg):
 
 
 def build_scheme(an_cfg):
-    """The run's anchor scheme (``ema_pg.anchors``) from ``cfg.anchor`` (None for anchor=none); the parameters
-    of another scheme are left unused; a bad value is a ConfigError naming it."""
-    from .anchors import SCHEMES, get_scheme
+    """The run's anchor scheme (``ema_pg.anchors``) from ``cfg.anchor`` (None for anchor=none); a parameter the
+    scheme does not read (another scheme's) or a bad value is a ConfigError naming it."""
+    from .anchors import PARAMS, SCHEMES, get_scheme
 
+    if an_cfg.name != "none" and an_cfg.name not in SCHEMES:
+        raise ConfigError(f"anchor.name={an_cfg.name!r}; choose one of: {', '.join([*SCHEMES, 'none'])}")
+    takes = SCHEMES[an_cfg.name].defaults if an_cfg.name != "none" else {}
+    unread = [k for k in PARAMS if k not in takes and an_cfg.get(k) is not None]
+    if unread:
+        raise ConfigError(f"anchor={an_cfg.name} does not read {', '.join(f'anchor.{k}={an_cfg.get(k)}' for k in unread)}"
+                          f" (it takes: {', '.join(takes) or 'nothing'}); remove "
+                          f"{'it' if len(unread) == 1 else 'them'} or choose the scheme that reads "
+                          f"{'it' if len(unread) == 1 else 'them'}")
     if an_cfg.name == "none":
         return None
-    if an_cfg.name not in SCHEMES:
-        raise ConfigError(f"anchor.name={an_cfg.name!r}; choose one of: {', '.join([*SCHEMES, 'none'])}")
-    takes = SCHEMES[an_cfg.name].defaults
     try:
         return get_scheme(an_cfg.name, **{k: an_cfg.get(k) for k in takes if an_cfg.get(k) is not None})
     except ValueError as e:
@@ -673,6 +680,9 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if ro.max_staleness and (is_deepspeed(cfg) or "ddp" in strategy or cfg.trainer.devices not in (1, "1")):
         _bad(f"rollout.max_staleness={ro.max_staleness} (a rollout worker beside one trainer process) is not built for "
              f"several processes or DeepSpeed (trainer.strategy={strategy}); use trainer=cpu or gpu, or max_staleness=0")
+    if ro.max_staleness and ro.max_staleness >= a.iterations:
+        _bad(f"rollout.max_staleness={ro.max_staleness} is not below algo.iterations={a.iterations}: every batch could "
+             f"be sampled by the initial policy; choose rollout.max_staleness < {a.iterations} (1 or 2 is usual)")
     if ro.max_staleness and m.lora_rank:
         _bad("rollout.max_staleness > 0 with model.lora_rank > 0 is not built (the worker copies whole weights); "
              "set model.lora_rank=0 or rollout.max_staleness=0")

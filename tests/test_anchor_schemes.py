@@ -161,8 +161,12 @@ def test_config_fills_the_schemes_defaults_and_refuses_bad_values():
 
     cfg = fill_defaults(compose_cfg(["anchor=bema", "anchor.update_every=5"]))
     assert (cfg.anchor.update_every, cfg.anchor.ema_power, cfg.anchor.lag, cfg.anchor.eta) == (5, 0.5, 10.0, None)
-    cfg = fill_defaults(compose_cfg(["anchor=fixed", "anchor.sync_steps=20"]))  # another scheme's: left, unused
-    assert (cfg.anchor.eta, cfg.anchor.sync_steps, cfg.anchor.update_every) == (1.0, 20, None)
+    for over, unread in ((["anchor=fixed", "anchor.sync_steps=20"], "anchor.sync_steps=20"),  # another scheme's
+                         (["anchor=bema", "anchor.eta=0.5"], "anchor.eta=0.5"),
+                         (["anchor=ema", "anchor.lag=5"], "anchor.lag=5"),
+                         (["anchor=none", "algo.beta=0", "kl=none", "anchor.eta=0.5"], "anchor.eta=0.5")):
+        with pytest.raises(ConfigError, match=f"anchor={over[0][7:]} does not read {unread}"):
+            validate(compose_cfg(over))
     with pytest.raises(ConfigError, match="anchor.lag > 0"):
         validate(compose_cfg(["anchor=bema", "anchor.lag=-1"]))
 

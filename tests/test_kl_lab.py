@@ -241,6 +241,33 @@ def test_plugin_from_an_outside_project(tmp_path):
     assert bad.returncode == 4 and "give MODULE:FUNCTION" in bad.stderr + bad.stdout
 
 
+def test_plugin_refuses_a_claim_it_cannot_read_and_an_estimator_of_the_wrong_shape(tmp_path):
+    """off_policy=maybe was read as false; an estimator returning a scalar got "differs ... by 3.95"."""
+    (tmp_path / "their_kl.py").write_text(textwrap.dedent(OUTSIDE + '''
+def k3_summed(inp):  # one number for the whole batch, not one a token
+    lw = inp.logp_ref - inp.logp
+    return (torch.expm1(lw) - lw).sum()
+'''))
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--kl-conformance"]
+    maybe = subprocess.run([*base, "their_kl:k3", "--kl-claims", "value=unbiased,off_policy=maybe"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert maybe.returncode == 4 and "off_policy='maybe': give true or false" in maybe.stdout + maybe.stderr
+    summed = subprocess.run([*base, "their_kl:k3_summed"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = summed.stdout + summed.stderr
+    assert summed.returncode == 1 and "the estimator returned ()" in out and "differs" not in out, out
+    assert "Traceback" not in out
+
+
+def test_cli_refuses_an_out_that_is_not_a_folder(tmp_path):
+    (tmp_path / "report.md").write_text("x")
+    for out, why in ((tmp_path / "report.md", "is a file"), (tmp_path / "new" / "report.md", "names a file"),
+                     (tmp_path / "no" / "such" / "dir", "has no parent folder")):
+        run = subprocess.run([sys.executable, "-m", "ema_pg.kl.lab", "--all", "--out", str(out)], capture_output=True,
+                             text=True, cwd=ROOT, timeout=120)
+        assert run.returncode == 2 and why in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert (tmp_path / "report.md").read_text() == "x" and not (tmp_path / "new").exists()
+
+
 def test_cli_prints_verdicts_and_refuses_unknown():
     ok = subprocess.run([sys.executable, "-m", "ema_pg.kl.lab", "k3", "k4"], capture_output=True, text=True, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr

@@ -144,7 +144,12 @@ def rows(fn: EstimatorFn, case: Case, topk_idx: Tensor | None = None) -> tuple[T
 
     def per_token(t: Tensor) -> Tensor:
         inp, _ = enumeration_inputs(None, t, case.ref_logits, case.samp_logits, topk_idx)
-        return fn(inp).reshape(-1)
+        out = fn(inp)
+        if not isinstance(out, Tensor) or out.shape != inp.logp.shape:
+            shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(f"the estimator returned {shape}; it must return one value per token, a tensor of the "
+                             f"tokens' shape (B, T) = {tuple(inp.logp.shape)}")
+        return out.reshape(-1)
 
     values = per_token(theta).detach()
     grads = torch.autograd.functional.jacobian(per_token, theta)  # (V, V): d f_j / d logits
@@ -317,7 +322,11 @@ class Claims:
             if key in ("direction", "value", "gradient"):
                 kw[key] = None if val in ("", "none", "None") else val
             elif key == "off_policy":
-                kw[key] = val.lower() in ("1", "true", "yes", "on")
+                flag = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                        "off": False}.get(val.lower())
+                if flag is None:
+                    raise ValueError(f"off_policy={val!r}: give true or false")
+                kw[key] = flag
             elif key in ("index", "index_source"):
                 kw["index_source"] = None if val in ("", "none", "None") else val
             elif key == "ks":

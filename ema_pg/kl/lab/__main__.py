@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ema_pg.kl.lab", description=__doc__.split("\n")[0])
     ap.add_argument("entries", nargs="*", help="entry names (see --list); their verdicts are printed")
     ap.add_argument("--all", action="store_true", help="write the whole report to --out")
-    ap.add_argument("--out", type=Path, default=Path("reproductions/estimator_lab"))
+    ap.add_argument("--out", type=Path, default=Path("reproductions/estimator_lab"),
+                    help="the report's folder (made if missing; its parent must exist)")
     ap.add_argument("--list", action="store_true", help="list the entries")
     args = ap.parse_args(argv)
 
@@ -29,6 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.entries if n not in ENTRIES]
     if unknown:
         print(f"error: unknown entr{'y' if len(unknown) == 1 else 'ies'} {unknown}; `--list` shows them", file=sys.stderr)
+        return 2
+    if args.all and (args.out.exists() and not args.out.is_dir() or args.out.suffix in (".md", ".png", ".csv")
+                     or not args.out.parent.is_dir()):
+        why = ("is a file" if args.out.exists() and not args.out.is_dir() else
+               "names a file, not a folder" if args.out.suffix in (".md", ".png", ".csv") else
+               f"has no parent folder {args.out.parent}")
+        print(f"error: --out {args.out} {why}: give the report's folder (README.md, CSVs and the figure go in it)",
+              file=sys.stderr)
         return 2
     if not args.all and not args.entries:
         ap.print_usage(sys.stderr)

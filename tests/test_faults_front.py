@@ -103,6 +103,8 @@ def test_evaluate_checks_its_overrides_and_output_before_evaluating_and_records_
 
     with pytest.raises(SystemExit, match="config error: rollout.max_new_tokens must be >= 1; got -5"):
         main([str(finished_run), "rollout.max_new_tokens=-5"])
+    with pytest.raises(SystemExit, match="config error: unknown key trainer.num_thread: did you mean trainer.num_threads"):
+        main([str(finished_run), "trainer.num_thread=1"])  # a typo: omegaconf's ConfigKeyError traceback before
     with pytest.raises(SystemExit, match="is neither a run folder .* nor a saved model"):
         main([str(tmp_path)])
     blocker = tmp_path / "file"

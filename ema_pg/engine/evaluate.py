@@ -301,7 +301,10 @@ def run_is_live(run_dir: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import difflib
+
     from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError
 
     from ..config import ConfigError, compose, validate
     from .console import quiet_third_party
@@ -341,8 +344,18 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{target} is neither a run folder (no config.yaml) nor a saved model (no config.json), nor "
                          "'base'")
     try:
-        cfg = (OmegaConf.merge(upgraded(OmegaConf.load(target / "config.yaml")), OmegaConf.from_dotlist(a.overrides))
-               if is_run else compose(a.overrides))
+        if is_run:
+            saved = upgraded(OmegaConf.load(target / "config.yaml"))
+            try:
+                cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist(a.overrides))
+            except ConfigKeyError as e:  # a key the run's config lacks: its nearest name, in one line
+                parent, _, leaf = str(e.full_key).rpartition(".")
+                node = OmegaConf.select(saved, parent) if parent else saved
+                near = difflib.get_close_matches(leaf, [str(k) for k in node], n=1) if node is not None else []
+                raise ConfigError(f"unknown key {e.full_key}: " + (f"did you mean {parent + '.' if parent else ''}"
+                                                                    f"{near[0]}? " if near else "") + "remove it") from None
+        else:
+            cfg = compose(a.overrides)
         validate(cfg)  # the overrides are checked as a run's are, before anything is loaded or evaluated
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"config error: {e}") from None

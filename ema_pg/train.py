@@ -16,6 +16,8 @@ Exit codes: 0 finished, 1 failed or refused (one line says why), 75 stopped by S
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
@@ -30,6 +32,17 @@ def main(cfg: DictConfig) -> float:
     return command(cfg)
 
 
+def resume_argv(argv: list[str]) -> list[str]:
+    """``resume=RUN KEY=VALUE``: KEY is read against the run's saved config (:func:`ema_pg.engine.runs.
+    resolve_resume`), which may hold keys the default config Hydra composes first lacks (``task.retriever_url`` of a
+    search run); ``++`` lets Hydra add them there instead of refusing them. Other commands are left as they are."""
+    if not any(a.startswith("resume=") for a in argv):
+        return argv
+    return [f"++{a}" if "=" in a and "." in a.split("=", 1)[0] and not a.startswith(("+", "~", "-", "hydra."))
+            else a for a in argv]
+
+
 if __name__ == "__main__":
     register_configs()  # the schema must be in Hydra's store before @hydra.main composes
+    sys.argv[1:] = resume_argv(sys.argv[1:])
     main()

@@ -16,6 +16,8 @@ from ema_pg.tasks.search.retriever import HTTPRetriever, RetrieverError
 from helpers import compose_cfg
 from retrieval_server import FaultServer
 
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
 INSTRUCTION = ("Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
                "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
                "by <search> query </search> and it will return the top searched results between <information> and "
@@ -325,3 +327,36 @@ def test_the_command_line_says_a_down_server_in_one_line(search_r1_dir, tmp_path
     assert out.returncode == 1 and "Traceback" not in out.stderr + out.stdout
     assert out.stderr.strip().splitlines()[-1] == ("config error: start-up check: retrieval server http://127.0.0.1:9/retrieve "
                                                    "did not answer (connection refused); start it, or fix task.retriever_url")
+
+
+def test_a_resume_from_the_command_line_takes_a_new_server_address_and_keeps_its_cold_start(search_r1_dir, tmp_path):
+    """`resume=RUN task.retriever_url=NEW`, the form the docs give: Hydra refused the key (the default config has no
+    retriever), and with `+` the new address changed the cold start's cache key, so the resume rebuilt it."""
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from ema_pg.engine.sft import cold_start_key
+
+    over = ["experiment=search_r1", f"task.data_dir={search_r1_dir}", "rollout.max_new_tokens=24",
+            "rollout.max_obs_tokens=64", "algo.prompts_per_step=2", "algo.group_size=2", "algo.eval_every=2",
+            "task.per_split=2", "task.retriever_retries=0", "kl.k=4", "trainer.progress_bar=false"]
+    run = tmp_path / "run"
+    first, second = FaultServer(DOCS), FaultServer(DOCS)
+    try:
+        a = subprocess.run([sys.executable, "-m", "ema_pg.train", *over, "algo.iterations=2", f"run_dir={run}",
+                            f"task.retriever_url={first.url}"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert a.returncode == 0, a.stderr[-2000:]
+        b = subprocess.run([sys.executable, "-m", "ema_pg.train", f"resume={run}", "algo.iterations=4",
+                            f"task.retriever_url={second.url}"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert b.returncode == 0, b.stderr[-2000:]
+        assert json.loads((run / "eval.json").read_text())["iteration"] == 4
+        assert second.requests and second.requests[0]["queries"] == ["health check"]  # the new address in use
+    finally:
+        first.close()
+        second.close()
+    saved = OmegaConf.load(run / "config.yaml")
+    key = lambda url: cold_start_key(saved.model, OmegaConf.merge(saved.task, {"retriever_url": url}), saved.sft, 0)
+    # a cold start (the synthetic world behind a server, say) is found again under another address
+    assert key("http://a:1") == key("http://b:2") != key(None)  # the address is not hashed; null is, as before

@@ -46,7 +46,9 @@ def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), t
     """Hash of what determines the base policy: architecture, task, SFT knobs, ``seed`` (the one it is built with:
     ``sft.seed`` is not hashed apart; not run-time knobs);
     ``task_format`` > 0: the version of the task's demonstration layout (``Task.format_version``)."""
-    task = {k: v for k, v in OmegaConf.to_container(task_cfg, resolve=True).items() if k not in RUNTIME_TASK_KEYS}
+    task = {k: v for k, v in OmegaConf.to_container(task_cfg, resolve=True).items() if k not in RUNTIME_TASK_KEYS
+            and not (k == "retriever_url" and v is not None)}  # a server's address is not the policy's identity (a
+    # null address stays in the hash, as every key before this had it, so the cached base policies keep their keys)
     blob = json.dumps(
         {"model": {k: model_cfg[k] for k in ARCH_KEYS}, "task": task,
          "probe": list(probe),

@@ -1,7 +1,8 @@
 """A retrieval server for tests: Search-R1's ``POST /retrieve`` protocol (``search_r1/search/retrieval_server.py``:
 ``{"queries", "topk", "return_scores"}`` in, ``{"result": [[{"document": {"id", "contents"}, "score"}, ...]]}`` out)
 over a few documents by word overlap, with fault modes: ``500``, ``nonjson``, ``noresult``, ``slow`` (answers
-after ``delay`` seconds), ``fail_after`` (healthy for ``n`` requests, then 500 for good). Loopback only."""
+after ``delay`` seconds), ``trickle`` (its answer one byte every ``delay`` seconds), ``cut`` (closes the connection
+halfway through its answer), ``fail_after`` (healthy for ``n`` requests, then 500 for good). Loopback only."""
 
 from __future__ import annotations
 
@@ -36,8 +37,27 @@ class FaultServer:
                 elif mode == "noresult":
                     self._send(200, json.dumps({"detail": "Not Found"}).encode(), "application/json")
                 else:
-                    self._send(200, json.dumps({"result": [server.search(q, body["topk"], body.get("return_scores"))
-                                                           for q in body["queries"]]}).encode(), "application/json")
+                    data = json.dumps({"result": [server.search(q, body["topk"], body.get("return_scores"))
+                                                  for q in body["queries"]]}).encode()
+                    if mode in ("trickle", "cut"):
+                        self.send_response(200)
+                        self.send_header("Content-Type", "application/json")
+                        self.send_header("Content-Length", str(len(data)))
+                        self.end_headers()
+                        if mode == "cut":
+                            self.wfile.write(data[: len(data) // 2])
+                            self.wfile.flush()
+                            self.close_connection = True
+                            return
+                        for i in range(len(data)):
+                            try:
+                                self.wfile.write(data[i:i + 1])
+                                self.wfile.flush()
+                            except OSError:  # the client gave up
+                                return
+                            time.sleep(server.delay)
+                    else:
+                        self._send(200, data, "application/json")
 
             def _send(self, code, data, ctype):
                 self.send_response(code)

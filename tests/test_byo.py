@@ -110,6 +110,42 @@ def test_a_failing_server_is_one_line_naming_the_url(search_r1_dir, mode, words)
     assert msg.startswith(f"start-up check: retrieval server {s.url} ") and words in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("mode,words", [("trickle", "did not finish its answer within 1 s (task.retriever_timeout=1 s a try)"),
+                                        ("cut", "broke off its answer")])
+def test_a_server_that_trickles_or_breaks_off_its_answer_is_one_line_within_the_deadline(mode, words):
+    """requests' time-out bounds the gap between bytes: a server that sends one byte every 0.2 s held a call for as
+    long as its answer lasted; one that closed mid-answer was a ChunkedEncodingError traceback."""
+    import time
+
+    s = FaultServer(DOCS, mode=mode, delay=0.2)
+    r = HTTPRetriever(s.url, timeout=1.0, retries=0)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RetrieverError) as e:
+            r.retrieve(["capital of France"], 3)
+        took = time.monotonic() - start
+    finally:
+        s.close()
+    msg = str(e.value)
+    assert msg.startswith(f"retrieval server {s.url} ") and words in msg and "\n" not in msg, msg
+    assert took < 3.0 and "tries" not in msg  # the answer is hundreds of bytes: 0.2 s each would take a minute
+
+
+def test_answers_that_are_not_retried_do_not_claim_retries(search_r1_dir):
+    """A non-JSON, 404 or wrongly shaped answer is one request; the line said "(4 tries)"."""
+    s = FaultServer(DOCS, mode="nonjson")
+    try:
+        r = HTTPRetriever(s.url, timeout=5.0, retries=3)
+        with pytest.raises(RetrieverError, match="not JSON") as e:
+            r.retrieve(["q"])
+        assert "tries" not in str(e.value) and len(s.requests) == 1
+        with pytest.raises(RetrieverError, match="answered HTTP 404") as e:
+            HTTPRetriever(s.url.replace("/retrieve", "/other/retrieve"), timeout=5.0, retries=3).retrieve(["q"])
+        assert "tries" not in str(e.value)
+    finally:
+        s.close()
+
+
 def test_a_server_that_is_down_is_named_and_retried_with_backoff(search_r1_dir):
     r = HTTPRetriever("http://127.0.0.1:9/retrieve", timeout=1.0, retries=1)
     with pytest.raises(RetrieverError, match=r"^retrieval server http://127.0.0.1:9/retrieve did not answer "

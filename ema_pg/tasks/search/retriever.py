@@ -109,26 +109,58 @@ class HTTPRetriever:
         self.session.mount("https://", HTTPAdapter(max_retries=retry))
         self.requests = 0  #: requests sent (one per call with queries)
 
-    def _fail(self, what: str, fix: str = "") -> RetrieverError:
-        tries = f" ({self.retries + 1} tries)" if self.retries else ""
+    def _fail(self, what: str, fix: str = "", retried: bool = False) -> RetrieverError:
+        """The one line of a failure; ``retried``: the failure is one urllib3 retries (no connection, a time-out,
+        an HTTP 5xx), so the server was asked retries + 1 times; any other answer was one request."""
+        tries = f" ({self.retries + 1} tries)" if self.retries and retried else ""
         return RetrieverError(f"retrieval server {self.url} {what}{tries}{'; ' + fix if fix else ''}")
+
+    @property
+    def deadline_s(self) -> float:
+        """The most a call may take, retries and their back-off included: task.retriever_timeout for each try's
+        whole answer (requests' own time-out bounds only the gap between bytes)."""
+        return self.timeout * (self.retries + 1) + sum(BACKOFF_S * 2 ** i for i in range(self.retries))
+
+    def _post(self, body: dict):
+        """The POST with its body read whole, inside the deadline: a server that trickles its answer is cut off."""
+        import time
+
+        start = time.monotonic()
+        with self.session.post(self.url, json=body, timeout=self.timeout, stream=True) as r:
+            chunks = []
+            while chunk := r.raw.read1(1 << 16, decode_content=True):  # whatever has arrived, as it arrives
+                chunks.append(chunk)
+                if time.monotonic() - start > self.deadline_s:
+                    raise _Deadline()
+            r._content = b"".join(chunks)  # what .text and .json() read
+            return r
 
     def retrieve(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
         import requests
+        import urllib3
 
         if not queries:
             return []
         body = {"queries": list(queries), "topk": int(topk), "return_scores": True}
         self.requests += 1
         try:
-            r = self.session.post(self.url, json=body, timeout=self.timeout)
+            r = self._post(body)
+        except _Deadline:
+            raise self._fail(f"did not finish its answer within {self.deadline_s:g} s (task.retriever_timeout="
+                             f"{self.timeout:g} s a try)", "raise task.retriever_timeout or check the server") from None
         except requests.exceptions.RetryError as e:  # the HTTP-status retries ran out
-            raise self._fail(f"kept answering an HTTP error ({_reason(e)})") from None
+            raise self._fail(f"kept answering an HTTP error ({_reason(e)})", retried=True) from None
         except (requests.exceptions.Timeout, requests.exceptions.ConnectionError) as e:
             if isinstance(e, requests.exceptions.Timeout) or _reason(e) == "timed out":  # read time-outs, retried
                 raise self._fail(f"did not answer within task.retriever_timeout={self.timeout:g} s",
-                                 "raise task.retriever_timeout or check the server") from None
-            raise self._fail(f"did not answer ({_reason(e)})", "start it, or fix task.retriever_url") from None
+                                 "raise task.retriever_timeout or check the server", retried=True) from None
+            raise self._fail(f"did not answer ({_reason(e)})", "start it, or fix task.retriever_url",
+                             retried=True) from None
+        except urllib3.exceptions.ReadTimeoutError:  # a gap in the body longer than the time-out
+            raise self._fail(f"did not answer within task.retriever_timeout={self.timeout:g} s",
+                             "raise task.retriever_timeout or check the server") from None
+        except (requests.exceptions.RequestException, urllib3.exceptions.HTTPError) as e:  # the answer broke off
+            raise self._fail(f"broke off its answer ({type(e).__name__}: {_reason(e)})", "check the server") from None
         if r.status_code != 200:
             raise self._fail(f"answered HTTP {r.status_code}: {_snippet(r.text)}") from None
         try:
@@ -152,6 +184,10 @@ class HTTPRetriever:
             self.retrieve(["health check"], 1)
         except RetrieverError as e:
             raise RetrieverError(f"start-up check: {e}") from None
+
+
+class _Deadline(Exception):
+    """A call ran past :attr:`HTTPRetriever.deadline_s`."""
 
 
 def _reason(e: Exception) -> str:

@@ -58,6 +58,21 @@ def test_an_empty_or_damaged_metrics_file_is_recovered_not_fatal(tmp_path, caplo
     assert "2 damaged line(s)" in caplog.text
 
 
+def test_a_resume_writes_the_rows_before_its_checkpoint_as_they_were(tmp_path):
+    """The rows up to the checkpoint are carried into the resumed run's file: an integer-valued column was written
+    back as 0.0 where the run had written 0 (same numbers, other bytes)."""
+    from omegaconf import OmegaConf
+
+    from ema_pg.engine.runs import make_loggers
+
+    rows = "eval/avg/em,step,train/kl_k1,train/skipped\n,1,2.56387622243892e-08,0\n0.5,2,0.125,3\n,3,0.25,0\n"  # as
+    # Lightning's CSV logger writes them: columns sorted
+    _csv(tmp_path / "metrics.csv", rows)
+    csv = make_loggers(OmegaConf.create({"logger": {"name": "csv"}}), tmp_path, resume_step=2)[0]
+    csv.save()
+    assert (tmp_path / "metrics.csv").read_text() == rows[: rows.index(",3,0.25")]
+
+
 # ---------------------------------------------------------------------- one writer per run folder
 HOLD = ("import sys, time; from pathlib import Path; from ema_pg.engine.runs import own_run_dir\n"
         "own_run_dir(Path(sys.argv[1])); print('holding', flush=True); time.sleep(600)")

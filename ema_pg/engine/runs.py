@@ -92,7 +92,8 @@ def metrics_rows(metrics_file: Path, upto: int) -> list[dict]:
     """The intact rows of a run's ``metrics.csv`` up to step ``upto`` (a checkpoint's iteration), for a resumed run.
 
     A file cut mid-line by a kill (its last line has no newline, or fewer fields than the header) loses that line,
-    never reads it as a number; an empty file, or one with a header only, has no rows. Values are floats."""
+    never reads it as a number; an empty file, or one with a header only, has no rows. A value written as an integer
+    is read back as one, so that the rows are written again as they were (``0``, not ``0.0``)."""
     import csv
 
     try:
@@ -112,7 +113,7 @@ def metrics_rows(metrics_file: Path, upto: int) -> list[dict]:
             dropped += 1
             continue
         try:
-            r = {k: x for k, v in zip(header, values) if v != "" and (x := float(v)) == x}  # no NaN, as logged
+            r = {k: x for k, v in zip(header, values) if v != "" and (x := _number(v)) == x}  # no NaN, as logged
         except ValueError:
             dropped += 1
             continue
@@ -121,6 +122,13 @@ def metrics_rows(metrics_file: Path, upto: int) -> list[dict]:
     if dropped:
         log.warning("resume: %d damaged line(s) of %s dropped", dropped, metrics_file)
     return rows
+
+
+def _number(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def make_loggers(cfg, run_dir: Path, resume_step: int | None):

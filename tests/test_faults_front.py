@@ -61,7 +61,7 @@ def test_the_models_context_and_the_rollouts_memory_are_checked_before_anything_
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=12, n_embd=16, n_layer=1, n_head=2))
     encode = PromptEncoder(tok, "off")
-    with pytest.raises(ConfigError, match="the model's context is 12 tokens, but a prompt of .* plus "
+    with pytest.raises(ConfigError, match="the model's context is 12 tokens, but .* prompt .* has .* tokens and with "
                                           "rollout.max_new_tokens=8 needs"):
         check_fits(cfg, gpt2, task, encode)
     cfg.rollout.max_new_tokens = 2
@@ -69,6 +69,29 @@ def test_the_models_context_and_the_rollouts_memory_are_checked_before_anything_
     cfg.algo.group_size = 10**9
     with pytest.raises(ConfigError, match="their KV cache alone needs about .* GiB .*; lower them"):
         check_fits(cfg, gpt2, task, encode)
+
+
+def test_every_training_prompt_of_a_data_file_is_measured_not_a_sample(tmp_path):
+    """One long prompt among 200 training rows, outside the 64 the check sampled, got to the sampler (killed by
+    the kernel at 24 GiB with a 9,000-token prompt); the check now reads every row a data file holds."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ema_pg.engine.fit import check_fits
+    from ema_pg.engine.models import train_bpe_tokenizer
+    from ema_pg.prompts import PromptEncoder
+    from ema_pg.tasks import build_task
+
+    rows = [{"problem": f"What is {i}+1?", "answer": str(i + 1)} for i in range(200)]
+    rows[137]["problem"] = "Add these: " + " + ".join(["1"] * 300) + "?"
+    (tmp_path / "train.json").write_text(json.dumps(rows))
+    (tmp_path / "amc.json").write_text(json.dumps([{"problem": "What is 2+2?", "answer": "4"}]))
+    cfg = compose_cfg(["task=math", f"task.data_dir={tmp_path}", "rollout.max_new_tokens=8"])
+    task = build_task(cfg.task)
+    assert all(p.text != rows[137]["problem"] for p in task.sample(64, seed=cfg.seed))  # the old check's sample
+    tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=256, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(ConfigError, match="training prompt 137 has .* tokens"):
+        check_fits(cfg, gpt2, task, PromptEncoder(tok, "off"))
 
 
 def test_a_damaged_cold_start_cache_is_rebuilt_and_nan_weights_are_refused(tmp_path, caplog):

@@ -158,12 +158,18 @@ def check_fits(cfg, policy, task, encode) -> None:
     mc = policy.config
     ro, a = cfg.rollout, cfg.algo
     context = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
-    prompts = task.sample(64, seed=cfg.seed) + [p for split in task.eval_splits().values() for p in split]
-    longest = max(len(ids) for ids in encode(prompts))
+    train = task.train_prompts() or task.sample(64, seed=cfg.seed)  # every one a data file holds
+    where = [("training prompt", i) for i in range(len(train))] + [
+        (f"prompt of eval split {name}", i) for name, split in task.eval_splits().items() for i in range(len(split))]
+    lengths = [len(ids) for ids in encode(list(train) + [p for split in task.eval_splits().values() for p in split])]
+    at = max(range(len(lengths)), key=lengths.__getitem__)
+    longest = lengths[at]
     if context and longest + ro.max_new_tokens > context:
-        raise ConfigError(f"the model's context is {context} tokens, but a prompt of {longest} tokens plus "
+        what, i = where[at]
+        raise ConfigError(f"the model's context is {context} tokens, but {what} {i} has {longest} tokens and with "
                           f"rollout.max_new_tokens={ro.max_new_tokens} needs {longest + ro.max_new_tokens}; lower "
-                          "rollout.max_new_tokens (or use a model with a longer context)")
+                          "rollout.max_new_tokens, drop that prompt from the data (or use a model with a longer "
+                          "context)")
     n, t = a.prompts_per_step * a.group_size, longest + ro.max_new_tokens
     heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
     head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads

@@ -61,6 +61,11 @@ class Task:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- optional
+    def train_prompts(self) -> list[Prompt] | None:
+        """Every training prompt, where the task holds a finite set of them (a data file); None where they are
+        generated (then :meth:`sample` is all there is). The start-up check measures each against the context."""
+        return getattr(self, "train_set", None)
+
     def on_stop_fn(self, prompts: list[Prompt], n: int) -> Callable[[list[int], list[str]], list[str | None]] | None:
         """Multi-turn tasks: the sampler's batched ``on_stop`` (:data:`ema_pg.rollout.base.OnStop`) for rows
         answering ``prompts`` (``n`` each, row r answers prompt r // n); None = single-turn."""

@@ -219,6 +219,10 @@ def _study(tmp_path, **changes) -> Path:
     ({"params": {"kl.k": {"type": "categorical", "choices": []}}}, "params.kl.k: .*"),
     ({"pruner": {"name": "median", "n_startup_trials": -3}}, "pruner median does not take"),
     ({"pruner": {"name": "median", "no_such_arg": 1}}, "pruner median does not take"),
+    # a range wider than the knob's valid one: refused at load, not when a worker draws a bad value
+    ({"params": {"algo.beta": {"type": "float", "low": -0.1, "high": 0.1}}},
+     "params.algo.beta=-0.1 \\(its range\\) is refused by the config: algo.beta must be >= 0"),
+    ({"params": {"anchor.eta": {"type": "categorical", "choices": [0.9, 1.5]}}}, "params.anchor.eta=1.5"),
 ])
 def test_what_optuna_itself_refuses_is_a_study_file_error(tmp_path, changes, match):
     from ema_pg.workbench.search import StudyFileError, load_study_spec

@@ -57,7 +57,12 @@ def test_bad_study_files_say_what_to_change(tmp_path, change, msg):
 
 
 def test_unknown_config_key_in_space_stops_the_worker(tmp_path):
-    spec = load_study_spec(study_file(tmp_path, params={"algo.nonsense": {"type": "float", "low": 0, "high": 1}}))
+    import dataclasses
+
+    bad = {"algo.nonsense": {"type": "float", "low": 0, "high": 1}}
+    with pytest.raises(StudyFileError, match="algo.nonsense is not a config key"):  # at load, before any trial
+        load_study_spec(study_file(tmp_path, params=bad))
+    spec = dataclasses.replace(load_study_spec(study_file(tmp_path)), params=bad)  # a worker given it all the same
     with pytest.raises(StudyFileError, match="algo.nonsense is not a config key"):
         run_worker(spec)
     assert [t.state for t in open_study(spec).trials] == [TrialState.FAIL]  # one failed trial, no endless loop

@@ -130,7 +130,23 @@ def load_study_spec(path: str | Path) -> StudySpec:
             table[kw["name"]](**args)
         except (ValueError, TypeError) as e:
             raise StudyFileError(f"{path}: {key} {kw['name']} does not take {args}: {e}") from None
+    check_ranges(spec, path)
     return spec
+
+
+def check_ranges(spec: StudySpec, path: Path) -> None:
+    """Each parameter's ends (a categorical's every choice) checked by the config's own rules, as a trial's config
+    would be: a range wider than the knob's valid one is refused at load, not when a worker draws a bad value."""
+    from ..config import ConfigError, validate
+
+    for key, p in spec.params.items():
+        for v in (p["choices"] if p["type"] == "categorical" else (p["low"], p["high"])):
+            cfg = compose_trial_cfg(spec, {key: v}, ROOT / "runs" / "optuna" / spec.study_name)
+            try:
+                validate(cfg)
+            except ConfigError as e:
+                raise StudyFileError(f"{path}: params.{key}={_value(v)} (its range) is refused by the config: {e}; "
+                                     "narrow the range") from None
 
 
 def distribution(p: dict) -> optuna.distributions.BaseDistribution:

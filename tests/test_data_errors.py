@@ -63,3 +63,15 @@ def test_a_search_r1_row_with_an_object_for_an_answer_is_refused(tmp_path):
         tmp_path / "test.parquet")
     with pytest.raises(ValueError, match=r"train\.parquet: row 1: a gold answer must be text or a number"):
         load_search_r1(str(tmp_path))
+
+
+def test_repeated_eval_rows_count_once_and_repeated_training_rows_are_said(tmp_path, caplog):
+    """Training rows x20 and eval rows x10 weighed the eval metric by their copies, silently."""
+    d = math_dir(tmp_path, [{"problem": "x?", "answer": "1"}] * 20 + [{"problem": "y?", "answer": "2"}])
+    (d / "test.json").write_text(json.dumps([{"problem": "1+1?", "answer": "2"}] * 10
+                                            + [{"problem": "1+1?", "answer": "3"}, {"problem": "2+2?", "answer": "4"}]))
+    with caplog.at_level("WARNING"):
+        train, evals = load_math_dir(str(d), TEMPLATE)
+    assert len(train) == 21 and "19 of the 21 training rows repeat another" in caplog.text
+    # the same question with another gold answer is another row; the split's mean is over 3 questions, not 12
+    assert [p.answer for p in evals["test"]] == ["2", "3", "4"] and "test 9 of 12" in caplog.text

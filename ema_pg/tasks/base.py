@@ -7,8 +7,11 @@ NotImplementedError; the optional ones have defaults that mean "this task does n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -23,6 +26,34 @@ class Prompt:
     answer: str
     meta: dict = field(default_factory=dict)
     messages: list[dict] | None = None
+
+
+def question_key(p: Prompt) -> tuple:
+    """What makes two rows the same question: the prompt as asked and its gold answers."""
+    return p.text, repr(p.messages), repr(p.answer), repr(p.meta.get("answers"))
+
+
+def distinct_evals(evals: dict[str, list[Prompt]], where: str) -> dict[str, list[Prompt]]:
+    """Each eval split with every question once (the first row of each): a copy would weigh its question twice in
+    the split's mean. One log line names the splits that held copies."""
+    out, dropped = {}, {}
+    for name, prompts in evals.items():
+        seen: set = set()
+        out[name] = [p for p in prompts if not (question_key(p) in seen or seen.add(question_key(p)))]
+        if len(out[name]) < len(prompts):
+            dropped[name] = len(prompts) - len(out[name])
+    if dropped:
+        log.warning("%s: eval rows that repeat a question are counted once: %s", where,
+                    ", ".join(f"{k} {n} of {len(evals[k])}" for k, n in dropped.items()))
+    return out
+
+
+def say_copies(train: list[Prompt], where: str) -> None:
+    """One log line if training rows repeat (kept: a copy is sampled as often as its copies say)."""
+    copies = len(train) - len({question_key(p) for p in train})
+    if copies:
+        log.warning("%s: %d of the %d training rows repeat another (kept: each copy is drawn as often as a row)",
+                    where, copies, len(train))
 
 
 class ServiceError(RuntimeError):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..base import Prompt
+from ..base import Prompt, distinct_evals, say_copies
 
 SUFFIXES = (".parquet", ".jsonl", ".json")
 GSM8K_SOURCE = "openai/gsm8k"  #: verl's data_source of its GSM8K rows (answer after "####")
@@ -204,4 +204,5 @@ def load_math_dir(data_dir: str, template: str, splits: dict | None = None) -> t
     empty = [k for k, v in evals.items() if not v]
     if empty:
         raise ValueError(f"task.data_dir={data_dir!r}: eval files with no rows: {', '.join(empty)}")
-    return train, evals
+    say_copies(train, f"task.data_dir={data_dir}")
+    return train, distinct_evals(evals, f"task.data_dir={data_dir}")

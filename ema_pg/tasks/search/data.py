@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..base import Prompt
+from ..base import Prompt, distinct_evals, say_copies
 
 
 def _as_list(x) -> list:
@@ -93,9 +93,11 @@ def load_search_r1(data_dir: str, per_split: int = 0) -> tuple[list[Prompt], dic
             continue
         for i, r in enumerate(_rows(f), 1):
             p = row_to_prompt(r, f"{f}: row {i}")
-            split = evals.setdefault(p.meta["split"], [])
-            if not per_split or len(split) < per_split:
-                split.append(p)
+            evals.setdefault(p.meta["split"], []).append(p)
+    say_copies(train, f"task.data_dir={data_dir}")
+    evals = distinct_evals(evals, f"task.data_dir={data_dir}")  # copies out before the first per_split are kept
+    if per_split:
+        evals = {k: v[:per_split] for k, v in evals.items()}
     if not evals:
         raise ValueError(f"task.data_dir={data_dir!r} has no test parquet files besides train.parquet "
                          "(qa_search_test_merge.py writes test.parquet)")

@@ -61,6 +61,17 @@ class PromptEncoder:
                              "has no chat_template); use task.chat_template=auto or off, or a tokenizer with one")
         self.tok, self.mode = tokenizer, mode
         self.chat = mode == "on" or (mode == "auto" and has_chat_template(tokenizer))
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no EOS token (a response could never end, and padding falls back to it): "
+                             "set eos_token in its tokenizer_config.json")
+        if self.chat:  # a template that cannot render one user message is said now, not at the first prompt
+            try:
+                tokenizer.apply_chat_template([{"role": "user", "content": "ping"}], add_generation_prompt=True,
+                                              tokenize=False)
+            except Exception as e:  # noqa: BLE001 - jinja2's syntax and template errors, a template's raise_exception
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise ValueError(f"the tokenizer's chat template fails on a user message ({type(e).__name__}: {first}); "
+                                 "fix chat_template in its tokenizer_config.json, or use task.chat_template=off") from None
 
     @classmethod
     def of(cls, tokenizer, task_cfg) -> PromptEncoder:

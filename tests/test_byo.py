@@ -396,3 +396,36 @@ def test_a_resume_from_the_command_line_takes_a_new_server_address_and_keeps_its
     key = lambda url: cold_start_key(saved.model, OmegaConf.merge(saved.task, {"retriever_url": url}), saved.sft, 0)
     # a cold start (the synthetic world behind a server, say) is found again under another address
     assert key("http://a:1") == key("http://b:2") != key(None)  # the address is not hashed; null is, as before
+
+
+@pytest.mark.parametrize("template,says", [
+    ("{% for m in messages %}{{ m['content'] }{% endfor %}", "TemplateSyntaxError"),
+    ("{{ raise_exception('System role not supported') }}", "System role not supported"),
+])
+def test_a_chat_template_that_cannot_render_is_one_line_and_leaves_no_run_folder(tmp_path, template, says):
+    """A template with a syntax error, or one that raises, was a jinja2 traceback at the first prompt."""
+    import subprocess
+    import sys
+
+    tok = chat_tokenizer(["What is the capital of France?"] * 20)
+    tok.chat_template = template
+    with pytest.raises(ValueError, match=f"the tokenizer's chat template fails on a user message \\(.*{says}"):
+        PromptEncoder(tok)
+    assert PromptEncoder(tok, "off").encode(Prompt(text="x", answer=""))  # off: the template is never read
+    m = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=256,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+    save_model_dir(m, tok, tmp_path / "model")
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "model=local",
+                          f"model.path={tmp_path / 'model'}", "sft.steps=0", f"run_dir={run}",
+                          f"hydra.run.dir={tmp_path / 'h'}"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "the tokenizer's chat template fails on a user message" in out.stderr.strip().splitlines()[-1]
+    assert not run.exists()
+
+
+def test_a_tokenizer_without_eos_is_refused_in_one_line():
+    tok = chat_tokenizer(["What is the capital of France?"] * 20)
+    tok.eos_token = None
+    with pytest.raises(ValueError, match="the tokenizer has no EOS token"):
+        PromptEncoder(tok, "off")

@@ -249,3 +249,47 @@ def test_a_killed_worker_stops_the_run_with_one_line_and_leaves_no_process(tmp_p
     assert "rollout worker" in out and "died" in out, out[-2000:]
     assert (run / "failed.json").is_file()
     assert not psutil.pid_exists(workers[0].pid) or workers[0].status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_whole_process_group_saves_the_iteration_and_exits_75(tmp_path, sig):
+    """`kill -TERM -- -PGID`, as Slurm and systemd stop a job (and Ctrl-C, SIGINT to the group): the worker used to
+    die first, the save waited on it, and the run ended with exit 1 (kind=service), no checkpoint since the last
+    period, and a worker traceback. Now the worker leaves the signal to the trainer: SIGTERM saves the iteration and
+    exits 75, SIGINT stops as a synchronous run does, with no worker traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+    from test_faults import cli_tiny
+
+    from ema_pg.engine.policy import checkpoint_iteration
+
+    root = Path(__file__).resolve().parent.parent
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "algo.iterations=400", "algo.eval_every=200",
+           "rollout.max_staleness=1", f"run_dir={run}", f"hydra.run.dir={run}"]
+    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    trainer = psutil.Process(p.pid)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any("spawn_main" in " ".join(c.cmdline()) for c in trainer.children()):
+        time.sleep(0.2)
+    workers = [c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline())]
+    assert workers, "no rollout worker started"
+    time.sleep(4)  # a few iterations in, inside the first evaluation period
+    os.killpg(p.pid, getattr(signal, sig))
+    out, _ = p.communicate(timeout=300)
+    assert "Traceback" not in out, out[-3000:]  # no worker traceback (its KeyboardInterrupt, or the dead pipe's)
+    assert not psutil.pid_exists(workers[0].pid) or workers[0].status() == psutil.STATUS_ZOMBIE
+    if sig == "SIGINT":  # Ctrl-C stops a run as a synchronous one stops: Lightning's one line, exit 1, resumable
+        assert p.returncode == 1 and "Detected KeyboardInterrupt" in out, out[-3000:]
+        return
+    assert p.returncode == 75, out[-3000:]
+    it = checkpoint_iteration(run)
+    assert 0 < it < 200 and not (run / "failed.json").exists()

@@ -22,6 +22,7 @@ import io
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 import traceback
@@ -70,6 +71,8 @@ def _build(blank: dict) -> torch.nn.Module:
 
 def _serve(conn, threads: int) -> None:
     """The worker: builds its models from the first message, then serves weights and sample requests in order."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle (see RolloutsAhead._start)
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         spec = _loads(conn.recv_bytes())
@@ -148,7 +151,17 @@ class RolloutsAhead:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, int(self.cfg.rollout.worker_threads)), daemon=True,
                                 name="ema-pg-rollout-worker")
-        self.proc.start()
+        # the run's signals are the trainer's: a scheduler's SIGTERM or a Ctrl-C to the whole process group must not
+        # kill the worker before the trainer has taken the batches in flight into its checkpoint (the trainer stops
+        # the worker itself, and a trainer that dies closes the pipe, which ends it). An ignored signal stays
+        # ignored across the spawn's exec, so the worker is shielded from its first instruction, imports included.
+        shield = threading.current_thread() is threading.main_thread()
+        saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if shield else {}
+        try:
+            self.proc.start()
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
         child.close()
         self._threads = [threading.Thread(target=self._sending, daemon=True, name="rollout-send"),
                          threading.Thread(target=self._receiving, daemon=True, name="rollout-receive")]

@@ -293,3 +293,43 @@ def test_a_signal_to_the_whole_process_group_saves_the_iteration_and_exits_75(tm
     assert p.returncode == 75, out[-3000:]
     it = checkpoint_iteration(run)
     assert 0 < it < 200 and not (run / "failed.json").exists()
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_stops_the_run_in_bounded_time_even_under_sigterm(tmp_path):
+    """The worker SIGSTOPped, then SIGTERM to the trainer: the trainer waited forever (its wait had no time-out) and
+    exited only once the worker was continued. Now the wait gives up on a worker stopped for STOPPED_GRACE_S."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+    from test_faults import cli_tiny
+
+    from ema_pg.engine.ahead import STOPPED_GRACE_S
+
+    root = Path(__file__).resolve().parent.parent
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "algo.iterations=400", "algo.eval_every=200",
+           "rollout.max_staleness=1", f"run_dir={run}", f"hydra.run.dir={run}"]
+    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer = psutil.Process(p.pid)
+    deadline = time.time() + 300
+    while time.time() < deadline and not any("spawn_main" in " ".join(c.cmdline()) for c in trainer.children()):
+        time.sleep(0.2)
+    worker = [c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline())][0]
+    time.sleep(3)
+    worker.suspend()
+    try:
+        time.sleep(1)
+        p.send_signal(signal.SIGTERM)
+        start = time.time()
+        out, _ = p.communicate(timeout=STOPPED_GRACE_S + 60)
+        took = time.time() - start
+    finally:
+        if psutil.pid_exists(worker.pid):
+            worker.resume()
+    assert p.returncode not in (0, None) and took < STOPPED_GRACE_S + 30, (p.returncode, took)
+    assert f"the rollout worker (pid {worker.pid}) is stopped" in out and "Traceback" not in out, out[-3000:]

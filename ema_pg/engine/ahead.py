@@ -115,6 +115,19 @@ class RolloutWorkerError(RuntimeError):
     """The rollout worker failed or died; the message holds its traceback or exit code."""
 
 
+#: how long the trainer waits on a worker that is stopped (SIGSTOP, a debugger) before it stops the run
+STOPPED_GRACE_S = 10.0
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in /proc; False where that cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 class RolloutsAhead:
     """The trainer's side of the rollout worker: pushes versions, asks for batches, takes them in order.
 
@@ -169,8 +182,7 @@ class RolloutsAhead:
             th.start()
         self._send(self._spec)
         with self._cond:  # "ready": the models are built
-            self._cond.wait_for(lambda: self._ready or self._failure is not None)
-        self._raise()
+            self._wait(lambda: self._ready)
 
     def _send(self, obj) -> None:
         """Queue a message (serialized now: a snapshot of whatever tensors it holds)."""
@@ -219,6 +231,23 @@ class RolloutsAhead:
         if self._failure is not None:
             raise self._failure
 
+    def _wait(self, ready) -> None:
+        """Wait (``self._cond`` held) until ``ready()`` or a failure, in slices of a second: a signal's handler runs
+        between them, and a worker that stays stopped for :data:`STOPPED_GRACE_S` is a failure, not a wait forever."""
+        since = None
+        while not self._cond.wait_for(lambda: ready() or self._failure is not None, timeout=1.0):
+            if not _stopped(self.proc.pid):
+                since = None
+                continue
+            since = since or time.monotonic()
+            if time.monotonic() - since > STOPPED_GRACE_S:
+                pid = self.proc.pid
+                self._failure = RolloutWorkerError(
+                    f"the rollout worker (pid {pid}) is stopped (SIGSTOP, a debugger) and has not answered for "
+                    f"{STOPPED_GRACE_S:g} s; the run stops at its last checkpoint: continue the worker (kill -CONT "
+                    f"{pid}) next time, or resume the run")
+        self._raise()
+
     # ------------------------------------------------------------------ the schedule
     def next(self, t: int, policy, anchor_model) -> Sampled:
         """Iteration t's batch. First pushes version t and asks for batch t + k and any batch before it that no one
@@ -242,8 +271,7 @@ class RolloutsAhead:
         with self._cond:
             if t not in self.in_flight and t not in self.asked:
                 raise RolloutWorkerError(f"batch {t} was never asked for")
-            self._cond.wait_for(lambda: t in self.in_flight or self._failure is not None)
-            self._raise()
+            self._wait(lambda: t in self.in_flight)
             data = self.in_flight.pop(t)
         self.last_wait_s = time.perf_counter() - t0
         return _loads(data, self.device)
@@ -251,8 +279,7 @@ class RolloutsAhead:
     def state(self) -> dict[int, bytes]:
         """The batches in flight, each awaited: what a checkpoint saves so that a resume repeats them."""
         with self._cond:
-            self._cond.wait_for(lambda: not self.asked or self._failure is not None)
-            self._raise()
+            self._wait(lambda: not self.asked)
             return dict(self.in_flight)
 
     def restore(self, saved: dict[int, bytes]) -> None:

@@ -55,7 +55,7 @@ figures: setup ## Figures and tables of a finished sweep: make figures NAME=fig6
 	@test -n "$(NAME)" -a -n "$(RUNS)" || (echo "usage: make figures NAME=<sweep> RUNS=<its multirun folder>"; exit 2)
 	$(PY) -m ema_pg.reproduce $(NAME) --analysis-only --runs $(RUNS) --out $(or $(OUT),reproductions/$(NAME)/local)
 
-reproduce: setup ## Sweep + analysis of one figure: make reproduce NAME=fig6_k SCALE=smoke|mini|full
+reproduce: setup ## Sweep + analysis of one figure: make reproduce NAME=fig6_k SCALE=smoke|mini|decide (full: table2, table3)
 	@test -n "$(NAME)" || (echo "NAME=? one of: $$(ls sweeps/*.yaml | xargs -n1 basename | sed 's/.yaml//' | tr '\n' ' ')"; exit 2)
 	$(PY) -m ema_pg.reproduce $(NAME) --scale $(SCALE) $(ARGS)
 

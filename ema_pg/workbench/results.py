@@ -416,7 +416,7 @@ def provenance_lines(runs: pd.DataFrame, scale: str, command: str, knobs: list[s
              f"- commit(s) the runs ran from: {', '.join(f'`{c}`' for c in sorted(set(runs['commit'])))}",
              f"- runs: {len(runs)} finished ({', '.join(f'{m}: {n}' for m, n in runs['method'].value_counts().items())})",
              f"- run time: {runs['wall_s'].sum() / 60:.1f} min of runs (sum), {(end - start) / 60:.1f} min wall clock "
-             "from the first run's start to the last run's end (2 CPU cores)",
+             "from the first run's start to the last run's end",
              "- config (values across runs): " + "; ".join(f"`{k}`={'/'.join(v)}" for k, v in cfg.items()),
              f"- each run's resolved config: `config.yaml` in its run folder (`{listing}` lists the folders)",
              "- machine(s) the runs ran on: " + "; ".join(f"`{m}`" for m in sorted(set(runs.get("machine", ["unknown"]))))]

@@ -242,7 +242,7 @@ class AlgoConfig:
     eps_high: float = 0.28  #: clip-higher upper clip (Appendix A)
     adv_norm: str = "group"  #: group | global | none (Appendix A, Fig 9)
     global_kl_scale: bool = True  #: adv_norm=global (group estimator): the token KL / batch std too, the authors' code
-    loss_agg: str = "seq-mean-token-mean"  #: seq-mean-token-mean | token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    loss_agg: str = "seq-mean-token-mean"  #: the loss's aggregation over tokens: one of ema_pg.losses.LOSS_AGGS
     ppo_epochs: int = 1  #: Lambda: passes over each batch (Alg 3, line 13)
     minibatch_size: int = 0  #: sequences per update; 0 = the whole batch (one update per epoch)
     iterations: int = 100  #: RL iterations (Alg 3, line 2)

@@ -66,7 +66,7 @@ reproduce-table3: setup ## Table 3 + Fig 3: GRPO vs EMA anchor on the math track
 	$(PY) -m ema_pg.reproduce table3 --scale $(SCALE) $(ARGS)
 
 optuna: setup ## Optuna study (SQLite): make optuna STUDY=ema_topk [TRIALS=20] [WORKERS=2]
-	$(PY) -m ema_pg.search conf/hparams_search/$(or $(STUDY),ema_topk).yaml $(if $(TRIALS),--n-trials $(TRIALS)) $(if $(WORKERS),--workers $(WORKERS)) $(ARGS)
+	$(PY) -m ema_pg.hpo conf/hparams_search/$(or $(STUDY),ema_topk).yaml $(if $(TRIALS),--n-trials $(TRIALS)) $(if $(WORKERS),--workers $(WORKERS)) $(ARGS)
 
 dashboard: setup ## Open an Optuna study in optuna-dashboard: make dashboard STUDY=ema_topk
 	$(PY) -m pip install -q optuna-dashboard

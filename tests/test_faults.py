@@ -221,7 +221,7 @@ def test_a_kill_between_a_periods_checkpoint_and_its_link_resumes_from_that_chec
 def test_a_restarted_worker_does_not_propose_a_point_already_run(tmp_path):
     import optuna
 
-    from ema_pg.workbench.search import StudySpec, open_study
+    from ema_pg.workbench.hpo import StudySpec, open_study
 
     spec = StudySpec(study_name="s", params={"x": {"type": "float", "low": 0.0, "high": 1.0}},
                      storage=f"sqlite:///{tmp_path}/s.db", sampler={"name": "random", "seed": 0})

@@ -225,14 +225,14 @@ def _study(tmp_path, **changes) -> Path:
     ({"params": {"anchor.eta": {"type": "categorical", "choices": [0.9, 1.5]}}}, "params.anchor.eta=1.5"),
 ])
 def test_what_optuna_itself_refuses_is_a_study_file_error(tmp_path, changes, match):
-    from ema_pg.workbench.search import StudyFileError, load_study_spec
+    from ema_pg.workbench.hpo import StudyFileError, load_study_spec
 
     with pytest.raises(StudyFileError, match=match):
         load_study_spec(_study(tmp_path, **changes))
 
 
 def test_search_refuses_bad_trial_counts_and_a_storage_it_cannot_open_before_any_trial(tmp_path):
-    from ema_pg.workbench.search import main
+    from ema_pg.workbench.hpo import main
 
     f = _study(tmp_path)
     for n in ("0", "-1"):

@@ -1,8 +1,8 @@
 """Optuna hyper-parameter search over training runs (SQLite storage, several workers, resumable).
 
-    python -m ema_pg.search conf/hparams_search/ema_topk.yaml                 # one worker
-    python -m ema_pg.search conf/hparams_search/ema_topk.yaml --workers 2     # two processes, one study
-    python -m ema_pg.search conf/hparams_search/ema_topk.yaml algo.iterations=100   # extra Hydra overrides
+    python -m ema_pg.hpo conf/hparams_search/ema_topk.yaml                 # one worker
+    python -m ema_pg.hpo conf/hparams_search/ema_topk.yaml --workers 2     # two processes, one study
+    python -m ema_pg.hpo conf/hparams_search/ema_topk.yaml algo.iterations=100   # extra Hydra overrides
     optuna-dashboard sqlite:///runs/optuna/ema_topk.db                        # watch it (make dashboard)
 
 A study file (``conf/hparams_search/*.yaml``) names the study, its storage, the direction,
@@ -44,7 +44,7 @@ from optuna.trial import TrialState
 
 from ..engine.module import EvalCallback
 
-log = logging.getLogger("ema_pg.search")
+log = logging.getLogger("ema_pg.hpo")
 # heartbeats are driven here (ask/tell under a lock), not by Study.optimize: Optuna's notes about that are expected
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
                          "the damaged file away") from None
     if a.workers > 1:
         threads = max(1, (os.cpu_count() or 2) // a.workers)
-        cmd = [sys.executable, "-m", "ema_pg.search", a.study, "--n-trials", str(n), "--storage", spec.storage,
+        cmd = [sys.executable, "-m", "ema_pg.hpo", a.study, "--n-trials", str(n), "--storage", spec.storage,
                f"trainer.num_threads={threads}", *extra]
         procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=os.getcwd()) for i in range(a.workers)]
         rcs = [p.wait() for p in procs]

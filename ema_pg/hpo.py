@@ -1,0 +1,7 @@
+"""``python -m ema_pg.hpo``: an Optuna search over training runs (hyper-parameter optimization). The code is
+:mod:`ema_pg.workbench.hpo`. (``python -m ema_pg.search``, its earlier name, still runs it.)"""
+
+from ema_pg.workbench.hpo import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -266,222 +266,267 @@ class HFSampler:
 
         Multi-turn (``stop``): a row whose text ends with a stop string waits; once no row of the batch is
         mid-turn, ``on_stop`` answers every waiting row in one call, their observations go through the
-        cache with loss mask 0 and the rows go on (a row answered None ends)."""
-        topk, entropy = (score.topk, score.entropy) if score is not None else (0, False)
-        tok, dev = self.tok, next(model.parameters()).device
-        eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        rows = [i for i in range(len(prompts)) for _ in range(n)]
+        cache with loss mask 0 and the rows go on (a row answered None ends).
+
+        The phases are :class:`_Decoding`'s: the prompts' prefill, the environment's turn, a token step, the
+        cache's new column, and the result packed to the left."""
+        was_training = model.training
+        model.eval()
+        d = _Decoding(self, model, prompts, n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                      stop=list(stop or []), on_stop=on_stop, seed=seed, score=score)
+        while self._any(bool(d.active.any())):
+            d.environment_turn()
+            nxt, a, sampling = d.token_step()
+            if self._any(bool(d.active.any())):  # a row goes on (or waits for the environment): the cache takes the
+                # column, as the columns do. (Skipping it when every row that sampled had ended, while others waited,
+                # left the cache a column short of the mask from then on: each later step read its rows' keys one
+                # column off, so pi_old's scores and the samples of every multi-turn batch after such a step were not
+                # the policy's. Found by scoring the sampler's batches with the log-prob head: up to 1.8 nats apart.)
+                d.extend_cache(nxt, a, sampling)
+        model.train(was_training)
+        return d.result()
+
+class _Decoding:
+    """One :meth:`HFSampler.sample` call: the prompts' prefill (at construction), then per step the environment's
+    turn (:meth:`environment_turn`), a token for every sampling row (:meth:`token_step`) and the cache's new column
+    (:meth:`extend_cache`); :meth:`result` packs the rows. The columns grow as lists of (N, W) blocks: ids,
+    attention, loss mask, pi_old's log-probs and, as asked, its top-k and entropy."""
+
+    def __init__(self, sampler: HFSampler, model, prompts, n: int, *, temperature: float, top_p: float,
+                 max_new_tokens: int, stop: list[str], on_stop: OnStop | None, seed, score: ScoreRequest | None):
+        self.s, self.model = sampler, model
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.stop, self.on_stop, self.score = stop, on_stop, score
+        self.topk, self.entropy = (score.topk, score.entropy) if score is not None else (0, False)
+        tok = self.tok = sampler.tok
+        dev = self.dev = next(model.parameters()).device
+        self.eos = tok.eos_token_id
+        pad = self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.rows = rows = [i for i in range(len(prompts)) for _ in range(n)]
         p_ids = prompt_ids(tok, prompts)
-        N, P = len(rows), max(len(p_ids[i]) for i in rows)
+        N, P = self.N, self.P = len(rows), max(len(p_ids[i]) for i in rows)
         ids = torch.full((N, P), pad, dtype=torch.long)
         am = torch.zeros((N, P), dtype=torch.long)
         for r, i in enumerate(rows):  # left-padded
             if p_ids[i]:
                 ids[r, P - len(p_ids[i]):], am[r, P - len(p_ids[i]):] = torch.tensor(p_ids[i]), 1
-        ids, am = ids.to(dev), am.to(dev)
-        uniforms = RowUniforms([torch.Generator(device=dev).manual_seed(s) for s in prompt_seeds(seed, len(prompts))],
-                               n, dev)
-        stop = list(stop or [])
-
-        was_training = model.training
-        model.eval()
+        self.ids, self.am = ids, am = ids.to(dev), am.to(dev)
+        self.uniforms = RowUniforms([torch.Generator(device=dev).manual_seed(s) for s in prompt_seeds(seed, len(prompts))],
+                                    n, dev)
         pos = (am.cumsum(-1) - 1).clamp(min=0)
-        kv = cache_kwarg(model)
+        kv = self.kv = cache_kwarg(model)
         auto = dev.type == "cuda"  # (a LoRA policy's sampler is built with static_cache=False: build_sampler)
-        static = (auto if self.static_cache is None else self.static_cache) and not stop \
-            and self.lockstep is None and full_attention_layers(model) is not None
-        if static:  # the mask of every column the cache holds, filled as columns are written
+        self.static = (auto if sampler.static_cache is None else sampler.static_cache) and not stop \
+            and sampler.lockstep is None and full_attention_layers(model) is not None
+        if self.static:  # the mask of every column the cache holds, filled as columns are written
             cols = static_columns(P + max_new_tokens)
-            cache, decode = self._static_for(model, (N, cols, torch.is_autocast_enabled(dev.type)), dev)
-            mask_buf = torch.zeros((N, cols), dtype=am.dtype, device=dev)
-            mask_buf[:, :P] = am
-            out = model(input_ids=ids, attention_mask=mask_buf, position_ids=pos, use_cache=True, **{kv: cache})
+            self.cache, self.decode = sampler._static_for(model, (N, cols, torch.is_autocast_enabled(dev.type)), dev)
+            self.mask_buf = torch.zeros((N, cols), dtype=am.dtype, device=dev)
+            self.mask_buf[:, :P] = am
+            out = model(input_ids=ids, attention_mask=self.mask_buf, position_ids=pos, use_cache=True, **{kv: self.cache})
         else:
-            cache = new_cache(model)
-            out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **{kv: cache})
+            self.cache = new_cache(model)
+            out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **{kv: self.cache})
         #: observations go through the model for the rows that have one, once per distinct history (a GrowingLayer
         #: cache; ZeRO-3's lockstep runs every rank's forwards alike, so there the whole block goes)
-        by_rows = not static and self.lockstep is None and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
-        slots = Slots(N, cache.layers if by_rows else [])  # each row's place in the cache (by_rows moves rows)
-        next_logits = out.logits[:, -1].float()  # (N, V)
-        cols_ids, cols_am, cols_lm, cols_lp = [], [], [], []
-        cols_ti, cols_tl, cols_en = [], [], []
-        active = torch.ones(N, dtype=torch.bool, device=dev)
-        waiting = torch.zeros(N, dtype=torch.bool, device=dev)  # at a stop string, for the environment's turn
-        truncated = torch.zeros(N, dtype=torch.bool, device=dev)  # (N,) ran out of policy tokens
-        n_policy = torch.zeros(N, dtype=torch.long, device=dev)
-        resp_ids: list[list[int]] = [[] for _ in range(N)]
-        turn_start = [0] * N  # where each row's current turn begins in resp_ids
-        last_pos = pos[:, -1].clone()
+        self.by_rows = not self.static and sampler.lockstep is None and \
+            all(isinstance(layer, GrowingLayer) for layer in self.cache.layers)
+        self.slots = Slots(N, self.cache.layers if self.by_rows else [])  # each row's place in the cache
+        self.next_logits = out.logits[:, -1].float()  # (N, V)
+        self.cols_ids, self.cols_am, self.cols_lm, self.cols_lp = [], [], [], []
+        self.cols_ti, self.cols_tl, self.cols_en = [], [], []
+        self.active = torch.ones(N, dtype=torch.bool, device=dev)
+        self.waiting = torch.zeros(N, dtype=torch.bool, device=dev)  # at a stop string, for the environment's turn
+        self.truncated = torch.zeros(N, dtype=torch.bool, device=dev)  # (N,) ran out of policy tokens
+        self.n_policy = torch.zeros(N, dtype=torch.long, device=dev)
+        self.resp_ids: list[list[int]] = [[] for _ in range(N)]
+        self.turn_start = [0] * N  # where each row's current turn begins in resp_ids
+        self.last_pos = pos[:, -1].clone()
 
-        def feed(block: Tensor, block_am: Tensor) -> None:
-            """Run a (N, W) block through the model; refresh next_logits of rows whose last column is real."""
-            nonlocal next_logits, last_pos
-            bpos = last_pos[:, None] + block_am.cumsum(-1)  # positions continue past real tokens only
-            bpos = torch.where(block_am.bool(), bpos, last_pos[:, None].clamp(min=0))
-            if static:  # one column: written into the mask buffer; same shapes at every step
-                mask_buf[:, P + len(cols_am) - 1] = block_am[:, 0]
-                o = decode(input_ids=block, attention_mask=mask_buf, position_ids=bpos, use_cache=True, **{kv: cache})
-            else:
-                full_am = torch.cat([am] + cols_am, 1)  # (N, L) including the block
-                o = model(input_ids=block, attention_mask=full_am, position_ids=bpos, use_cache=True, **{kv: cache})
-            real_last = block_am[:, -1].bool()
-            next_logits = torch.where(real_last[:, None], o.logits[:, -1].float(), next_logits)
-            last_pos = last_pos + block_am.sum(-1)
+    # ------------------------------------------------------------------ the cache's forwards
+    def _positions(self, block_am: Tensor) -> Tensor:
+        """A block's position ids: they continue past real tokens only."""
+        bpos = self.last_pos[:, None] + block_am.cumsum(-1)
+        return torch.where(block_am.bool(), bpos, self.last_pos[:, None].clamp(min=0))
 
-        def feed_rows(block: Tensor, block_am: Tensor, rows: list[int]) -> None:
-            """Run an (N, W) observation block through the model for ``rows`` only (the rows with an observation; of
-            rows whose history and observation are the same token for token, one), every row's cache extended alike:
-            no compute on the rows that wait or have ended, nor twice on one history."""
-            nonlocal next_logits, last_pos
-            n0 = cache.layers[0].n
-            hist = torch.cat([torch.cat([ids] + cols_ids, 1) * torch.cat([am] + cols_am, 1), torch.cat([am] + cols_am, 1)], 1)
-            R = torch.tensor(rows, device=dev)
-            _, inv = torch.unique(hist[R], dim=0, return_inverse=True)  # (|R|,) which distinct history each row has
-            first = torch.full((int(inv.max()) + 1,), len(rows), device=dev).scatter_reduce(
-                0, inv, torch.arange(len(rows), device=dev), "amin")  # the first row of each distinct history
-            sub, rep = R[first], R[first[inv]]  # the rows computed; each row's representative
-            bpos = last_pos[:, None] + block_am.cumsum(-1)
-            bpos = torch.where(block_am.bool(), bpos, last_pos[:, None].clamp(min=0))
-            at = torch.tensor([slots.slot[r] for r in sub.tolist()], device=dev)  # their rows of the cache
-            view = Cache(layers=[RowsLayer(layer, at) for layer in cache.layers])
-            full_am = torch.cat([am] + cols_am, 1)
-            o = model(input_ids=block[sub], attention_mask=full_am[sub], position_ids=bpos[sub], use_cache=True,
-                      **{kv: view})
-            logits = next_logits.clone()
-            logits[sub] = torch.where(block_am[sub, -1].bool()[:, None], o.logits[:, -1].float(), next_logits[sub])
-            copies = R[rep != R]
-            if len(copies):  # the same history and observation: the same new columns and next-token logits
-                dst = torch.tensor([slots.slot[r] for r in copies.tolist()], device=dev)
-                src = torch.tensor([slots.slot[r] for r in rep[rep != R].tolist()], device=dev)
-                for layer in cache.layers:
-                    W = block.shape[1]
-                    layer.kbuf[dst, :, n0 : n0 + W] = layer.kbuf[src, :, n0 : n0 + W]
-                    layer.vbuf[dst, :, n0 : n0 + W] = layer.vbuf[src, :, n0 : n0 + W]
-                logits[copies] = logits[rep[rep != R]]
-            next_logits = logits
-            last_pos = last_pos + block_am.sum(-1)
+    def _attention(self) -> Tensor:
+        return torch.cat([self.am] + self.cols_am, 1)  # (N, L) including the newest block
 
-        def feed_front(tokens: Tensor, a: Tensor, rows: list[int]) -> None:
-            """A decode step for ``rows`` only (the rows that sampled and go on), moved to the front of the cache; the
-            other rows' new column is empty (masked), as feeding every row with a mask of 0 made it."""
-            nonlocal next_logits, last_pos
-            slots.to_front(rows)
-            order = torch.tensor(slots.rows(len(rows)), device=dev)
-            bpos = (last_pos + a)[order][:, None]
-            full_am = torch.cat([am] + cols_am, 1)
-            view = Cache(layers=[FrontLayer(layer, len(rows)) for layer in cache.layers])
-            o = model(input_ids=tokens[order][:, None], attention_mask=full_am[order], position_ids=bpos, use_cache=True,
-                      **{kv: view})
-            logits = next_logits.clone()
-            logits[order] = o.logits[:, -1].float()
-            next_logits = logits
-            last_pos = last_pos + a
+    def feed(self, block: Tensor, block_am: Tensor) -> None:
+        """Run a (N, W) block through the model; refresh next_logits of rows whose last column is real."""
+        bpos = self._positions(block_am)
+        if self.static:  # one column: written into the mask buffer; same shapes at every step
+            self.mask_buf[:, self.P + len(self.cols_am) - 1] = block_am[:, 0]
+            o = self.decode(input_ids=block, attention_mask=self.mask_buf, position_ids=bpos, use_cache=True,
+                            **{self.kv: self.cache})
+        else:
+            o = self.model(input_ids=block, attention_mask=self._attention(), position_ids=bpos, use_cache=True,
+                           **{self.kv: self.cache})
+        real_last = block_am[:, -1].bool()
+        self.next_logits = torch.where(real_last[:, None], o.logits[:, -1].float(), self.next_logits)
+        self.last_pos = self.last_pos + block_am.sum(-1)
 
-        def add_columns(block: Tensor, block_am: Tensor) -> None:
-            """Observation columns: attended, loss mask 0, no scores."""
+    def feed_rows(self, block: Tensor, block_am: Tensor, rows: list[int]) -> None:
+        """Run an (N, W) observation block through the model for ``rows`` only (the rows with an observation; of
+        rows whose history and observation are the same token for token, one), every row's cache extended alike:
+        no compute on the rows that wait or have ended, nor twice on one history."""
+        dev, cache, slots = self.dev, self.cache, self.slots
+        n0 = cache.layers[0].n
+        full_am = self._attention()
+        hist = torch.cat([torch.cat([self.ids] + self.cols_ids, 1) * full_am, full_am], 1)
+        R = torch.tensor(rows, device=dev)
+        _, inv = torch.unique(hist[R], dim=0, return_inverse=True)  # (|R|,) which distinct history each row has
+        first = torch.full((int(inv.max()) + 1,), len(rows), device=dev).scatter_reduce(
+            0, inv, torch.arange(len(rows), device=dev), "amin")  # the first row of each distinct history
+        sub, rep = R[first], R[first[inv]]  # the rows computed; each row's representative
+        bpos = self._positions(block_am)
+        at = torch.tensor([slots.slot[r] for r in sub.tolist()], device=dev)  # their rows of the cache
+        view = Cache(layers=[RowsLayer(layer, at) for layer in cache.layers])
+        o = self.model(input_ids=block[sub], attention_mask=full_am[sub], position_ids=bpos[sub], use_cache=True,
+                       **{self.kv: view})
+        logits = self.next_logits.clone()
+        logits[sub] = torch.where(block_am[sub, -1].bool()[:, None], o.logits[:, -1].float(), self.next_logits[sub])
+        copies = R[rep != R]
+        if len(copies):  # the same history and observation: the same new columns and next-token logits
+            dst = torch.tensor([slots.slot[r] for r in copies.tolist()], device=dev)
+            src = torch.tensor([slots.slot[r] for r in rep[rep != R].tolist()], device=dev)
             W = block.shape[1]
-            cols_ids.append(block)
-            cols_am.append(block_am)
-            cols_lm.append(torch.zeros_like(block_am))
-            cols_lp.append(torch.zeros((N, W), device=dev))
-            if cols_ti:
-                cols_ti.append(torch.zeros((N, W, topk), dtype=torch.long, device=dev))
-                cols_tl.append(torch.zeros((N, W, topk), device=dev))
-            if cols_en:
-                cols_en.append(torch.zeros((N, W), device=dev))
+            for layer in cache.layers:
+                layer.kbuf[dst, :, n0 : n0 + W] = layer.kbuf[src, :, n0 : n0 + W]
+                layer.vbuf[dst, :, n0 : n0 + W] = layer.vbuf[src, :, n0 : n0 + W]
+            logits[copies] = logits[rep[rep != R]]
+        self.next_logits = logits
+        self.last_pos = self.last_pos + block_am.sum(-1)
 
-        while self._any(bool(active.any())):
-            # the environment's turn: once no row is mid-turn, every waiting row is answered in one call
-            observations: dict[int, str] = {}
-            if bool(waiting.any()) and not bool((active & ~waiting).any()):
-                wrows = waiting.nonzero().flatten().tolist()
-                turns = [tok.decode(resp_ids[r][turn_start[r]:], skip_special_tokens=False) for r in wrows]
-                answers = on_stop(wrows, turns) if on_stop else [None] * len(wrows)
-                if len(answers) != len(wrows):
-                    raise ValueError(f"on_stop answered {len(answers)} observations for {len(wrows)} rows")
-                counts = n_policy.tolist()
-                for r, obs in zip(wrows, answers):
-                    waiting[r] = False
-                    if obs is None:
-                        active[r] = False
-                    elif counts[r] >= max_new_tokens:  # no policy tokens left to read it with
-                        active[r], truncated[r] = False, True
-                    else:
-                        observations[r] = obs
-            enc_obs = {r: tok(o, add_special_tokens=False)["input_ids"][: self.max_obs_tokens] for r, o in observations.items()}
-            W = self._max(max((len(v) for v in enc_obs.values()), default=0))
-            if W > 0:  # an empty observation just lets the row continue
-                block = torch.full((N, W), pad, dtype=torch.long, device=dev)
-                block_am = torch.zeros((N, W), dtype=torch.long, device=dev)
-                for r, v in enc_obs.items():  # left-pad inside the block: each row's last column is real
-                    if v:
-                        block[r, W - len(v):] = torch.tensor(v, device=dev)
-                        block_am[r, W - len(v):] = 1
-                add_columns(block, block_am)
-                if by_rows:
-                    feed_rows(block, block_am, sorted(r for r, v in enc_obs.items() if v))
-                else:
-                    feed(block, block_am)
-            for r, v in enc_obs.items():
-                resp_ids[r].extend(v)
-                turn_start[r] = len(resp_ids[r])
+    def feed_front(self, tokens: Tensor, a: Tensor, rows: list[int]) -> None:
+        """A decode step for ``rows`` only (the rows that sampled and go on), moved to the front of the cache; the
+        other rows' new column is empty (masked), as feeding every row with a mask of 0 made it."""
+        self.slots.to_front(rows)
+        order = torch.tensor(self.slots.rows(len(rows)), device=self.dev)
+        bpos = (self.last_pos + a)[order][:, None]
+        view = Cache(layers=[FrontLayer(layer, len(rows)) for layer in self.cache.layers])
+        o = self.model(input_ids=tokens[order][:, None], attention_mask=self._attention()[order], position_ids=bpos,
+                       use_cache=True, **{self.kv: view})
+        logits = self.next_logits.clone()
+        logits[order] = o.logits[:, -1].float()
+        self.next_logits = logits
+        self.last_pos = self.last_pos + a
 
-            sampling = active & ~waiting
-            logp_all = torch.log_softmax(next_logits / temperature, -1) if temperature > 0 and score else None
-            u = uniforms(torch.where(sampling, n_policy, 0)) if temperature > 0 else None
-            nxt = sample_token(next_logits, temperature, top_p, u=u)
-            nxt = torch.where(sampling, nxt, torch.full_like(nxt, pad))
-            a = sampling.long()
-            cols_ids.append(nxt[:, None])
-            cols_am.append(a[:, None])
-            cols_lm.append(a[:, None])
-            cols_lp.append(logp_all.gather(-1, nxt[:, None]) * a[:, None] if logp_all is not None else torch.zeros_like(nxt[:, None], dtype=torch.float))
-            if topk and logp_all is not None:
-                v, i = logp_all.topk(topk, -1)  # (N, k)
-                cols_ti.append(i[:, None])
-                cols_tl.append(v[:, None])
-            if entropy and logp_all is not None:
-                cols_en.append(-(logp_all.exp() * logp_all).sum(-1, keepdim=True))
-            n_policy += a
-            toks, counts = nxt.tolist(), n_policy.tolist()
-            for r in sampling.nonzero().flatten().tolist():
-                t = toks[r]
-                resp_ids[r].append(t)
-                if t == eos:
+    def add_columns(self, block: Tensor, block_am: Tensor) -> None:
+        """Observation columns: attended, loss mask 0, no scores."""
+        N, W, dev = self.N, block.shape[1], self.dev
+        self.cols_ids.append(block)
+        self.cols_am.append(block_am)
+        self.cols_lm.append(torch.zeros_like(block_am))
+        self.cols_lp.append(torch.zeros((N, W), device=dev))
+        if self.cols_ti:
+            self.cols_ti.append(torch.zeros((N, W, self.topk), dtype=torch.long, device=dev))
+            self.cols_tl.append(torch.zeros((N, W, self.topk), device=dev))
+        if self.cols_en:
+            self.cols_en.append(torch.zeros((N, W), device=dev))
+
+    # ------------------------------------------------------------------ the phases of a step
+    def environment_turn(self) -> None:
+        """Once no row is mid-turn, every waiting row is answered in one call; the observations go through the
+        cache (loss mask 0) and each answered row starts a new turn."""
+        tok, waiting, active = self.tok, self.waiting, self.active
+        observations: dict[int, str] = {}
+        if bool(waiting.any()) and not bool((active & ~waiting).any()):
+            wrows = waiting.nonzero().flatten().tolist()
+            turns = [tok.decode(self.resp_ids[r][self.turn_start[r]:], skip_special_tokens=False) for r in wrows]
+            answers = self.on_stop(wrows, turns) if self.on_stop else [None] * len(wrows)
+            if len(answers) != len(wrows):
+                raise ValueError(f"on_stop answered {len(answers)} observations for {len(wrows)} rows")
+            counts = self.n_policy.tolist()
+            for r, obs in zip(wrows, answers):
+                waiting[r] = False
+                if obs is None:
                     active[r] = False
+                elif counts[r] >= self.max_new_tokens:  # no policy tokens left to read it with
+                    active[r], self.truncated[r] = False, True
+                else:
+                    observations[r] = obs
+        enc_obs = {r: tok(o, add_special_tokens=False)["input_ids"][: self.s.max_obs_tokens]
+                   for r, o in observations.items()}
+        W = self.s._max(max((len(v) for v in enc_obs.values()), default=0))
+        if W > 0:  # an empty observation just lets the row continue
+            block = torch.full((self.N, W), self.pad, dtype=torch.long, device=self.dev)
+            block_am = torch.zeros((self.N, W), dtype=torch.long, device=self.dev)
+            for r, v in enc_obs.items():  # left-pad inside the block: each row's last column is real
+                if v:
+                    block[r, W - len(v):] = torch.tensor(v, device=self.dev)
+                    block_am[r, W - len(v):] = 1
+            self.add_columns(block, block_am)
+            if self.by_rows:
+                self.feed_rows(block, block_am, sorted(r for r, v in enc_obs.items() if v))
+            else:
+                self.feed(block, block_am)
+        for r, v in enc_obs.items():
+            self.resp_ids[r].extend(v)
+            self.turn_start[r] = len(self.resp_ids[r])
+
+    def token_step(self) -> tuple[Tensor, Tensor, Tensor]:
+        """A token for every row that samples (active, not waiting), its pi_old scores as asked, and each row's
+        end: EOS, a stop string (then it waits) or the token budget. (next tokens, 1 where sampled, the rows
+        that sampled)."""
+        temperature, topk = self.temperature, self.topk
+        sampling = self.active & ~self.waiting
+        logp_all = torch.log_softmax(self.next_logits / temperature, -1) if temperature > 0 and self.score else None
+        u = self.uniforms(torch.where(sampling, self.n_policy, 0)) if temperature > 0 else None
+        nxt = sample_token(self.next_logits, temperature, self.top_p, u=u)
+        nxt = torch.where(sampling, nxt, torch.full_like(nxt, self.pad))
+        a = sampling.long()
+        self.cols_ids.append(nxt[:, None])
+        self.cols_am.append(a[:, None])
+        self.cols_lm.append(a[:, None])
+        self.cols_lp.append(logp_all.gather(-1, nxt[:, None]) * a[:, None] if logp_all is not None
+                            else torch.zeros_like(nxt[:, None], dtype=torch.float))
+        if topk and logp_all is not None:
+            v, i = logp_all.topk(topk, -1)  # (N, k)
+            self.cols_ti.append(i[:, None])
+            self.cols_tl.append(v[:, None])
+        if self.entropy and logp_all is not None:
+            self.cols_en.append(-(logp_all.exp() * logp_all).sum(-1, keepdim=True))
+        self.n_policy += a
+        toks, counts = nxt.tolist(), self.n_policy.tolist()
+        for r in sampling.nonzero().flatten().tolist():
+            t = toks[r]
+            self.resp_ids[r].append(t)
+            if t == self.eos:
+                self.active[r] = False
+                continue
+            if self.stop:
+                tail = self.tok.decode(self.resp_ids[r][max(self.turn_start[r], len(self.resp_ids[r]) - 16):],
+                                       skip_special_tokens=False)
+                if any(tail.endswith(s) for s in self.stop):
+                    self.waiting[r] = True  # the environment answers it with the others, at the end of the turn
                     continue
-                if stop:
-                    tail = tok.decode(resp_ids[r][max(turn_start[r], len(resp_ids[r]) - 16):], skip_special_tokens=False)
-                    if any(tail.endswith(s) for s in stop):
-                        waiting[r] = True  # the environment answers it with the others, at the end of the turn
-                        continue
-                if counts[r] >= max_new_tokens:
-                    active[r] = False
-                    truncated[r] = True  # it wanted to go on: no EOS, not ended by the environment
-            if self._any(bool(active.any())):  # a row goes on (or waits for the environment): the cache takes the
-                # column, as the columns do. (Skipping it when every row that sampled had ended, while others waited,
-                # left the cache a column short of the mask from then on: each later step read its rows' keys one
-                # column off, so pi_old's scores and the samples of every multi-turn batch after such a step were not
-                # the policy's. Found by scoring the sampler's batches with the log-prob head: up to 1.8 nats apart.)
-                go_on = (sampling & active).nonzero().flatten().tolist()
-                if by_rows:  # the rows that go on, at the front of the cache (which is in slot order from now on)
-                    if go_on:
-                        feed_front(nxt, a, go_on)
-                    else:  # nobody goes on from this step's token (the others wait): an empty column keeps the count
-                        for layer in cache.layers:
-                            z = layer.kbuf.new_zeros(N, layer.kbuf.shape[1], 1, layer.kbuf.shape[-1])
-                            layer.update(z, torch.zeros_like(z, dtype=layer.vbuf.dtype))
-                else:
-                    feed(nxt[:, None], a[:, None])
-        model.train(was_training)
-        # Pack each row's real response tokens to the left. Holes (columns where a row had nothing:
-        # other rows' observations, finished rows) are masked and do not advance positions, so
-        # scoring the packed batch is exactly scoring what was sampled, without the holes' cost.
-        keep = torch.cat(cols_am, 1).bool()  # (N, T_full)
+            if counts[r] >= self.max_new_tokens:
+                self.active[r] = False
+                self.truncated[r] = True  # it wanted to go on: no EOS, not ended by the environment
+        return nxt, a, sampling
+
+    def extend_cache(self, nxt: Tensor, a: Tensor, sampling: Tensor) -> None:
+        """The step's column into the cache: the rows that go on, moved to the front (by rows), or the whole column."""
+        if not self.by_rows:
+            self.feed(nxt[:, None], a[:, None])
+            return
+        go_on = (sampling & self.active).nonzero().flatten().tolist()
+        if go_on:  # the rows that go on, at the front of the cache (which is in slot order from now on)
+            self.feed_front(nxt, a, go_on)
+        else:  # nobody goes on from this step's token (the others wait): an empty column keeps the count
+            for layer in self.cache.layers:
+                z = layer.kbuf.new_zeros(self.N, layer.kbuf.shape[1], 1, layer.kbuf.shape[-1])
+                layer.update(z, torch.zeros_like(z, dtype=layer.vbuf.dtype))
+
+    def result(self) -> Rollouts:
+        """Each row's real response tokens packed to the left. Holes (columns where a row had nothing: other rows'
+        observations, finished rows) are masked and do not advance positions, so scoring the packed batch is
+        exactly scoring what was sampled, without the holes' cost."""
+        keep = torch.cat(self.cols_am, 1).bool()  # (N, T_full)
         T = int(keep.sum(1).max())
         order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, :T]  # real columns first
-        real = torch.arange(T, device=dev)[None, :] < keep.sum(1, keepdim=True)  # (N, T)
+        real = torch.arange(T, device=self.dev)[None, :] < keep.sum(1, keepdim=True)  # (N, T)
 
         def pack(cols, fill=0):
             x = torch.cat(cols, 1)
@@ -489,15 +534,18 @@ class HFSampler:
             y = x.gather(1, idx)
             return torch.where(real if y.dim() == 2 else real[..., None], y, torch.full_like(y, fill))
 
+        score = self.score is not None and self.temperature > 0
         return Rollouts(
-            input_ids=torch.cat([ids, pack(cols_ids, pad)], 1),
-            attention_mask=torch.cat([am, real.long()], 1),
-            loss_mask=torch.cat([torch.zeros_like(am), pack(cols_lm)], 1),
-            prompt_len=P,
-            prompt_index=rows,
-            responses=[tok.decode([t for t in r if t != eos], skip_special_tokens=True) for r in resp_ids],
-            old=None if score is None or temperature <= 0 else TokenScores(
-                logp=pack(cols_lp), index=pack(cols_ti) if cols_ti else None,
-                index_logp=pack(cols_tl) if cols_tl else None, entropy=pack(cols_en) if cols_en else None),
-            truncated=truncated,
+            input_ids=torch.cat([self.ids, pack(self.cols_ids, self.pad)], 1),
+            attention_mask=torch.cat([self.am, real.long()], 1),
+            loss_mask=torch.cat([torch.zeros_like(self.am), pack(self.cols_lm)], 1),
+            prompt_len=self.P,
+            prompt_index=self.rows,
+            responses=[self.tok.decode([t for t in r if t != self.eos], skip_special_tokens=True) for r in self.resp_ids],
+            old=None if not score else TokenScores(
+                logp=pack(self.cols_lp), index=pack(self.cols_ti) if self.cols_ti else None,
+                index_logp=pack(self.cols_tl) if self.cols_tl else None,
+                entropy=pack(self.cols_en) if self.cols_en else None),
+            truncated=self.truncated,
         )
+

@@ -300,22 +300,9 @@ def run_is_live(run_dir: Path) -> bool:
     return live_owner(run_dir) is not None
 
 
-def main(argv: list[str] | None = None) -> None:
-    import difflib
+def _parser() -> argparse.ArgumentParser:
+    from .policy import WHICH
 
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError
-
-    from ..config import ConfigError, compose, validate
-    from .console import quiet_third_party
-    from .files import atomic_write
-    from .models import load_model_dir
-    from .policy import WHICH, build_policy, checkpoint_iteration, load_run_model
-    from ..rollout import build_sampler
-    from .runs import upgraded
-    from ..tasks import build_task
-
-    quiet_third_party()  # as a run is: no DeepSpeed accelerator guess, no shard-writing bars
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("target", help="a run folder (its last checkpoint), a saved model directory, or 'base' "
                     "(the cold-start base policy of the config given by the overrides)")
@@ -335,7 +322,73 @@ def main(argv: list[str] | None = None) -> None:
                     help="also score N distinct prompts of the RL training distribution (kept apart from the eval "
                          "splits and their avg, under 'train'): a gain there that the eval splits do not share is "
                          "specific to what RL trained on, not a skill")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _beside(a, cfg, model, sampler, task, encode, bars: bool) -> dict:
+    """The scores kept beside the eval splits' (not in avg): ``--train`` N training prompts, ``--transfer`` N
+    worlds the policy never saw."""
+    from ..tasks import build_task
+
+    extra: dict = {}
+    if a.train:
+        prompts = training_prompts(task, a.train)
+        if a.baseline != "none":
+            prompts = task.baseline_prompts(prompts, a.baseline)
+        extra["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
+                                          desc="train", encode=encode, progress=bars)["splits"]["train"]
+    if a.transfer:  # the same questions' shapes, in worlds of other names and facts
+        from omegaconf import open_dict
+
+        each = []
+        for seed in transfer_seeds(a.transfer):
+            tc = cfg.task.copy()
+            with open_dict(tc):
+                tc.seed = seed
+            other = build_task(tc)
+            sp = None if a.baseline == "none" else {k: other.baseline_prompts(v, a.baseline)
+                                                    for k, v in other.eval_splits().items()}
+            each.append(evaluate_policy(model, sampler, other, cfg.rollout, splits=sp, desc=f"world {seed}",
+                                        encode=encode, progress=bars))
+        extra["transfer"] = {**mean_results(each), "seeds": transfer_seeds(a.transfer)}
+    return extra
+
+
+def _show(result: dict, out) -> None:
+    """The console: sample rollouts as asked, the table, the training and transfer tables beside it."""
+    for name, xs in result.get("samples", {}).items():
+        for x in xs:
+            print(f"--- [{name}] {x['prompt'].strip()}   (gold: {x['gold']}, reward {x['reward']:.0f})\n{x['response']}")
+    print(format_table(result))
+    if "train" in result:
+        t = result["train"]
+        train = {"splits": {"train": t}, "avg": t[result["metric"]], "metric": result["metric"],
+                 "avg_diagnostics": t.get("diagnostics", {})}
+        print(f"\ntraining questions ({t['n']} distinct; not in avg):\n" + format_table(train))
+    if "transfer" in result:
+        t = result["transfer"]
+        print(f"\nworlds it never saw (task seeds {t['seeds'][0]}..{t['seeds'][-1]}, mean over {len(t['seeds'])}; not in "
+              f"avg; own world {result['avg']:.3f}):\n" + format_table(t))
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import difflib
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError
+
+    from ..config import ConfigError, compose, validate
+    from .console import quiet_third_party
+    from .files import atomic_write
+    from .models import load_model_dir
+    from .policy import build_policy, checkpoint_iteration, load_run_model
+    from ..rollout import build_sampler
+    from .runs import upgraded
+    from ..tasks import build_task
+
+    quiet_third_party()  # as a run is: no DeepSpeed accelerator guess, no shard-writing bars
+    a = _parser().parse_args(argv)
     if a.train < 0 or a.transfer < 0:
         raise SystemExit(f"--train {a.train} / --transfer {a.transfer}: give numbers >= 0")
     target = Path(a.target)
@@ -404,26 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     bars = bool(cfg.trainer.progress_bar)  # as a run's: off for a log meant for a scheduler
     result = evaluate_policy(model.eval(), sampler, task, cfg.rollout, splits=splits, show=a.show, encode=encode,
                              progress=bars)
-    if a.train:
-        prompts = training_prompts(task, a.train)
-        if a.baseline != "none":
-            prompts = task.baseline_prompts(prompts, a.baseline)
-        result["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
-                                          desc="train", encode=encode, progress=bars)["splits"]["train"]
-    if a.transfer:  # the same questions' shapes, in worlds of other names and facts
-        from omegaconf import open_dict
-
-        each = []
-        for seed in transfer_seeds(a.transfer):
-            tc = cfg.task.copy()
-            with open_dict(tc):
-                tc.seed = seed
-            other = build_task(tc)
-            sp = None if a.baseline == "none" else {k: other.baseline_prompts(v, a.baseline)
-                                                    for k, v in other.eval_splits().items()}
-            each.append(evaluate_policy(model, sampler, other, cfg.rollout, splits=sp, desc=f"world {seed}",
-                                        encode=encode, progress=bars))
-        result["transfer"] = {**mean_results(each), "seeds": transfer_seeds(a.transfer)}
+    result.update(_beside(a, cfg, model, sampler, task, encode, bars))
     result.update(baseline=a.baseline, which=a.which, overrides=list(a.overrides))
     if is_run:  # which checkpoint was read: the final policy and a live run's snapshot are told apart
         result.update(iteration=iteration, run_live=live)
@@ -431,20 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         atomic_write(out, json.dumps(result, indent=2))
     except OSError as e:
         raise SystemExit(f"evaluate: the result could not be written to {out}: {e}") from None
-    for name, xs in result.get("samples", {}).items():
-        for x in xs:
-            print(f"--- [{name}] {x['prompt'].strip()}   (gold: {x['gold']}, reward {x['reward']:.0f})\n{x['response']}")
-    print(format_table(result))
-    if "train" in result:
-        t = result["train"]
-        train = {"splits": {"train": t}, "avg": t[result["metric"]], "metric": result["metric"],
-                 "avg_diagnostics": t.get("diagnostics", {})}
-        print(f"\ntraining questions ({t['n']} distinct; not in avg):\n" + format_table(train))
-    if "transfer" in result:
-        t = result["transfer"]
-        print(f"\nworlds it never saw (task seeds {t['seeds'][0]}..{t['seeds'][-1]}, mean over {len(t['seeds'])}; not in "
-              f"avg; own world {result['avg']:.3f}):\n" + format_table(t))
-    print(f"wrote {out}")
+    _show(result, out)
 
 
 if __name__ == "__main__":

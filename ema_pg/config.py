@@ -680,9 +680,6 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if ro.max_staleness and (is_deepspeed(cfg) or "ddp" in strategy or cfg.trainer.devices not in (1, "1")):
         _bad(f"rollout.max_staleness={ro.max_staleness} (a rollout worker beside one trainer process) is not built for "
              f"several processes or DeepSpeed (trainer.strategy={strategy}); use trainer=cpu or gpu, or max_staleness=0")
-    if ro.max_staleness and ro.max_staleness >= a.iterations:
-        _bad(f"rollout.max_staleness={ro.max_staleness} is not below algo.iterations={a.iterations}: every batch could "
-             f"be sampled by the initial policy; choose rollout.max_staleness < {a.iterations} (1 or 2 is usual)")
     if ro.max_staleness and m.lora_rank:
         _bad("rollout.max_staleness > 0 with model.lora_rank > 0 is not built (the worker copies whole weights); "
              "set model.lora_rank=0 or rollout.max_staleness=0")

@@ -333,3 +333,16 @@ def test_a_stopped_worker_stops_the_run_in_bounded_time_even_under_sigterm(tmp_p
             worker.resume()
     assert p.returncode not in (0, None) and took < STOPPED_GRACE_S + 30, (p.returncode, took)
     assert f"the rollout worker (pid {worker.pid}) is stopped" in out and "Traceback" not in out, out[-3000:]
+
+
+def test_a_staleness_that_leaves_every_batch_to_the_initial_policy_is_said(tmp_path, caplog):
+    """rollout.max_staleness=500 with 4 iterations: every batch sampled by version 0, and no word said."""
+    from helpers import compose_cfg
+
+    from ema_pg.train import train
+
+    cfg = compose_cfg(["rollout.max_staleness=500", "algo.iterations=2", "algo.eval_every=2"], tmp_path)
+    with caplog.at_level("WARNING", logger="ema_pg"):
+        train(cfg)
+    assert "rollout.max_staleness=500 with algo.iterations=2: every batch of this run is sampled by the initial " \
+           "policy" in caplog.text

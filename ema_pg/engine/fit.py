@@ -78,6 +78,11 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
     validate(cfg, vocab_size=mc.vocab_size, estimator=opened.estimator,
              head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
     check_fits(cfg, policy, task, encode)
+    k, n = cfg.rollout.max_staleness, cfg.algo.iterations
+    if k and k >= n - 1:  # batch t is sampled by version max(0, t - k): all of them by the initial policy
+        log.warning("rollout.max_staleness=%d with algo.iterations=%d: every batch of this run is sampled by the "
+                    "initial policy (batch t by version t - %d); lower rollout.max_staleness for an off-policy run",
+                    k, n, k)
     if cfg.model.lora_rank:  # the base is frozen; only the adapters train (and the anchor is an adapter too)
         from .lora import wrap_lora
 

@@ -219,10 +219,9 @@ def test_weights_larger_than_the_pipes_buffer_flow_both_ways_without_a_deadlock(
     assert got == [0, 0, 0, 1, 2]
 
 
-@pytest.mark.slow
-def test_a_killed_worker_stops_the_run_with_one_line_and_leaves_no_process(tmp_path):
-    """kill -9 of the rollout worker mid-run: the run exits non-zero naming the worker, records the failure in its
-    folder, keeps its last checkpoint, and leaves no process behind."""
+def async_run(tmp_path, eval_every: int, **popen):
+    """(the trainer process, its run folder, its rollout worker): a real async run (staleness 1, 400 iterations of
+    the tiny task) started on the command line, returned once its worker process exists."""
     import subprocess
     import sys
     import time
@@ -233,22 +232,34 @@ def test_a_killed_worker_stops_the_run_with_one_line_and_leaves_no_process(tmp_p
 
     root = Path(__file__).resolve().parent.parent
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "algo.iterations=400", "algo.eval_every=100",
-           "rollout.max_staleness=1", f"run_dir={run}", f"hydra.run.dir={run}"]
-    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "algo.iterations=400",
+           f"algo.eval_every={eval_every}", "rollout.max_staleness=1", f"run_dir={run}", f"hydra.run.dir={run}"]
+    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
     trainer = psutil.Process(p.pid)
     deadline = time.time() + 300
     while time.time() < deadline and not any("spawn_main" in " ".join(c.cmdline()) for c in trainer.children()):
         time.sleep(0.2)
     workers = [c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline())]
     assert workers, "no rollout worker started"
+    return p, run, workers[0]
+
+
+@pytest.mark.slow
+def test_a_killed_worker_stops_the_run_with_one_line_and_leaves_no_process(tmp_path):
+    """kill -9 of the rollout worker mid-run: the run exits non-zero naming the worker, records the failure in its
+    folder, keeps its last checkpoint, and leaves no process behind."""
+    import time
+
+    import psutil
+
+    p, run, worker = async_run(tmp_path, eval_every=100)
     time.sleep(2)  # a few iterations in
-    workers[0].kill()
+    worker.kill()
     out, _ = p.communicate(timeout=300)
     assert p.returncode != 0
     assert "rollout worker" in out and "died" in out, out[-2000:]
     assert (run / "failed.json").is_file()
-    assert not psutil.pid_exists(workers[0].pid) or workers[0].status() == psutil.STATUS_ZOMBIE
+    assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
 
 
 @pytest.mark.slow
@@ -260,33 +271,18 @@ def test_a_signal_to_the_whole_process_group_saves_the_iteration_and_exits_75(tm
     exits 75, SIGINT stops as a synchronous run does, with no worker traceback."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     import psutil
-    from test_faults import cli_tiny
 
     from ema_pg.engine.policy import checkpoint_iteration
 
-    root = Path(__file__).resolve().parent.parent
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "algo.iterations=400", "algo.eval_every=200",
-           "rollout.max_staleness=1", f"run_dir={run}", f"hydra.run.dir={run}"]
-    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    trainer = psutil.Process(p.pid)
-    deadline = time.time() + 300
-    while time.time() < deadline and not any("spawn_main" in " ".join(c.cmdline()) for c in trainer.children()):
-        time.sleep(0.2)
-    workers = [c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline())]
-    assert workers, "no rollout worker started"
+    p, run, worker = async_run(tmp_path, eval_every=200, start_new_session=True)
     time.sleep(4)  # a few iterations in, inside the first evaluation period
     os.killpg(p.pid, getattr(signal, sig))
     out, _ = p.communicate(timeout=300)
     assert "Traceback" not in out, out[-3000:]  # no worker traceback (its KeyboardInterrupt, or the dead pipe's)
-    assert not psutil.pid_exists(workers[0].pid) or workers[0].status() == psutil.STATUS_ZOMBIE
+    assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
     if sig == "SIGINT":  # Ctrl-C stops a run as a synchronous one stops: Lightning's one line, exit 1, resumable
         assert p.returncode == 1 and "Detected KeyboardInterrupt" in out, out[-3000:]
         return
@@ -300,26 +296,13 @@ def test_a_stopped_worker_stops_the_run_in_bounded_time_even_under_sigterm(tmp_p
     """The worker SIGSTOPped, then SIGTERM to the trainer: the trainer waited forever (its wait had no time-out) and
     exited only once the worker was continued. Now the wait gives up on a worker stopped for STOPPED_GRACE_S."""
     import signal
-    import subprocess
-    import sys
     import time
-    from pathlib import Path
 
     import psutil
-    from test_faults import cli_tiny
 
     from ema_pg.engine.ahead import STOPPED_GRACE_S
 
-    root = Path(__file__).resolve().parent.parent
-    run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "algo.iterations=400", "algo.eval_every=200",
-           "rollout.max_staleness=1", f"run_dir={run}", f"hydra.run.dir={run}"]
-    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    trainer = psutil.Process(p.pid)
-    deadline = time.time() + 300
-    while time.time() < deadline and not any("spawn_main" in " ".join(c.cmdline()) for c in trainer.children()):
-        time.sleep(0.2)
-    worker = [c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline())][0]
+    p, run, worker = async_run(tmp_path, eval_every=200)
     time.sleep(3)
     worker.suspend()
     try:

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 41's device check, one call on a lent GPU (about 9 minutes): the paper's recipes at Qwen2.5 sizes
+# The device check, one call on a lent GPU (about 9 minutes): the paper's recipes at Qwen2.5 sizes
 # under DeepSpeed (benchmarks/recipes.py) and the chunked head at V = 151,936 with the trainer's default chunk. Each step has its own time cap
 # and leaves its JSON in $OUT whatever the others do. The packages the image lacks travel as wheels (.whl, built
 # here first by `make gpu-wheels`).
@@ -18,8 +18,9 @@ cat $OUT/env.txt
 W=$(python3 -c "import shutil; c=['/tmp','/dev/shm','/root']; print(max(c, key=lambda p: shutil.disk_usage(p).free))")/recipes
 echo "workdir $W"
 # what the 2026-11-26 check left (benchmarks/results/recipes_h200.json): ZeRO-3 at 1.5B, the 3B search recipe, the
-# export after the kill and resume; kl_head and math15_z2 ran then and stay here to repeat
-STEPS=${STEPS:-kr05_z3 math15_z3 search3_z2}
+# export after the kill and resume; then the packed update at 1.5B (issue 59, item 5). Every step's evaluations are the
+# run's last only (algo.eval_only_at_end): the 2026-11-26 check spent its caps on first evaluations (40 s at 1.5B/3B)
+STEPS=${STEPS:-pack15 math15_z3 search3_z2 kr05_z3}
 step() {  # step NAME CAP ARGS...: one benchmark under its cap (SIGTERM: it writes what it measured), its runs ended after it
   local name=$1 cap=$2; shift 2
   [[ " $STEPS " == *" $name "* ]] || return 0
@@ -29,23 +30,25 @@ step() {  # step NAME CAP ARGS...: one benchmark under its cap (SIGTERM: it writ
   timeout -k 8 "$cap" "$@" > /tmp/$name.log 2>&1; echo "rc=$? $(date +%T)"
   pkill -9 -f ema_pg; tail -n 3 /tmp/$name.log | cut -c1-400
 }
-R="python3 benchmarks/recipes.py --workdir $W --iterations 2 --prompts 4 --eval-sets 1 --extra rollout.static_cache=false"
+R="python3 benchmarks/recipes.py --workdir $W --iterations 2 --prompts 4 --eval-sets 1 --extra rollout.static_cache=false algo.eval_only_at_end=true"
 M="rollout.eval_samples=4"  # the math recipe's 32 samples per eval problem cost 20-40 s per evaluation at 1.5B
-step kr05_z3 260 $R $M --timeout 90 --recipe math_deepscaler --shape qwen2.5-0.5b --stage 3 --max-new-tokens 64 \
+step pack15 80 python3 benchmarks/packing.py --device cuda --shapes math_qwen --qwen qwen2.5-1.5b --math-len 1024 \
+  --out $OUT/packing_math_1.5b_gpu.json
+step math15_z3 120 $R $M --timeout 110 --recipe math_deepscaler --shape qwen2.5-1.5b --stage 3 --max-new-tokens 128 \
+  --steps-only --out $OUT/recipe_math_1.5b_z3.json
+rm -rf $W/math_deepscaler-*/model
+step search3_z2 130 $R --timeout 120 --recipe search_paper --shape qwen2.5-3b --stage 2 --max-new-tokens 128 \
+  --steps-only --out $OUT/recipe_search_3b_z2.json
+rm -rf $W/search_paper-*/model
+step kr05_z3 190 $R $M --timeout 85 --recipe math_deepscaler --shape qwen2.5-0.5b --stage 3 --max-new-tokens 64 \
   --kill-resume --out $OUT/recipe_math_0.5b_z3_kill_resume.json
 rm -rf $W/math_deepscaler-*/model $W/math_deepscaler-*/export-* $W/math_deepscaler-*/run/checkpoints
-step math15_z3 150 $R $M --timeout 135 --recipe math_deepscaler --shape qwen2.5-1.5b --stage 3 --max-new-tokens 128 \
-  --out $OUT/recipe_math_1.5b_z3.json
-rm -rf $W/math_deepscaler-*/model $W/math_deepscaler-*/run/checkpoints
-step search3_z2 150 $R --timeout 125 --recipe search_paper --shape qwen2.5-3b --stage 2 --max-new-tokens 128 \
-  --out $OUT/recipe_search_3b_z2.json
-rm -rf $W/search_paper-*/model
 step math15_z2 180 $R $M --timeout 165 --recipe math_deepscaler --shape qwen2.5-1.5b --stage 2 --max-new-tokens 256 \
-  --out $OUT/recipe_math_1.5b_z2.json
+  --steps-only --out $OUT/recipe_math_1.5b_z2.json
 step kl_head 70 python3 benchmarks/kl_head.py --device cuda --dtypes bfloat16,float32 --max-gb 100 --repeats 3 \
   --sizes 16384x151936x2048,32768x151936x2048 --out $OUT/kl_head_gpu.json
 # the step beside TRL up to Qwen2.5-1.5B's body (carry TRL, datasets and multiprocess as wheels too), ema-pg's static cache on
-step curve 300 python3 benchmarks/rl_step.py --curve --sizes 50M,qwen0.5b,qwen1.5b --completions 256 --precisions bf16 \
-  --prompts 4 --warmup 1 --steps 2 --device cuda --out $OUT/rl_step_curve_gpu.json
+step curve 300 python3 benchmarks/rl_step.py --curve --sizes ${CURVE_SIZES:-50M,qwen0.5b,qwen1.5b} --completions 256 \
+  --precisions bf16 --prompts 4 --warmup 1 --steps 2 --device cuda --out $OUT/rl_step_curve_gpu.json
 tar czf $OUT/logs.tgz -C / $(cd / && ls -d tmp/*.log ${W#/}/*/train.log 2>/dev/null)
 echo "done in $(( $(date +%s) - T0 ))s"

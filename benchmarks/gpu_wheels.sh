@@ -40,34 +40,6 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 # (DeepSpeed with no prebuilt ops; on the GPU it builds the ones it needs just in time)
 DS_BUILD_OPS=0 $PY -m pip wheel -q --no-deps --no-build-isolation -w "$OUT" "$(pin deepspeed==0.19.8)" \
   "$(pin antlr4-python3-runtime)"
-pins=(); for p in $WANT; do pins+=("$(pin "$p")"); done
-# the whole set for the image's Python, the local wheels found first
-$PY -m pip install -q --dry-run --ignore-installed --no-warn-conflicts --only-binary=:all: $PLAT --target /tmp/gpu-wheels-plan \
-  --find-links "$OUT" --report /tmp/gpu-wheels-plan.json "${pins[@]}"
-mapfile -t need < <($PY - "$OUT" "$IMAGE" "${pins[@]}" <<'EOF'
-import json, re, sys
-from pathlib import Path
-from packaging.requirements import Requirement
-
-norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
-built = {norm(w.name.split("-")[0]) for w in Path(sys.argv[1]).glob("*.whl")}
-image = {norm(n) for n in sys.argv[2].split()}
-plan = {norm(i["metadata"]["name"]): i for i in json.load(open("/tmp/gpu-wheels-plan.json"))["install"]}
-env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux", "platform_system": "Linux",
-       "platform_machine": "x86_64", "os_name": "posix", "implementation_name": "cpython", "extra": ""}
-todo, seen = [norm(Requirement(p).name) for p in sys.argv[3:]], set()
-while todo:  # what the wanted packages need, down to what the image holds (its own needs are met there)
-    name = todo.pop()
-    if name in seen or name in image:
-        continue
-    seen.add(name)
-    for r in map(Requirement, plan[name]["metadata"].get("requires_dist", [])):
-        if r.marker is None or r.marker.evaluate(env):
-            todo.append(norm(r.name))
-for name in sorted(seen - built):
-    print(f"{plan[name]['metadata']['name']}=={plan[name]['metadata']['version']}")
-EOF
-)
-$PY -m pip download -q --no-deps --only-binary=:all: $PLAT -d "$OUT" "${need[@]}"
+$PY benchmarks/gpu_wheels_deps.py "$OUT" "$IMAGE" $PLAT -- $WANT
 echo "$(ls "$OUT" | wc -l) wheels in $OUT, $(du -sm "$OUT" | cut -f1) MiB (a device call carries 64 MiB in all):"
 ls "$OUT"

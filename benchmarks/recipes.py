@@ -189,6 +189,8 @@ def main() -> None:
     ap.add_argument("--eval-sets", type=int, default=7, help="eval files (benchmarks / data sources) written, one "
                     "question each: an evaluation samples them one split after another")
     ap.add_argument("--disk-check", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--steps-only", action="store_true", help="stop the run after its last iteration's metrics: no "
+                    "checkpoint, no final evaluation (the step's phases, memory and anchor lag only)")
     ap.add_argument("--workdir", default="/tmp/ema_pg_recipes")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for ema_pg.train")
@@ -228,8 +230,10 @@ def main() -> None:
     need = CKPT_BYTES_PER_PARAM * result["params"]
     free = shutil.disk_usage(work).free
     result["checkpoint_estimate_gb"], result["disk_free_gb"] = need / 1e9, free / 1e9
-    stop_after = None
-    if a.disk_check and need * 1.05 > free - HEADROOM and not a.kill_resume:
+    stop_after = a.iterations if a.steps_only and not a.kill_resume else None
+    if stop_after:
+        result["checkpoint"] = "not written: --steps-only stopped the run after its last iteration's metrics"
+    elif a.disk_check and need * 1.05 > free - HEADROOM and not a.kill_resume:
         stop_after = a.iterations
         result["checkpoint"] = (f"not written: about {need / 1e9:.0f} GB against {free / 1e9:.0f} GB free; "
                                 "the run was stopped after its last iteration's metrics")

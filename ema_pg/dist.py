@@ -149,6 +149,10 @@ class Zero3FullWeights:
             return
         params = list(model.parameters())
         ours, set_aside = self.hook_ids(), []
+        # prefetches still in flight are waited for and every weight is released first: GatheredParameters skips a
+        # weight in flight and then cannot partition it ("Cannot partition a param in flight", iteration 2 of ZeRO-3
+        # at Qwen2.5-1.5B on an H200, benchmarks/results/recipe_math_1.5b_z3_h200.json)
+        self.offload.partition_all_parameters()
         with gathered(params):
             for p in params:
                 p.ds_active_sub_modules.clear()  # nothing holds them: released as the block ends

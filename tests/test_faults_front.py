@@ -174,6 +174,24 @@ def test_export_is_written_whole_never_mixed_into_a_folder_and_says_what_it_read
         export([str(finished_run), str(out / "config.json")])
 
 
+def test_a_bf16_runs_anchor_is_read_as_its_fp32_master(finished_run, tmp_path):
+    """The EMA anchor's master is fp32 whatever the model's dtype: reading a run whose model folder says bfloat16
+    (the GPU recipes') as float32 gives the master's values, not their bf16 rounding (which made the exported
+    anchor of a ZeRO-3 run at Qwen2.5-0.5B equal to its policy)."""
+    import shutil
+
+    from ema_pg.engine.policy import load_run_model
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, symlinks=True)
+    conf = json.loads((run / "model" / "config.json").read_text())
+    (run / "model" / "config.json").write_text(json.dumps({**conf, "dtype": "bfloat16"}))
+    fp32 = load_run_model(finished_run, "anchor")[0].state_dict()
+    read = load_run_model(run, "anchor")[0].state_dict()
+    assert all(read[k].dtype == torch.float32 and torch.equal(read[k], fp32[k]) for k in fp32)
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in fp32.values())  # bf16 rounding would have shown
+
+
 def test_anchor_of_an_anchorless_run_is_one_line(tmp_path):
     from ema_pg.engine.evaluate import main as evaluate
     from ema_pg.engine.fit import train

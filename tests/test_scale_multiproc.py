@@ -278,3 +278,62 @@ def test_zero3_samples_from_gathered_weights_without_its_hooks_and_like_the_hook
     for which in ("policy", "anchor"):
         a, b = weights(tmp_path / "gathered", which), weights(hooked, which)
         assert all(torch.equal(a[k], b[k]) for k in a), which
+
+
+INFLIGHT = r"""
+import os, sys, torch
+os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+import deepspeed
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from ema_pg.dist import Zero3FullWeights
+from ema_pg.engine.models import build_tiny_model
+
+deepspeed.init_distributed(dist_backend="gloo")
+model = build_tiny_model(64, hidden_size=32, num_layers=4)
+cfg = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000, "stage3_param_persistence_threshold": 0},
+       "train_micro_batch_size_per_gpu": 1, "zero_allow_untested_optimizer": True}
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=cfg)
+x = torch.randint(0, 64, (2, 8))
+for _ in range(3):  # the trace completes: later forwards prefetch the next layers' weights asynchronously
+    engine.backward(engine(input_ids=x).logits.sum())
+    engine.step()
+
+
+class Stop(Exception):
+    pass
+
+
+def stop(*_):
+    raise Stop
+
+
+h = engine.module.model.layers[1].register_forward_hook(stop)
+try:  # a forward that ends early leaves its prefetches in flight
+    engine(input_ids=x)
+except Stop:
+    pass
+h.remove()
+inflight = sum(p.ds_status == ZeroParamStatus.INFLIGHT for p in engine.module.parameters())
+with torch.no_grad(), Zero3FullWeights(engine.optimizer.parameter_offload)(engine.module):
+    sampled = engine.module(input_ids=x).logits
+released = all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+with torch.no_grad():
+    hooked = engine(input_ids=x).logits
+engine.backward(engine(input_ids=x).logits.sum())  # training goes on
+engine.step()
+print(inflight, released, torch.equal(sampled, hooked))
+"""
+
+
+def test_zero3_gathered_rollout_waits_for_prefetches_left_in_flight(tmp_path):
+    """A rollout from the gathered weights that begins while ZeRO-3 prefetches are still in flight (on an H200 at
+    Qwen2.5-1.5B the second iteration's rollout met them, and DeepSpeed stopped the run with "Cannot partition a param
+    in flight"): the prefetches are waited for, the rollout's forward equals the hooked one, every weight is
+    partitioned again after it, and training goes on."""
+    p = subprocess.run([sys.executable, "-c", INFLIGHT, "29537"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    inflight, released, equal = p.stdout.split()[-3:]
+    assert int(inflight) > 0  # the case arose: without waiting, GatheredParameters skipped these and failed after
+    assert released == "True" and equal == "True"

@@ -155,7 +155,9 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
         return load_model_dir(mdir, dtype=dtype)
     tok = PreTrainedTokenizerFast.from_pretrained(str(mdir), local_files_only=True)
     tok.padding_side = "left"
-    model = model_shell(AutoConfig.from_pretrained(str(mdir), local_files_only=True))  # every weight is loaded below
+    # built in the asked dtype, every weight loaded below: a shell of the config's dtype (bf16 for a bf16 run) would
+    # round the anchor's fp32 master to bf16 before the export's float32 (at lr 1e-6 the anchor then equals the policy)
+    model = model_shell(AutoConfig.from_pretrained(str(mdir), local_files_only=True), dtype=dtype)
     state = checkpoint_state(ckpt)
     cfg_file = run_dir / "config.yaml"
     lora = OmegaConf.load(cfg_file).model if cfg_file.is_file() else None

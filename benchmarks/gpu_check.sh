@@ -17,10 +17,11 @@ cat $OUT/env.txt
 # the roomiest of the candidate folders holds the models and runs
 W=$(python3 -c "import shutil; c=['/tmp','/dev/shm','/root']; print(max(c, key=lambda p: shutil.disk_usage(p).free))")/recipes
 echo "workdir $W"
-# what the 2026-11-26 check left (benchmarks/results/recipes_h200.json): ZeRO-3 at 1.5B, the 3B search recipe, the
-# export after the kill and resume; then the packed update at 1.5B (issue 59, item 5). Every step's evaluations are the
-# run's last only (algo.eval_only_at_end): the 2026-11-26 check spent its caps on first evaluations (40 s at 1.5B/3B)
-STEPS=${STEPS:-pack15 math15_z3 search3_z2 kr05_z3}
+# what the 2026-11-27 check left (benchmarks/README.md, "The second check on one GPU"): ZeRO-3's second iteration at
+# 1.5B (the first check's run stopped there; fixed since) beside ZeRO-2 at the same 128 tokens, and the curve's
+# 0.5B and 50M points. Every step's evaluations are the run's last only (algo.eval_only_at_end): the 2026-11-26 check
+# spent its caps on first evaluations (40 s at 1.5B/3B)
+STEPS=${STEPS:-math15_z3 math15_z2 curve}
 step() {  # step NAME CAP ARGS...: one benchmark under its cap (SIGTERM: it writes what it measured), its runs ended after it
   local name=$1 cap=$2; shift 2
   [[ " $STEPS " == *" $name "* ]] || return 0
@@ -43,12 +44,12 @@ rm -rf $W/search_paper-*/model
 step kr05_z3 190 $R $M --timeout 85 --recipe math_deepscaler --shape qwen2.5-0.5b --stage 3 --max-new-tokens 64 \
   --kill-resume --out $OUT/recipe_math_0.5b_z3_kill_resume.json
 rm -rf $W/math_deepscaler-*/model $W/math_deepscaler-*/export-* $W/math_deepscaler-*/run/checkpoints
-step math15_z2 180 $R $M --timeout 165 --recipe math_deepscaler --shape qwen2.5-1.5b --stage 2 --max-new-tokens 256 \
+step math15_z2 120 $R $M --timeout 110 --recipe math_deepscaler --shape qwen2.5-1.5b --stage 2 --max-new-tokens 128 \
   --steps-only --out $OUT/recipe_math_1.5b_z2.json
 step kl_head 70 python3 benchmarks/kl_head.py --device cuda --dtypes bfloat16,float32 --max-gb 100 --repeats 3 \
   --sizes 16384x151936x2048,32768x151936x2048 --out $OUT/kl_head_gpu.json
 # the step beside TRL up to Qwen2.5-1.5B's body (carry TRL, datasets and multiprocess as wheels too), ema-pg's static cache on
-step curve 300 python3 benchmarks/rl_step.py --curve --sizes ${CURVE_SIZES:-50M,qwen0.5b,qwen1.5b} --completions 256 \
+step curve 300 python3 benchmarks/rl_step.py --curve --sizes ${CURVE_SIZES:-qwen0.5b,50M} --completions 256 \
   --precisions bf16 --prompts 4 --warmup 1 --steps 2 --device cuda --out $OUT/rl_step_curve_gpu.json
 tar czf $OUT/logs.tgz -C / $(cd / && ls -d tmp/*.log ${W#/}/*/train.log 2>/dev/null)
 echo "done in $(( $(date +%s) - T0 ))s"

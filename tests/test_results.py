@@ -42,6 +42,23 @@ def fake_run(root: Path, name: str, overrides: list[str], evals: dict[int, dict[
     return d
 
 
+def test_wall_time_is_what_the_run_recorded_not_the_span_of_its_files(tmp_path):
+    """A copied or resumed run folder's file times say nothing of its run time: eval.json's wall_s (the run's
+    processes summed), else the last time/elapsed_s logged; only runs older than that record fall back to the files'."""
+    import os
+
+    a = fake_run(tmp_path, "a", ["seed=0"], {0: {"avg": 0.1}, 2: {"avg": 0.3}})
+    ev = json.loads((a / "eval.json").read_text())
+    (a / "eval.json").write_text(json.dumps({**ev, "wall_s": 123.5}))
+    b = fake_run(tmp_path, "b", ["seed=1"], {0: {"avg": 0.1}, 2: {"avg": 0.3}}, finished=False, iterations=4)
+    pd.read_csv(b / "metrics.csv").assign(**{"time/elapsed_s": [1.0, 9.0, 4.0, 8.0]}).to_csv(b / "metrics.csv", index=False)
+    c = fake_run(tmp_path, "c", ["seed=2"], {0: {"avg": 0.1}, 2: {"avg": 0.3}})
+    for d in (a, b, c):  # copied a day later: the files' times span 50 s
+        os.utime(d / "config.yaml", (1e9, 1e9))
+        os.utime(d / "metrics.csv", (1e9 + 50, 1e9 + 50))
+    assert load_runs(tmp_path)["wall_s"].tolist() == [123.5, 9.0, 50.0]
+
+
 def test_runs_record_their_method_id_and_labels_come_from_ids():
     for m, label in METHOD_OVERRIDES.items():
         cfg = OmegaConf.to_container(fill_defaults(compose_cfg([f"method={m}"])), resolve=False)

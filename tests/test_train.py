@@ -62,6 +62,10 @@ def test_resume_repeats_an_uninterrupted_run_exactly(full_run, tmp_path):
     b = comparable(pd.read_csv(objs2["run_dir"] / "metrics.csv"))
     assert list(a.columns) == list(b.columns) and len(a) == len(b)
     pd.testing.assert_frame_equal(a, b, check_exact=True)
+    # the run's wall time counts both processes: the resumed one's rows go on from the first one's checkpoint
+    elapsed = pd.read_csv(objs2["run_dir"] / "metrics.csv").groupby("step")["time/elapsed_s"].max()
+    assert elapsed.is_monotonic_increasing and elapsed.is_unique
+    assert json.loads((objs2["run_dir"] / "eval.json").read_text())["wall_s"] >= elapsed.max()
 
 
 def test_starting_over_an_existing_run_is_refused(full_run):

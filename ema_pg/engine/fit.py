@@ -147,6 +147,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
         if module.eval_history and module.iteration >= cfg.algo.iterations:  # a finished run (not a pruned one)
             if first.get("iteration") == 0:
                 final["base_avg"] = base
+            final["wall_s"] = module.elapsed_s()  # the run's wall time, its resumes summed (workbench.results)
             atomic_write(run_dir / "eval.json", json.dumps(final, indent=2))
         plot = plot_run(run_dir)
     metric = final.get("metric", "em")

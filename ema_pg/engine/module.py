@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import lightning as L
 import torch
@@ -123,6 +124,8 @@ class GRPOModule(L.LightningModule):
         self._restored_in_flight: dict[int, bytes] = {}  # the batches in flight at the checkpoint resumed from
         self.staleness_counts: dict[int, int] = {}  # iterations per staleness of their batch (the run's histogram)
         self.eval_history: list[dict] = []
+        #: wall seconds of the run before this process (a resume's checkpoint carries them), and this process's start
+        self.elapsed_before, self._started = 0.0, time.monotonic()
         self.last_metrics: dict = {}
         self._collapse_warned, self._was_peaked = False, False
         if self.estimator.needs_full_logits:
@@ -279,7 +282,13 @@ class GRPOModule(L.LightningModule):
         for lg in self.loggers:
             lg.save()
 
+    def elapsed_s(self) -> float:
+        """The run's wall seconds so far, summed over its processes (a resumed run: up to its checkpoint, then
+        this process's), so a resume or a copied run folder reports what the run took, not the span of its files."""
+        return self.elapsed_before + time.monotonic() - self._started
+
     def _log_metrics(self, metrics: dict) -> None:
+        metrics = {**metrics, "time/elapsed_s": self.elapsed_s()}
         for lg in self.loggers:
             lg.log_metrics(metrics, step=self.iteration)
 
@@ -300,8 +309,9 @@ class GRPOModule(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # what a resume must continue (runs.check_trained_with), and the run's wall time so far
         checkpoint["ema_pg"] = {"iteration": self.iteration, "eval_history": self.eval_history,
-                                "settings": settings(self.cfg)}  # what a resume must continue (runs.check_trained_with)
+                                "settings": settings(self.cfg), "elapsed_s": self.elapsed_s()}
         if self.critic is not None:  # its weights are in the module's state_dict; its optimizer is not Lightning's
             checkpoint["ema_pg"]["critic_opt"] = self.critic.opt.state_dict()
         if self.cfg.rollout.max_staleness:  # the batches sampled ahead, awaited: a resume takes them as they are
@@ -321,6 +331,7 @@ class GRPOModule(L.LightningModule):
             if current is not None:
                 current.update(ready=0, started=0, processed=0, completed=-1)
         self.eval_history = list(st.get("eval_history", []))
+        self.elapsed_before, self._started = float(st.get("elapsed_s", 0.0)), time.monotonic()
         self._restored_in_flight = dict(st.get("in_flight", {}))
         self.staleness_counts = dict(st.get("staleness_counts", {}))
         if self.critic is not None and "critic_opt" in st:

@@ -84,13 +84,23 @@ def derived_columns(cfg: dict) -> dict:
     return d
 
 
+def wall_seconds(run: Path, final: dict, metrics: pd.DataFrame) -> float:
+    """A run's wall time as it recorded it (see :func:`load_runs`)."""
+    if "wall_s" in final:
+        return float(final["wall_s"])
+    if "time/elapsed_s" in metrics and metrics["time/elapsed_s"].notna().any():
+        return float(metrics["time/elapsed_s"].max())
+    return (run / "metrics.csv").stat().st_mtime - (run / "config.yaml").stat().st_mtime
+
+
 def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
     """One row per run folder under ``root``: config columns, derived labels, final and base metrics.
 
     Metric columns: ``final/<metric>`` is the last logged value of every ``eval/...`` metric,
     ``base/<metric>`` its value at iteration 0 (the policy before RL); ``iteration`` is the last
-    logged step, ``finished`` whether ``eval.json`` marks the run complete, ``wall_s`` the time
-    from the run's start to its last metrics write, ``commit`` the git commit it ran from, ``machine`` the
+    logged step, ``finished`` whether ``eval.json`` marks the run complete, ``wall_s`` the run's wall
+    time as it recorded it (its processes summed over resumes: ``eval.json``'s ``wall_s``, else the last
+    ``time/elapsed_s``; runs older than that record: from its start to its last metrics write, by the files' times), ``commit`` the git commit it ran from, ``machine`` the
     machine it ran on (``unknown`` for runs older than ``machine.txt``).
     """
     rows = []
@@ -112,9 +122,9 @@ def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
             kl, pg = df["train/grad_norm_kl"].dropna(), df["train/grad_norm_pg"].dropna()
             row["mean/train/kl_pg_grad_ratio"] = float(kl.mean() / pg.mean()) if pg.mean() > 0 else float("nan")
         row["iteration"] = int(df["step"].max()) if len(df) else 0
-        row["finished"] = (run / "eval.json").is_file() and json.loads((run / "eval.json").read_text()).get(
-            "iteration", -1) >= int(cfg.get("algo", {}).get("iterations", 0))
-        row["wall_s"] = (run / "metrics.csv").stat().st_mtime - (run / "config.yaml").stat().st_mtime
+        final = json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {}
+        row["finished"] = final.get("iteration", -1) >= int(cfg.get("algo", {}).get("iterations", 0))
+        row["wall_s"] = wall_seconds(run, final, df)
         row["commit"] = run_commit(run)
         host = run / "machine.txt"
         row["machine"] = host.read_text().strip() if host.is_file() else "unknown"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, open_dict
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -617,6 +617,43 @@ def _check_installed(cfg) -> None:
 CHECKED_GROUPS = ("model", "rollout", "anchor", "algo", "optim", "trainer", "logger", "sft", "monitor")
 
 
+def stated_world_size(trainer) -> int | None:
+    """The number of trainer processes when the config states it (``trainer.devices`` a count or a list of
+    devices; one node); None where Lightning decides (``auto``, -1)."""
+    d = trainer.get("devices", 1)
+    if isinstance(d, str) and d.strip().isdigit():
+        d = int(d)
+    return len(d) if isinstance(d, (list, tuple)) or OmegaConf.is_list(d) else d if isinstance(d, int) and d > 0 else None
+
+
+def validate_world(cfg, world: int) -> None:
+    """The rules that need the number of trainer processes, ``world`` (a fact: Lightning's count, or the config's
+    where it states one): run by :func:`validate` when the config states it, else by the module's setup."""
+    a = cfg.algo
+    if world == 1:
+        return
+    if a.prompts_per_step % world:
+        _bad(f"algo.prompts_per_step={a.prompts_per_step} must be divisible by the number of processes ({world}): "
+             "each takes a block of whole prompt groups")
+    if cfg.model.lora_rank:
+        _bad("model.lora_rank > 0 with several processes is not built; use one process")
+    from .advantages import ADVANTAGES
+
+    if ADVANTAGES[a.advantage].one_process:
+        _bad(f"algo.advantage={a.advantage} with several processes is not built (its statistics, and gae's value "
+             "model, would be one process's); use one process")
+    if a.dynamic_sampling:
+        _bad("algo.dynamic_sampling with several processes is not built (each rank would refill its own share and "
+             "their rounds would differ); use one process or algo.dynamic_sampling=false")
+    rows = a.prompts_per_step * a.group_size // world
+    if a.minibatch_size and (a.minibatch_size % world or rows % (a.minibatch_size // world)):
+        _bad(f"algo.minibatch_size={a.minibatch_size} must split over {world} processes: a multiple of {world} whose "
+             f"per-process share divides each process's {rows} rows")
+    if cfg.rollout.max_staleness:
+        _bad(f"rollout.max_staleness={cfg.rollout.max_staleness} (a rollout worker beside one trainer process) is not "
+             f"built for several processes ({world}); use one process, or max_staleness=0")
+
+
 def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, estimator=None):
     """Start-up validation; raises ConfigError naming the knob and the fix. Returns the run's KL estimator
     (``estimator``, when given, is the one built by an earlier call: it is not built again).
@@ -677,9 +714,12 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if tiny and est.k > m.tokenizer_vocab:  # known before the cold start builds anything
         _bad(f"kl.k={est.k} is larger than the vocabulary of the tiny model (model.tokenizer_vocab="
              f"{m.tokenizer_vocab}); choose kl.k <= {m.tokenizer_vocab}")
-    if ro.max_staleness and (is_deepspeed(cfg) or "ddp" in strategy or cfg.trainer.devices not in (1, "1")):
+    if ro.max_staleness and (is_deepspeed(cfg) or "ddp" in strategy):
         _bad(f"rollout.max_staleness={ro.max_staleness} (a rollout worker beside one trainer process) is not built for "
              f"several processes or DeepSpeed (trainer.strategy={strategy}); use trainer=cpu or gpu, or max_staleness=0")
+    world = stated_world_size(cfg.trainer)
+    if world is not None:  # else the module's setup checks it, once Lightning has counted the processes
+        validate_world(cfg, world)
     if ro.max_staleness and m.lora_rank:
         _bad("rollout.max_staleness > 0 with model.lora_rank > 0 is not built (the worker copies whole weights); "
              "set model.lora_rank=0 or rollout.max_staleness=0")

@@ -6,7 +6,7 @@ import torch
 from helpers import compose_cfg
 from hydra.errors import ConfigCompositionException
 
-from ema_pg.config import CONF_DIR, ConfigError, validate
+from ema_pg.config import CONF_DIR, ConfigError, stated_world_size, validate, validate_world
 
 GROUPS = ["model", "task", "rollout", "kl", "anchor", "algo", "trainer", "logger", "experiment", "method"]
 
@@ -86,6 +86,35 @@ def test_typos_and_wrong_types_fail_at_composition():
         compose_cfg(["anchor.eta=high"])
     with pytest.raises(ConfigCompositionException):
         compose_cfg(["kl=topk_backward"])
+
+
+WORLD_RULES = [
+    (["algo.prompts_per_step=3"], "must be divisible by the number of processes \\(2\\)"),
+    (["model.lora_rank=4"], "model.lora_rank > 0 with several processes"),
+    (["algo.advantage=gae", "algo.adv_norm=global"], "algo.advantage=gae with several processes"),
+    (["algo.dynamic_sampling=true"], "algo.dynamic_sampling with several processes"),
+    (["algo.prompts_per_step=4", "algo.group_size=4", "algo.minibatch_size=1"], "must split over 2 processes"),
+]
+
+
+@pytest.mark.parametrize("overrides, match", WORLD_RULES)
+def test_rules_of_several_processes_are_one_function_run_where_the_world_size_is_known(overrides, match):
+    """Stated in the config (trainer.devices=2), the world's rules stop the run at start; left to Lightning
+    (trainer.devices=auto), validate passes and the same function is what the module's setup runs with the count."""
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_cfg(["trainer=ddp", "trainer.devices=2", *overrides]))
+    auto = compose_cfg(["trainer=ddp", "trainer.devices=auto", *overrides])
+    validate(auto)
+    with pytest.raises(ConfigError, match=match):
+        validate_world(auto, 2)
+    validate_world(auto, 1)
+
+
+def test_the_stated_world_size():
+    t = lambda **kw: compose_cfg([f"trainer.{k}={v}" for k, v in kw.items()]).trainer
+    assert stated_world_size(t(devices=2)) == 2 and stated_world_size(t(devices="'2'")) == 2
+    assert stated_world_size(t(devices="[0,3]")) == 2 and stated_world_size(t(devices=1)) == 1
+    assert stated_world_size(t(devices="auto")) is None and stated_world_size(t(devices=-1)) is None
 
 
 def test_deepspeed_knobs_are_checked_at_start():

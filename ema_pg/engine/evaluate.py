@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..config import eval_settings_problem, pass_ks  # noqa: F401 - pass_ks is this module's too
+from ..config import pass_ks  # noqa: F401 - pass_ks is this module's too
 from ..dist import World
 from ..prompts import PromptEncoder, sampler_prompts
 
@@ -101,10 +101,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     scores are gathered, so every rank returns the result of the whole set.
     ``encode``: the run's :class:`ema_pg.prompts.PromptEncoder` (None: prompts as plain text).
     """
-    metric = task.metric
-    problem = eval_settings_problem(rollout_cfg)
-    if problem:  # before any sampling
-        raise ValueError(problem)
+    metric = task.metric  # the evaluation settings were checked with the config (config.eval_settings_problem)
     n_samples, ks = int(rollout_cfg.eval_samples), list(rollout_cfg.eval_pass_k)
     top_p = float(rollout_cfg.eval_top_p) if n_samples > 1 else 1.0
     per_call = max(1, batch_size // n_samples)  # prompts per generate call
@@ -446,9 +443,6 @@ def main(argv: list[str] | None = None) -> None:
     splits = None
     if a.baseline != "none":
         splits = {k: task.baseline_prompts(v, a.baseline) for k, v in task.eval_splits().items()}
-    problem = eval_settings_problem(cfg.rollout)
-    if problem:
-        raise SystemExit(f"config error: {problem}")
     sampler = build_sampler(cfg.rollout, tok)
     try:
         encode = PromptEncoder.of(tok, cfg.task)

@@ -18,7 +18,7 @@ import torch
 
 from ..advantages import ADVANTAGES
 from ..chunked import HeadChunk, chunk_budget_mb
-from ..config import ConfigError, build_estimator, is_deepspeed
+from ..config import build_estimator, is_deepspeed, stated_world_size, validate_world
 from ..dist import World, Zero3FullWeights, full_shape, zero3_partitioned
 from ..prompts import PromptEncoder
 from ..rollout import build_sampler
@@ -241,22 +241,10 @@ class GRPOModule(L.LightningModule):
         return res
 
     def setup(self, stage: str) -> None:
-        """The batch split needs the world size, known only now (``trainer.devices`` may be auto)."""
-        w, a = self.trainer.world_size, self.cfg.algo
-        if a.prompts_per_step % w:
-            raise ConfigError(f"algo.prompts_per_step={a.prompts_per_step} must be divisible by the number of "
-                              f"processes ({w}): each takes a block of whole prompt groups")
-        if self.cfg.model.lora_rank and w > 1:
-            raise ConfigError("model.lora_rank > 0 with several processes is not built; use one process")
-        if ADVANTAGES[a.advantage].one_process and w > 1:
-            raise ConfigError(f"algo.advantage={a.advantage} with several processes is not built (its statistics, and "
-                              "gae's value model, would be one process's); use one process")
-        if a.dynamic_sampling and w > 1:
-            raise ConfigError("algo.dynamic_sampling with several processes is not built (each rank would refill its "
-                              "own share and their rounds would differ); use one process or algo.dynamic_sampling=false")
-        if a.minibatch_size and (a.minibatch_size % w or (a.prompts_per_step * a.group_size // w) % (a.minibatch_size // w)):
-            raise ConfigError(f"algo.minibatch_size={a.minibatch_size} must split over {w} processes: a multiple of "
-                              f"{w} whose per-process share divides each process's {a.prompts_per_step * a.group_size // w} rows")
+        """The rules that need the world size, where the config did not state it (``trainer.devices=auto``):
+        Lightning has counted the processes by now."""
+        if stated_world_size(self.cfg.trainer) != self.trainer.world_size:
+            validate_world(self.cfg, self.trainer.world_size)
 
     def on_fit_start(self) -> None:
         if any(zero3_partitioned(p) for p in self.policy.parameters()):

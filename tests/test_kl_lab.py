@@ -79,7 +79,7 @@ def test_index_set_entries_any_set_verdict():
 
 def test_every_equals_of_the_entries_holds_row_by_row():
     """An entry that says it coincides with another has the same bias and variance at every case and k."""
-    from ema_pg.kl.lab.report import panel_rows, same_rows
+    from ema_pg.workbench.estimator_lab import panel_rows, same_rows
 
     eq = {n: e.equals for n, e in ENTRIES.items() if e.equals}
     assert len(eq) >= 4

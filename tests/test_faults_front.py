@@ -121,7 +121,7 @@ def test_a_damaged_cold_start_cache_is_rebuilt_and_nan_weights_are_refused(tmp_p
 # ---------------------------------------------------------------------- evaluate and export
 def test_evaluate_checks_its_overrides_and_output_before_evaluating_and_records_the_iteration(finished_run, tmp_path,
                                                                                                capsys):
-    from ema_pg.engine.evaluate import main
+    from ema_pg.workbench.evaluate import main
 
     with pytest.raises(SystemExit, match="config error: rollout.max_new_tokens must be >= 1; got -5"):
         main([str(finished_run), "rollout.max_new_tokens=-5"])
@@ -143,7 +143,7 @@ def test_evaluate_and_export_refuse_a_run_without_checkpoint_unless_asked_for_th
                                                                                                  tmp_path):
     import shutil
 
-    from ema_pg.engine.evaluate import main as evaluate
+    from ema_pg.workbench.evaluate import main as evaluate
     from ema_pg.workbench.export import main as export
 
     run = tmp_path / "run"
@@ -193,7 +193,7 @@ def test_a_bf16_runs_anchor_is_read_as_its_fp32_master(finished_run, tmp_path):
 
 
 def test_anchor_of_an_anchorless_run_is_one_line(tmp_path):
-    from ema_pg.engine.evaluate import main as evaluate
+    from ema_pg.workbench.evaluate import main as evaluate
     from ema_pg.engine.fit import train
     from ema_pg.workbench.export import main as export
 
@@ -208,7 +208,7 @@ def test_anchor_of_an_anchorless_run_is_one_line(tmp_path):
 def test_evaluate_of_a_live_run_says_so(finished_run, tmp_path):
     from test_faults_lifecycle import holder
 
-    from ema_pg.engine.evaluate import run_is_live
+    from ema_pg.workbench.evaluate import run_is_live
 
     assert not run_is_live(finished_run)
     p = holder(finished_run)

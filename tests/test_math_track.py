@@ -347,7 +347,7 @@ def test_table3_report_refuses_runs_of_other_methods(tmp_path):
 
 
 def test_a_run_saved_before_sampled_evaluation_existed_evaluates_and_resumes(tmp_path):
-    from ema_pg.engine.evaluate import main as evaluate_main
+    from ema_pg.workbench.evaluate import main as evaluate_main
 
     cfg = compose_cfg(["algo.iterations=2"], tmp_path)
     train(cfg)

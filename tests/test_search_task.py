@@ -280,7 +280,8 @@ def test_queries_copied_counts_names_taken_whole_from_the_question_or_earlier_pa
 def test_evaluation_averages_the_tasks_diagnostics_per_split_and_logs_them_apart(task):
     from omegaconf import OmegaConf
 
-    from ema_pg.engine.evaluate import diagnostic_means, eval_metrics, evaluate_policy, format_table
+    from ema_pg.engine.evaluate import diagnostic_means, eval_metrics, evaluate_policy
+    from ema_pg.workbench.evaluate import format_table
     from ema_pg.tasks.base import Prompt
 
     assert diagnostic_means([{"a": 1.0, "c": 1.0}, {"a": 0.0}, {"a": 0.5}]) == {"a": 0.5, "a_n": 3.0, "c": 1.0, "c_n": 1.0}
@@ -330,7 +331,7 @@ def test_demo_people_are_disjoint_from_rl_prompts_and_the_eval_splits_stay_put()
 
 
 def test_mean_results_averages_worlds_split_by_split_by_hand():
-    from ema_pg.engine.evaluate import mean_results
+    from ema_pg.workbench.evaluate import mean_results
 
     a = {"splits": {"nq": {"em": 0.5, "n": 4, "diagnostics": {"gold_seen": 1.0, "read_em": None}}}, "avg": 0.5,
          "metric": "em", "avg_scores": {"em": 0.5}, "avg_diagnostics": {"gold_seen": 1.0}}
@@ -347,7 +348,7 @@ def test_evaluate_transfer_builds_the_transfer_worlds_and_refuses_a_task_without
     apart from the run's own world; a task with no generated world is refused with one line."""
     import json
 
-    from ema_pg.engine.evaluate import main, transfer_seeds
+    from ema_pg.workbench.evaluate import main, transfer_seeds
     from ema_pg.engine.models import build_tiny_model, save_model_dir, train_bpe_tokenizer
 
     own = build_task({"name": "search_qa", "seed": 0, "n_people": 40, "n_orgs": 10, "per_split": 3})
@@ -380,7 +381,8 @@ def test_evaluate_transfer_numbers_are_each_worlds_own_evaluation_averaged(tmp_p
     from omegaconf import OmegaConf
 
     from ema_pg.config import compose
-    from ema_pg.engine.evaluate import evaluate_policy, main, transfer_seeds
+    from ema_pg.engine.evaluate import evaluate_policy
+    from ema_pg.workbench.evaluate import main, transfer_seeds
     from ema_pg.engine.policy import build_policy
     from ema_pg.prompts import PromptEncoder
     from ema_pg.rollout import build_sampler

@@ -97,7 +97,7 @@ def test_method_variants_run(overrides, tmp_path):
 
 
 def test_evaluate_cli_on_a_run_folder(full_run, capsys):
-    from ema_pg.engine.evaluate import main
+    from ema_pg.workbench.evaluate import main
 
     _, _, objs = full_run
     main([str(objs["run_dir"]), "--out", str(objs["run_dir"] / "eval_cli.json"), "--show", "1"])
@@ -130,7 +130,8 @@ def test_evaluation_keeps_samples_across_batches_with_their_prompts_index(full_r
 
 def test_evaluate_cli_scores_training_prompts_apart_from_the_eval_splits(full_run, capsys):
     """--train N: the policy on N distinct training prompts, kept out of the eval splits' average."""
-    from ema_pg.engine.evaluate import evaluate_policy, main, training_prompts
+    from ema_pg.engine.evaluate import evaluate_policy
+    from ema_pg.workbench.evaluate import main, training_prompts
     from ema_pg.engine.policy import load_run_model
     from ema_pg.rollout import build_sampler
 
@@ -158,7 +159,7 @@ def test_run_folder_rebuilds_its_policy_without_the_cache_from_another_directory
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ema_pg.engine.evaluate import main as evaluate_main
+    from ema_pg.workbench.evaluate import main as evaluate_main
     from ema_pg.workbench.export import main as export_main
 
     cfg, _, objs = full_run
@@ -300,7 +301,7 @@ def test_command_line_errors_are_one_clear_line():
 
 
 def test_evaluate_base_policy_of_a_config(tmp_path, capsys):
-    from ema_pg.engine.evaluate import main
+    from ema_pg.workbench.evaluate import main
     from helpers import TINY
 
     main(["base", *TINY, "task.eval_size=16", f"sft.cache_dir={tmp_path}/cache", "--out", str(tmp_path / "e.json")])

@@ -76,7 +76,7 @@ def overlay_transfer(overlay: str) -> int:
 
 def transfer_commands(runs: list[Path], n: int) -> list[list[str]]:
     """The transfer evaluations of the finished ``runs`` that do not have theirs yet (so a rerun skips them)."""
-    from ..engine.evaluate import evaluation_file
+    from .evaluate import evaluation_file
 
     return [[sys.executable, "-m", "ema_pg.evaluate", str(r), "--transfer", str(n)]
             for r in sorted(runs) if n and not evaluation_file(r, transfer=n).is_file()]

@@ -23,7 +23,7 @@ from .results import (METHOD_LABELS, bootstrap_ci, claim_verdict, format_seeds, 
                       paired_differences, provenance_lines, seed_tally, seeds_to_detect, set_style, sign_flip_p, table_args,
                       write_results)
 from .results import verdict as interval_side
-from ..engine.evaluate import transfer_evaluations
+from .evaluate import transfer_evaluations
 from ..tasks.search.task import DIAGNOSTICS as TASK_DIAGNOSTICS
 from ..tasks.search.task import SPLITS as TASK_SPLITS
 

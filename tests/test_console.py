@@ -1,14 +1,19 @@
 """The console of every shipped experiment that runs without outside data or engines (conf/experiment/: demo,
 math, search, search_reading; search_r1, search_paper and math_deepscaler need a model, data and the scale path,
 and their consoles are checked by the scale and bring-your-own tests), each a few iterations at tiny sizes, with
-its progress bars on: the project's own lines only. A third-party logger's line, a Python warning or a bar the
-project did not choose fails here."""
+its progress bars on, and of the commands the README and docs show beside training (``python -m ema_pg.X``): the
+project's own lines only. A third-party logger's line, a Python warning or a bar the project did not choose fails
+here. ``reports`` and ``hpo`` are checked where their tests run them (tests/test_sweeps.py, tests/test_optuna.py)."""
 
 from __future__ import annotations
 
+import json
 import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -46,3 +51,52 @@ def test_a_shipped_experiment_prints_only_the_projects_lines(tmp_path, experimen
     assert "RL iterations" in console and "run folder:" in console  # the project's own bar and closing lines
     log = (run / "train.log").read_text()
     assert not [line for line in log.splitlines() if any(p.search(line) for p in NOISE)]
+
+
+def noise(console: str) -> list[str]:
+    """The lines of a console that only a third party prints (:data:`NOISE`)."""
+    return [line for line in re.split(r"[\r\n]", console) if any(p.search(line) for p in NOISE)]
+
+
+def command(*args: str, ok: bool = True) -> str:
+    r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    console = r.stdout + r.stderr
+    assert (r.returncode == 0) == ok, console[-3000:]
+    return console
+
+
+@pytest.mark.slow
+def test_the_documented_commands_print_only_the_projects_lines(finished_run, tmp_path):
+    """Each ``python -m ema_pg.X`` the README and docs show, run as they show it on this machine's data: a finished
+    run, the bring-your-own examples and their retrieval server, the committed reproductions."""
+    consoles = {
+        "evaluate": command("ema_pg.evaluate", str(finished_run), "--out", str(tmp_path / "eval.json")),
+        "export": command("ema_pg.export", str(finished_run), str(tmp_path / "exported")),
+        "kl.lab": command("ema_pg.kl.lab", "k3", "topk_reverse[paper]"),
+        "byo": command("ema_pg.byo", str(tmp_path / "byo")),
+        "reproduce": command("ema_pg.reproduce", "fig6_k", "--scale", "mini", "--dry-run"),
+        "decide": command("ema_pg.decide", "reproductions/table2/claims/plan.yaml", "--status"),
+        "claims": command("ema_pg.workbench.claims", "--out", str(tmp_path / "CLAIMS.md")),
+    }
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "ema_pg.tasks.search.serve", "--corpus",
+                               str(tmp_path / "byo" / "search_r1" / "corpus.jsonl"), "--port", str(port)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        body = json.dumps({"queries": ["capital", ""], "topk": 2, "return_scores": True}).encode()
+        for _ in range(120):  # the index is built at start
+            try:
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/retrieve", body, {"Content-Type": "application/json"})
+                answer = json.loads(urllib.request.urlopen(req, timeout=5).read())
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert len(answer["result"]) == 2  # an empty query too: answered, not logged
+    finally:
+        server.terminate()
+        consoles["tasks.search.serve"] = server.communicate(timeout=30)[0]
+    for name, console in consoles.items():
+        assert noise(console) == [], (name, noise(console)[:10])
+    assert (tmp_path / "exported" / "config.json").is_file() and (tmp_path / "CLAIMS.md").is_file()

@@ -121,6 +121,9 @@ def test_two_workers_share_one_study_without_losing_or_duplicating_trials(tmp_pa
     r = subprocess.run([sys.executable, "-m", "ema_pg.hpo", str(f), "--workers", "2"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
+    from test_console import noise
+
+    assert noise(r.stdout + r.stderr) == []  # two workers' consoles: the project's lines only
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/t.db")
     trials = study.get_trials()
     assert len(trials) == n and all(t.state == TrialState.COMPLETE for t in trials)

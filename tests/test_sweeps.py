@@ -87,6 +87,9 @@ def test_report_of_the_sweep(name, tiny_sweeps, tmp_path):
     r = subprocess.run([sys.executable, "-m", "ema_pg.reports", name, "--runs", str(tiny_sweeps[name]), "--out",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
+    from test_console import noise
+
+    assert noise(r.stdout + r.stderr) == []  # the report's console: the project's lines only
     md = tmp_path / ("results.md" if name in TABLES else f"{name}.md")
     assert md.is_file() and md.read_text().count("|") > 10
     for ext in ("png", "pdf", "csv"):

@@ -71,10 +71,7 @@ class ModelConfig:
         _at_least(("model.head_chunk_tokens", self.head_chunk_tokens, 0))
         if self.head_chunk_mb is not None and not self.head_chunk_mb > 0:
             _bad(f"model.head_chunk_mb must be > 0; got {self.head_chunk_mb}")
-        from omegaconf import OmegaConf
-
-        if not (OmegaConf.is_config(self) and OmegaConf.is_interpolation(self, "path")) and not self.path:  # tiny:
-            # the model is built from these fields
+        if is_tiny(self):  # the model is built from these fields
             _at_least(("model.hidden_size", self.hidden_size, 1), ("model.num_layers", self.num_layers, 1),
                       ("model.num_heads", self.num_heads, 1), ("model.num_kv_heads", self.num_kv_heads, 1),
                       ("model.max_positions", self.max_positions, 2), ("model.tokenizer_vocab", self.tokenizer_vocab, 2))
@@ -617,6 +614,12 @@ def _check_installed(cfg) -> None:
 CHECKED_GROUPS = ("model", "rollout", "anchor", "algo", "optim", "trainer", "logger", "sft", "monitor")
 
 
+def is_tiny(model) -> bool:
+    """Whether ``model`` (the config's group) is the tiny random model built from its fields: no ``model.path``
+    (an unresolved ``${oc.env:...}`` path counts as a path: it names a folder the environment will give)."""
+    return not (OmegaConf.is_config(model) and OmegaConf.is_interpolation(model, "path")) and not model.path
+
+
 def stated_world_size(trainer) -> int | None:
     """The number of trainer processes when the config states it (``trainer.devices`` a count or a list of
     devices; one node); None where Lightning decides (``auto``, -1)."""
@@ -660,7 +663,6 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
 
     Each group's own ranges are checked beside its fields (``AlgoConfig.check``, ...); the rules that
     span groups are here. ``vocab_size`` and ``head_dim`` (the built model's) add the checks that need the model."""
-    from omegaconf import OmegaConf
 
     _check_finite(cfg)
     _check_known_keys(cfg)
@@ -705,7 +707,7 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if cfg.monitor.grad_ratio_every and is_deepspeed(cfg):
         _bad("monitor.grad_ratio_every is not built under DeepSpeed (its gradients live in the engine's partitions); "
              "measure the ratio on a cpu or ddp run with the same settings, or set it to 0")
-    tiny = not OmegaConf.is_interpolation(m, "path") and not m.path
+    tiny = is_tiny(m)
     if m.name == "local" and tiny:
         _bad("model=local needs model.path=DIR, a local folder saved with save_pretrained (or use model=tiny)")
     est = estimator or build_estimator(cfg.kl)

@@ -29,7 +29,7 @@ from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
 from .console import IterationBar, quiet_third_party
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
-from .models import ModelPathError
+from .models import ModelPathError, head_dim
 from .module import GRPOModule
 from .plotting import plot_run
 from .policy import build_policy
@@ -76,7 +76,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
         raise ConfigError(str(e)) from None
     mc = policy.config
     validate(cfg, vocab_size=mc.vocab_size, estimator=opened.estimator,
-             head_dim=getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads)
+             head_dim=head_dim(mc))
     check_fits(cfg, policy, task, encode)
     k, n = cfg.rollout.max_staleness, cfg.algo.iterations
     if k and k >= n - 1:  # batch t is sampled by version max(0, t - k): all of them by the initial policy
@@ -178,9 +178,8 @@ def check_fits(cfg, policy, task, encode) -> None:
                           "context)")
     n, t = a.prompts_per_step * a.group_size, longest + ro.max_new_tokens
     heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
-    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
     elem = torch.finfo(next(policy.parameters()).dtype).bits // 8
-    need = n * (t * mc.num_hidden_layers * 2 * heads * head_dim * elem + mc.vocab_size * 4)
+    need = n * (t * mc.num_hidden_layers * 2 * heads * head_dim(mc) * elem + mc.vocab_size * 4)
     have = (torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if need > 0.8 * have:

@@ -87,6 +87,11 @@ def compile_body(model, *, backward_twice: bool = False):
     return model
 
 
+def head_dim(config) -> int:
+    """The attention head's width of a transformers config (its ``head_dim`` where it states one)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def model_shell(config, **kw):
     """A model of ``config`` whose weights are about to be loaded: built without initializing them, since the
     random initialization of a billion parameters takes seconds and is overwritten anyway (``kw``: dtype,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..engine.runs import git_commit
 from ..kl.lab import DTYPE, ENTRIES, PANEL, TOL, Case, Row, index_set, measure, moments, verdicts
 
 SWEEP_T = (0.0, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)  #: anchor = policy + t * direction
@@ -196,11 +196,9 @@ def _pct(x: float) -> str:
 
 
 def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    """The code's commit, short (``-dirty`` kept): :func:`ema_pg.engine.runs.git_commit` reads it."""
+    sha, _, dirty = git_commit().partition("-")
+    return sha[:7] + (f"-{dirty}" if dirty else "")
 
 
 def readme(rows: pd.DataFrame, verd: pd.DataFrame, var: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame, seconds: float) -> str:

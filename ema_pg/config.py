@@ -167,9 +167,6 @@ class RolloutConfig:
         if not self.correction_cap > 1:
             _bad(f"rollout.correction_cap must be > 1 (the band is [1/C, C]; peers use 2-5); got {self.correction_cap}")
         _at_least(("rollout.max_staleness", self.max_staleness, 0), ("rollout.worker_threads", self.worker_threads, 1))
-        if self.max_staleness and self.name != "hf":
-            _bad(f"rollout.max_staleness={self.max_staleness} runs the HF sampler in a worker process; a vLLM engine "
-                 "as the worker is not built: use rollout=hf, or rollout.max_staleness=0 with rollout=vllm")
         if self.correction != "none" and self.name == "hf":
             _bad(f"rollout.correction={self.correction} corrects the engine/trainer log-prob mismatch of rollout=vllm; "
                  "the HF sampler has none (it samples with the trainer's own numerics): set rollout.correction=none "

@@ -388,6 +388,10 @@ def test_a_resume_from_the_command_line_takes_a_new_server_address_and_keeps_its
                             f"task.retriever_url={second.url}"], capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert b.returncode == 0, b.stderr[-2000:]
         assert json.loads((run / "eval.json").read_text())["iteration"] == 4
+        from test_console import noise
+
+        for console in (a.stdout + a.stderr, b.stdout + b.stderr):  # search_r1's console, bars off as asked
+            assert noise(console) == [] and "\r" not in console and "RL iterations" not in console
         assert second.requests and second.requests[0]["queries"] == ["health check"]  # the new address in use
     finally:
         first.close()

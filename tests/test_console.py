@@ -3,7 +3,9 @@ math, search, search_reading; search_r1, search_paper and math_deepscaler need a
 and their consoles are checked by the scale and bring-your-own tests), each a few iterations at tiny sizes, with
 its progress bars on, and of the commands the README and docs show beside training (``python -m ema_pg.X``): the
 project's own lines only. A third-party logger's line, a Python warning or a bar the project did not choose fails
-here. ``reports`` and ``hpo`` are checked where their tests run them (tests/test_sweeps.py, tests/test_optuna.py)."""
+here. ``reports`` and ``hpo`` are checked where their tests run them (tests/test_sweeps.py, tests/test_optuna.py),
+``search_r1`` where the bring-your-own tests run it (tests/test_byo.py); ``math_deepscaler`` and ``search_paper``
+(DeepSpeed) run here on the scale path, as ``benchmarks/recipes.py`` runs them at a tiny shape."""
 
 from __future__ import annotations
 
@@ -100,3 +102,22 @@ def test_the_documented_commands_print_only_the_projects_lines(finished_run, tmp
     for name, console in consoles.items():
         assert noise(console) == [], (name, noise(console)[:10])
     assert (tmp_path / "exported" / "config.json").is_file() and (tmp_path / "CLAIMS.md").is_file()
+
+
+@pytest.mark.scale
+@pytest.mark.parametrize("recipe", ["math_deepscaler", "search_paper"])
+def test_the_paper_scale_recipes_print_only_the_projects_lines(recipe, tmp_path):
+    """The two GPU recipes on this CPU (DeepSpeed ZeRO-2, the HF sampler, a tiny model at the real vocabulary):
+    the training process's whole console, evaluations and checkpoint included, holds the project's lines only."""
+    out = tmp_path / "recipe.json"
+    r = subprocess.run([sys.executable, "benchmarks/recipes.py", "--recipe", recipe, "--shape", "tiny", "--iterations",
+                        "2", "--prompts", "2", "--eval-sets", "1", "--max-new-tokens", "12", "--workdir", str(tmp_path),
+                        "--extra", "rollout.static_cache=false", "trainer.progress_bar=true",
+                        *(["rollout.eval_samples=2"] if recipe == "math_deepscaler" else []),  # the paper's 32
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    result = json.loads(out.read_text())
+    assert result["run"]["rc"] == 0 and len(result["iterations"]) == 2 and "final_eval" in result
+    log = (tmp_path / f"{recipe}-tiny-z2" / "train.log").read_text()
+    assert "RL iterations" in log and "run folder:" in log
+    assert noise(log) == [], noise(log)[:10]

@@ -65,6 +65,63 @@ def test_weights_pushed_after_an_update_give_the_trainers_greedy_output(engine):
     assert not torch.equal(after.input_ids, before.input_ids)  # the update changed the greedy output
 
 
+def test_a_prefix_cache_hit_after_a_push_reports_the_new_weights_log_probs(engine, monkeypatch):
+    """The same prompts before and after a weight push (the asynchronous worker's case: each version's batch starts
+    from the prompts' cached prefixes): the engine's log-probs after the push are the new weights', to rounding.
+    With the cache left as it was (the reset skipped), the prompts' keys and values of the old weights are served
+    and the log-probs move away: the check can fail."""
+    task, tok, m0, sampler = engine
+    ids = tok(" ".join(task.corpus()))["input_ids"][:320]  # a long shared prefix: whole cached blocks at any block size
+    shared = tok.decode(ids)
+    prompts = [shared + " " + p.text for p in task.eval_splits()["nq"][:3]]
+    assert min(len(tok(p)["input_ids"]) for p in prompts) > 300
+
+    def gap_after_update(m):
+        sampler.generate(m, prompts, 2, temperature=0.8, max_new_tokens=6, seed=1)  # fills the prefix cache
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        for p in m.parameters():  # a large step in every weight: keys and values of the prompts change
+            p.grad = torch.randn_like(p) * 0.05
+        opt.step()
+        ro = sampler.generate(m, prompts, 2, temperature=0.8, max_new_tokens=6, seed=1)
+        with torch.no_grad():
+            new = head(m, ro, temperature=0.8).logp
+        mask = ro.response_mask.bool()
+        return float((new - ro.engine_logp)[mask].abs().max())
+
+    assert gap_after_update(copy.deepcopy(m0)) < 1e-4
+    monkeypatch.setattr(sampler.llm, "reset_prefix_cache", lambda *a, **k: True)
+    assert gap_after_update(copy.deepcopy(m0)) > 1e-2  # stale keys and values: the hit is visible
+
+
+def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_weights(tmp_path):
+    """``rollout=vllm rollout.max_staleness=1``: the worker's engine samples batch t with the weights of version
+    max(0, t - 1) (pushed to it, then its prefix cache reset), and pi_old is that version scored with the trainer's
+    numerics: their gap is rounding at every iteration (an engine a version behind or ahead would differ by the
+    update, large at this learning rate). The staleness histogram is the schedule's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm", "rollout.max_staleness=1",
+                        "algo.iterations=6", "algo.eval_every=3", "optim.lr=3e-3", f"sft.cache_dir={tmp_path / 'cache'}",
+                        "sft.steps=50", "trainer.progress_bar=false", f"run_dir={run}", f"hydra.run.dir={run}"],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    console = r.stdout + r.stderr
+    assert r.returncode == 0, console[-3000:]
+    assert "rollouts by staleness (iterations): 0: 1, 1: 5" in console
+    from test_console import noise
+
+    assert noise(console) == [], noise(console)[:5]  # the worker's engine start is as quiet as the trainer's
+    d = pd.read_csv(run / "metrics.csv")
+    gap = d["rollout/logp_gap_max"].dropna()
+    assert len(gap) == 6 and gap.max() < 1e-3, gap.tolist()
+    assert d["rollout/staleness"].dropna().tolist() == [0, 1, 1, 1, 1, 1]
+    assert d["time/rollout_worker_s"].notna().sum() == 6 and d["time/rollout_s"].dropna().lt(0.01).all()  # a handoff
+
+
 def test_multi_turn_search_rollout_has_the_hf_samplers_layout(engine):
     task, tok, m, sampler = engine
     ps = task.eval_splits()["nq"][:3]

@@ -34,6 +34,7 @@ from ..config import build_estimator
 from ..rollout import build_sampler
 from ..step import Sampled, sample_ahead
 from . import attention  # noqa: F401 - registers the attention kernel a policy may name
+from .console import quiet_third_party
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def _serve(conn, threads: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle (see RolloutsAhead._start)
         signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(threads)
+    quiet_third_party()  # the worker's console is the run's too (a vLLM engine's start writes model shards)
     try:
         spec = _loads(conn.recv_bytes())
         cfg = spec["cfg"]

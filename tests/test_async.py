@@ -181,7 +181,6 @@ def test_a_worker_without_the_batches_it_should_have_sampled_refuses_to_guess(wo
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["rollout=vllm", "rollout.max_staleness=1"], "rollout.max_staleness=1 runs the HF sampler"),
     (["rollout.max_staleness=-1"], "rollout.max_staleness"),
     (["anchor.align=old"], "anchor.align='old'; choose one of: current, behaviour"),
     (["rollout.max_staleness=1", "trainer=ddp"], "not built for several processes"),

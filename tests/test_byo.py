@@ -365,6 +365,7 @@ def test_the_command_line_says_a_down_server_in_one_line(search_r1_dir, tmp_path
                                                    "did not answer (connection refused); start it, or fix task.retriever_url")
 
 
+@pytest.mark.slow  # command-line processes, 11-15 s: the fast suite stays under 5 minutes
 def test_a_resume_from_the_command_line_takes_a_new_server_address_and_keeps_its_cold_start(search_r1_dir, tmp_path):
     """`resume=RUN task.retriever_url=NEW`, the form the docs give: Hydra refused the key (the default config has no
     retriever), and with `+` the new address changed the cold start's cache key, so the resume rebuilt it."""

@@ -258,6 +258,7 @@ def k3_summed(inp):  # one number for the whole batch, not one a token
     assert "Traceback" not in out
 
 
+@pytest.mark.slow  # command-line processes, 11-15 s: the fast suite stays under 5 minutes
 def test_cli_refuses_an_out_that_is_not_a_folder(tmp_path):
     (tmp_path / "report.md").write_text("x")
     for out, why in ((tmp_path / "report.md", "is a file"), (tmp_path / "new" / "report.md", "names a file"),

@@ -179,6 +179,7 @@ def test_three_workers_one_killed_the_others_requeue_its_trial_and_finish_the_st
     assert len({tuple(sorted(t.params.items())) for t in complete}) == n  # no point run twice
 
 
+@pytest.mark.slow  # command-line processes, 11-15 s: the fast suite stays under 5 minutes
 def test_the_earlier_command_name_still_runs_the_search(tmp_path):
     """`python -m ema_pg.hpo` is the Optuna search ("search" is the search task's word); `python -m ema_pg.search`
     is kept for the scripts that name it."""

@@ -214,11 +214,36 @@ def packed_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     return out[p.rep][None], None  # (1, S, Hq, D): each node from its creating row
 
 
+class _Rows(torch.autograd.Function):
+    """``x[index]`` whose backward sums the gradients of a node that several rows read (a shared prefix) in a fixed
+    order. The default backward (``index_put_`` with accumulation) sums them on several CPU threads in an order that
+    varies from one process to the next: a run on 2 threads did not repeat itself. Torch's deterministic
+    implementation of that one operation is switched on for it alone."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.n = x.shape[0]
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.n, *grad.shape[index.dim():]))
+        prior = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+        torch.use_deterministic_algorithms(True)
+        try:
+            out.index_put_((index,), grad, accumulate=True)
+        finally:
+            torch.use_deterministic_algorithms(prior[0], warn_only=prior[1])
+        return out, None
+
+
 def _rows_attention(module, query, key, value, gather, dropout, scaling, sliding_window, softcap) -> Tensor:
     """Causal attention of the rows whose nodes ``gather`` (n, L) holds, right-padded: (n, Hq, L, D)."""
     L = gather.shape[1]
     Hq, Hkv = query.shape[1], key.shape[1]
-    rows = lambda x: x[0].transpose(0, 1)[gather].transpose(1, 2)  # (1, H, S, D) -> (n, H, L, D)
+    rows = lambda x: _Rows.apply(x[0].transpose(0, 1), gather).transpose(1, 2)  # (1, H, S, D) -> (n, H, L, D)
     q, k, v = rows(query), rows(key), rows(value)
     drop = dropout if module.training else 0.0
     window = sliding_window if sliding_window and sliding_window < L else None
@@ -252,7 +277,7 @@ def packed_states(body, p: Packing, owner=None) -> Tensor:
     model whose config the body reads (default: the body's own)."""
     with packed(owner if owner is not None else body):
         out = body(input_ids=p.input_ids, position_ids=p.position_ids, **{PACK_KWARG: p})
-    return out.last_hidden_state[0, p.predictors]
+    return _Rows.apply(out.last_hidden_state[0], p.predictors)  # a node predicts every row's next token after it
 
 
 def packed_hidden(model, p: Packing) -> Tensor:

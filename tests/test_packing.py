@@ -194,6 +194,7 @@ torch.save([p.grad for p in m.parameters()], sys.argv[1])
 """
 
 
+@pytest.mark.slow  # two processes of a 4-layer update, 25 s
 def test_a_packed_update_on_two_threads_repeats_itself_in_another_process(tmp_path):
     """The gradient of a shared prefix node sums what the rows that read it send back; on several CPU threads the
     default accumulation summed them in an order that varied between processes, so a run on 2 threads did not

@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for ema_pg.train")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.steps_only and a.kill_resume:
+        ap.error("--steps-only writes no checkpoint, which --kill-resume needs: give one of them")
 
     import torch
 
@@ -230,7 +232,7 @@ def main() -> None:
     need = CKPT_BYTES_PER_PARAM * result["params"]
     free = shutil.disk_usage(work).free
     result["checkpoint_estimate_gb"], result["disk_free_gb"] = need / 1e9, free / 1e9
-    stop_after = a.iterations if a.steps_only and not a.kill_resume else None
+    stop_after = a.iterations if a.steps_only else None
     if stop_after:
         result["checkpoint"] = "not written: --steps-only stopped the run after its last iteration's metrics"
     elif a.disk_check and need * 1.05 > free - HEADROOM and not a.kill_resume:

@@ -660,7 +660,6 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
 
     Each group's own ranges are checked beside its fields (``AlgoConfig.check``, ...); the rules that
     span groups are here. ``vocab_size`` and ``head_dim`` (the built model's) add the checks that need the model."""
-
     _check_finite(cfg)
     _check_known_keys(cfg)
     types = {f.name: f.default_factory for f in fields(Config) if f.name in CHECKED_GROUPS}

@@ -118,6 +118,9 @@ def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_
     d = pd.read_csv(run / "metrics.csv")
     gap = d["rollout/logp_gap_max"].dropna()
     assert len(gap) == 6 and gap.max() < 1e-3, gap.tolist()
+    # one version's update moves some token's probability by more than that bound (the ratio of version t to the
+    # behaviour version t - 1 at the update): an engine a version behind would fail the gap check
+    assert d["train/ratio_max"].dropna().iloc[1:].gt(1.01).all(), d["train/ratio_max"].tolist()
     assert d["rollout/staleness"].dropna().tolist() == [0, 1, 1, 1, 1, 1]
     assert d["time/rollout_worker_s"].notna().sum() == 6 and d["time/rollout_s"].dropna().lt(0.01).all()  # a handoff
 

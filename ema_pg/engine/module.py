@@ -319,7 +319,7 @@ class GRPOModule(L.LightningModule):
             if current is not None:
                 current.update(ready=0, started=0, processed=0, completed=-1)
         self.eval_history = list(st.get("eval_history", []))
-        self.elapsed_before, self._started = float(st.get("elapsed_s", 0.0)), time.monotonic()
+        self.elapsed_before = float(st.get("elapsed_s", 0.0))  # this process's own time counts from its start
         self._restored_in_flight = dict(st.get("in_flight", {}))
         self.staleness_counts = dict(st.get("staleness_counts", {}))
         if self.critic is not None and "critic_opt" in st:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .results import (bootstrap_ci, claim_verdict, format_seeds, load_curves, load_runs, min_detectable,
+from .results import (bootstrap_ci, claim_verdict, format_seeds, load_curves, load_runs, min_detectable, paired_sd,
                       paired_differences, seed_tally, seeds_to_detect, set_style, verdict)
 
 METRIC = "final/eval/avg/em"
@@ -56,7 +56,7 @@ def decide(table: pd.DataFrame) -> pd.DataFrame:
         lo, hi = bootstrap_ci(d)
         v = claim_verdict(lo, hi) if kind == "greater" else {"higher": "grows", "lower": "shrinks"}.get(
             verdict(lo, hi), "undecided") if cid == "H" else verdict(lo, hi)
-        rows.append({"id": cid, "claim": what, "kind": kind, "mean": d.mean(), "sd": d.std(ddof=1), "ci_lo": lo,
+        rows.append({"id": cid, "claim": what, "kind": kind, "mean": d.mean(), "sd": paired_sd(d), "ci_lo": lo,
                      "ci_hi": hi, "verdict": v, "mde": min_detectable(d), "seeds_to_decide": seeds_to_detect(d),
                      "tally": seed_tally(d), "per_seed": " ".join(f"{x:+.3f}" for x in d)})
     return pd.DataFrame(rows)

@@ -228,11 +228,17 @@ def sign_flip_p(deltas) -> float:
 DETECT_Z = 2.8  # z(0.975) + z(0.80): a paired difference this many standard errors from 0 is found 80% of the time at two-sided 5%
 
 
+def paired_sd(deltas) -> float:
+    """The sample standard deviation of paired differences (ddof 1); nan below two seeds, without numpy's warning."""
+    d = np.asarray(list(deltas), dtype=float)
+    return float(d.std(ddof=1)) if len(d) > 1 else float("nan")
+
+
 def min_detectable(deltas) -> float:
     """The smallest mean paired difference these seeds would detect: 2.8 x the paired std / sqrt(seeds)
     (80% power, two-sided 5%); nan below two seeds."""
     d = np.asarray(list(deltas), dtype=float)
-    return float(DETECT_Z * d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+    return float(DETECT_Z * paired_sd(d) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
 
 
 def seeds_to_detect(deltas) -> float:
@@ -243,7 +249,7 @@ def seeds_to_detect(deltas) -> float:
     d = np.asarray(list(deltas), dtype=float)
     if len(d) < 2:
         return float("nan")
-    m, sd = abs(float(d.mean())), float(d.std(ddof=1))
+    m, sd = abs(float(d.mean())), paired_sd(d)
     if m == 0:
         return float("inf") if sd > 0 else float("nan")
     return float(max(2, int(np.ceil((DETECT_Z * sd / m) ** 2))))
@@ -370,8 +376,8 @@ def ablation_report(runs: pd.DataFrame, out: str | Path, x: str, hue: str | None
     sns.barplot(runs, x=x, y=f"final/{metric}", hue=hue or x, order=xs, errorbar="sd", ax=a2, alpha=0.8,
                 legend=bool(hue), hue_order=None if hue else xs,
                 palette=None if hue else dict(zip(xs, sns.color_palette("colorblind", len(xs)))))
-    sns.stripplot(runs, x=x, y=f"final/{metric}", hue=hue, order=xs, dodge=bool(hue), ax=a2, color="k", size=3,
-                  legend=False)
+    sns.stripplot(runs, x=x, y=f"final/{metric}", hue=hue, order=xs, dodge=bool(hue), ax=a2, size=3, legend=False,
+                  **({"palette": "dark:k"} if hue else {"color": "k"}))  # black dots, with or without hue
     a2.set(xlabel=x, ylabel=f"final {metric}", title="final (bars: mean ± std; dots: seeds)")
     a2.tick_params(axis="x", labelrotation=15)
     fig.suptitle(title or name)

@@ -649,9 +649,6 @@ def validate_world(cfg, world: int) -> None:
     if a.minibatch_size and (a.minibatch_size % world or rows % (a.minibatch_size // world)):
         _bad(f"algo.minibatch_size={a.minibatch_size} must split over {world} processes: a multiple of {world} whose "
              f"per-process share divides each process's {rows} rows")
-    if cfg.rollout.max_staleness:
-        _bad(f"rollout.max_staleness={cfg.rollout.max_staleness} (a rollout worker beside one trainer process) is not "
-             f"built for several processes ({world}); use one process, or max_staleness=0")
 
 
 def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, estimator=None):
@@ -712,15 +709,9 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if tiny and est.k > m.tokenizer_vocab:  # known before the cold start builds anything
         _bad(f"kl.k={est.k} is larger than the vocabulary of the tiny model (model.tokenizer_vocab="
              f"{m.tokenizer_vocab}); choose kl.k <= {m.tokenizer_vocab}")
-    if ro.max_staleness and (is_deepspeed(cfg) or "ddp" in strategy):
-        _bad(f"rollout.max_staleness={ro.max_staleness} (a rollout worker beside one trainer process) is not built for "
-             f"several processes or DeepSpeed (trainer.strategy={strategy}); use trainer=cpu or gpu, or max_staleness=0")
     world = stated_world_size(cfg.trainer)
     if world is not None:  # else the module's setup checks it, once Lightning has counted the processes
         validate_world(cfg, world)
-    if ro.max_staleness and m.lora_rank:
-        _bad("rollout.max_staleness > 0 with model.lora_rank > 0 is not built (the worker copies whole weights); "
-             "set model.lora_rank=0 or rollout.max_staleness=0")
     if ro.name == "vllm" and strategy == "deepspeed_stage_3":
         _bad("rollout=vllm with deepspeed_stage_3 is not built: pushing weights would gather the whole model on "
              "every rank; use deepspeed_stage_2 (full weights on each rank) or rollout=hf")

@@ -72,6 +72,14 @@ class World:
         torch.distributed.all_gather_object(out, obj)
         return out
 
+    def broadcast(self, obj, src: int = 0):
+        """Rank ``src``'s ``obj`` on every rank (pickled; any value on the others is ignored)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Metrics averaged over ranks; keys ending in ``_max`` / ``_min`` take the max / min."""
         if self.size == 1:
@@ -167,6 +175,19 @@ class Zero3FullWeights:
             finally:
                 for m, name, table in set_aside:
                     setattr(m, name, table)
+
+
+@contextmanager
+def whole(models, offload=None):
+    """Every parameter of ``models`` whole on every rank inside the block, to be read (a copy of the weights to
+    push to a rollout worker): under ZeRO-3 a collective gather that every rank enters together, after the
+    prefetches still in flight are waited for (``offload``: the engine's DeepSpeedZeRoOffload, as in
+    :class:`Zero3FullWeights`); for ordinary parameters nothing."""
+    params = [p for m in models for p in m.parameters() if zero3_partitioned(p)]
+    if params and offload is not None:
+        offload.partition_all_parameters()
+    with gathered(params):
+        yield
 
 
 def call_through(module: torch.nn.Module, fn, *inputs):

@@ -64,6 +64,13 @@ class OldAndAnchor:
     index: Tensor | None  # (N, T, k) the index set q_n handed to the estimator (None: no top-k)
     anchor_index_logp: Tensor | None  # (N, T, k) log pi_anchor at q_n
 
+    def select(self, rows: Tensor) -> OldAndAnchor:
+        """The same scores for a subset of rows."""
+        pick = lambda x: None if x is None else x[rows.to(x.device)]
+        return OldAndAnchor(self.old.select(rows.to(self.old.logp.device)),
+                            None if self.anchor is None else self.anchor.select(rows.to(self.anchor.logp.device)),
+                            pick(self.index), pick(self.anchor_index_logp))
+
 
 class OldAndAnchorScorer:
     """The one place that decides whose top-k is the estimator's index set q_n.
@@ -343,6 +350,17 @@ class Sampled:
     version: int  # RL iterations applied to the weights that sampled it
     scores: OldAndAnchor | None = None
     rollout_s: float = 0.0  # the worker's time to sample and score it
+
+    def share(self, world: World, group_size: int) -> Sampled:
+        """This rank's block of whole groups of a batch the worker sampled whole (several trainer processes, one
+        worker): the rows of the prompts :meth:`ema_pg.dist.World.block` gives this rank, as a synchronous run
+        splits its prompts. The sampling metrics stay the whole batch's."""
+        if world.size == 1:
+            return self
+        groups = world.block(len(self.rewards) // group_size)
+        rows = torch.arange(groups.start * group_size, groups.stop * group_size)
+        return Sampled(self.rollouts.select(rows), self.rewards[rows.to(self.rewards.device)], self.metrics,
+                       self.version, None if self.scores is None else self.scores.select(rows), self.rollout_s)
 
 
 @torch.no_grad()

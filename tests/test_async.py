@@ -170,6 +170,29 @@ def test_the_worker_samples_batch_t_with_version_t_minus_k_and_a_restored_one_co
         assert torch.equal(a.scores.anchor.logp, b.scores.anchor.logp)
 
 
+def test_each_trainer_process_takes_its_block_of_whole_groups_of_the_workers_batch(world):
+    """Several trainer processes, one worker: the worker's whole batch (rollouts, pi_old, the aligned anchor's
+    scores and index set, rewards) is split into the blocks of whole groups that World.block gives each rank, in
+    rank order, and nothing is lost or repeated."""
+    from ema_pg.dist import World
+
+    policy, _, _, cfg = world
+    whole = ahead(world, policy, frozen(moved(policy, 0.1, 1)), 2, 1)
+    G, ranks = cfg.algo.group_size, 3
+    shares = [whole.share(World(r, ranks), G) for r in range(ranks)]
+    for r, s in enumerate(shares):
+        assert s.rollouts.prompt_index == [r] * G and s.version == 1 and s.metrics == whole.metrics
+    cat = lambda get: torch.cat([get(s) for s in shares])
+    assert torch.equal(cat(lambda s: s.rewards), whole.rewards)
+    assert torch.equal(cat(lambda s: s.rollouts.input_ids), whole.rollouts.input_ids)
+    assert torch.equal(cat(lambda s: s.rollouts.old.logp), whole.rollouts.old.logp)
+    assert torch.equal(cat(lambda s: s.scores.old.index_logp), whole.scores.old.index_logp)
+    assert torch.equal(cat(lambda s: s.scores.anchor.logp), whole.scores.anchor.logp)
+    assert torch.equal(cat(lambda s: s.scores.index), whole.scores.index)
+    assert torch.equal(cat(lambda s: s.scores.anchor_index_logp), whole.scores.anchor_index_logp)
+    assert whole.share(World(), G) is whole
+
+
 def test_a_worker_without_the_batches_it_should_have_sampled_refuses_to_guess(world):
     """Resumed at iteration 3 with nothing in flight: batch 3 was version 1's, which is gone: a clear error."""
     worker = _ahead(world, 2, world[0], None, "current")
@@ -183,8 +206,6 @@ def test_a_worker_without_the_batches_it_should_have_sampled_refuses_to_guess(wo
 @pytest.mark.parametrize("overrides, match", [
     (["rollout.max_staleness=-1"], "rollout.max_staleness"),
     (["anchor.align=old"], "anchor.align='old'; choose one of: current, behaviour"),
-    (["rollout.max_staleness=1", "trainer=ddp"], "not built for several processes"),
-    (["rollout.max_staleness=1", "model.lora_rank=4"], "model.lora_rank > 0 is not built"),
 ])
 def test_bad_async_settings_stop_at_start_naming_the_knob(overrides, match):
     with pytest.raises(ConfigError, match=match):

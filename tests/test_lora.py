@@ -76,7 +76,12 @@ def test_lora_ema_is_eq_2_on_the_adapters(lora_policy):
     assert an.lag_norm(pol) == pytest.approx(lag)
 
 
-def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports_merged(tmp_path):
+@pytest.mark.parametrize("worker", [False, True], ids=["synchronous", "rollout_worker"])
+def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports_merged(tmp_path, worker):
+    """rollout_worker: staleness 1 with the anchor's adapter aligned to the behaviour version. The resumed run starts
+    a new worker, which must be sent the base again (a worker given the adapters alone would sample from an empty
+    base and the resumed run would not repeat the uninterrupted one); every push after a worker's first carries the
+    two adapters only."""
     import pandas as pd
     from omegaconf import OmegaConf
 
@@ -84,13 +89,15 @@ def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports_merged(tmp_p
     from ema_pg.train import train
 
     base = ["model.lora_rank=4", "task.digits=1", "task.eval_size=7", "sft.steps=100", "sft.stop_at_reward=0", "optim.lr=1e-2",
-            "anchor.update_every=1"]
+            "anchor.update_every=1"] + (["rollout.max_staleness=1", "anchor.align=behaviour"] if worker else [])
     _, full = train(compose_cfg(base, tmp_path / "full"))
     train(compose_cfg([*base, "algo.iterations=2"], tmp_path / "half"))
     resumed = OmegaConf.load(tmp_path / "half" / "run" / "config.yaml")
     resumed.algo.iterations, resumed.resume = 4, str(tmp_path / "half" / "run")
     _, again = train(resumed)
-    cols = lambda d: d[[c for c in d.columns if not c.startswith("time/")]].sort_values("step", kind="stable").reset_index(drop=True)
+    # push_mb is left out: what a push carries depends on the worker process (the resumed run's first is whole)
+    cols = lambda d: d[[c for c in d.columns if not c.startswith("time/") and c != "rollout/push_mb"]].sort_values(
+        "step", kind="stable").reset_index(drop=True)
     a, b = pd.read_csv(full["run_dir"] / "metrics.csv"), pd.read_csv(again["run_dir"] / "metrics.csv")
     pd.testing.assert_frame_equal(cols(a), cols(b), check_exact=True)
     assert a["anchor/lag_norm"].dropna().iloc[-1] > 0
@@ -103,3 +110,16 @@ def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports_merged(tmp_p
     moved = (p1["model.layers.0.self_attn.q_proj.weight"] - p0["model.layers.0.self_attn.q_proj.weight"]).abs().max()
     lag = (p2["model.layers.0.self_attn.q_proj.weight"] - p0["model.layers.0.self_attn.q_proj.weight"]).abs().max()
     assert moved > 0 and 0 < lag < moved  # the EMA anchor trails the policy
+    if worker:
+        from ema_pg.engine.lora import add_anchor_adapter
+
+        pushed = a["rollout/push_mb"].dropna().tolist()
+        shaped = wrap_lora(copy.deepcopy(init), 4, 16.0, "all-linear")
+        add_anchor_adapter(shaped)  # the policy's adapter and the anchor's, as the run holds them
+        mib = lambda keep: sum(v.numel() * v.element_size() for k, v in shaped.state_dict().items() if keep(k)) / 2**20
+        adapters, everything = mib(lambda k: "lora_" in k), mib(lambda k: True)
+        assert len(pushed) == 4 and pushed[0] == pytest.approx(everything)  # a new worker: the whole model
+        assert pushed[1:] == pytest.approx([adapters] * 3) and adapters < everything / 5, pushed  # the adapters alone
+        again_pushed = b["rollout/push_mb"].dropna().tolist()  # iterations 1-2, then the resumed run's new worker
+        assert again_pushed == pytest.approx([everything, adapters, everything, adapters])
+        assert a["rollout/staleness"].dropna().tolist() == [0, 1, 1, 1]

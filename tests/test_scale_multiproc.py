@@ -81,7 +81,12 @@ def two_process(tmp_path_factory, cache, one_process):
 
 @pytest.mark.parametrize("strategy", list(TWO))
 def test_two_processes_train_like_one(strategy, one_process, two_process):
-    ref, got = curves(one_process), curves(two_process(strategy))
+    assert_trains_alike(one_process, two_process(strategy))
+
+
+def assert_trains_alike(one: Path, two: Path):
+    """A 2-process run against its 1-process reference, within the tolerances of the module's docstring."""
+    ref, got = curves(one), curves(two)
     assert len(got) == len(ref) == 6
     assert got["train/reward_mean"].tolist() == ref["train/reward_mean"].tolist()  # same prompts and samples
     first = lambda d, k: float(d[k].iloc[0])
@@ -91,9 +96,9 @@ def test_two_processes_train_like_one(strategy, one_process, two_process):
     # of the weights shows in it at ~1e-4 relative (ZeRO-3: 1.3e-4, 2.6e-8 absolute); the weights themselves
     # are compared below.
     assert float(got["train/loss"].iloc[1]) == pytest.approx(float(ref["train/loss"].iloc[1]), rel=1e-3)
-    init = weights(one_process, "initial")
+    init = weights(one, "initial")
     for which in ("policy", "anchor"):
-        a, b = weights(one_process, which), weights(two_process(strategy), which)
+        a, b = weights(one, which), weights(two, which)
         step = sum(((a[k] - init[k]) ** 2).sum() for k in a) ** 0.5
         diff = sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5
         assert step > 0.1 and diff / step < 1e-2, (which, float(diff / step))
@@ -140,10 +145,15 @@ def test_ranks_take_disjoint_blocks_of_whole_groups():
 
 
 def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, cache, two_process):
-    full = two_process("zero3")
-    killed = tmp_path / "run"
-    proc = run(killed, TWO["zero3"], cache=cache, background=True)
-    marker = killed / "checkpoints" / "last.ckpt" / "latest"  # DeepSpeed writes it once the checkpoint is complete
+    assert_kill_resume_repeats(two_process("zero3"), tmp_path / "run", TWO["zero3"], cache)
+
+
+def assert_kill_resume_repeats(full: Path, killed: Path, extra, cache):
+    """The run of ``extra`` killed with SIGKILL (every process of it) after its first checkpoint and resumed ends
+    with exactly the weights, anchor and curves of ``full``, the same run uninterrupted."""
+    proc = run(killed, extra, cache=cache, background=True)
+    marker = killed / "checkpoints" / "last.ckpt"
+    marker = marker / "latest" if "trainer=deepspeed" in extra else marker  # DeepSpeed writes it once complete
     t0 = time.time()
     while not marker.is_file() and proc.poll() is None and time.time() - t0 < 300:
         time.sleep(0.05)
@@ -157,6 +167,62 @@ def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(tmp_pa
         a, b = weights(full, which), weights(killed, which)
         assert all(torch.equal(a[k], b[k]) for k in a), which
     pd.testing.assert_frame_equal(curves(full).reset_index(drop=True), curves(killed).reset_index(drop=True))
+
+
+# ---------------------------------------------------------------------- several trainer processes, one rollout worker
+#: staleness 1, the anchor of the behaviour version pushed beside the policy (under ZeRO-3 both are gathered to push)
+ASYNC = ["rollout.max_staleness=1", "anchor.align=behaviour"]
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory, cache):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            made[name] = run(tmp_path_factory.mktemp(f"async_{name}") / "run", TWO.get(name, []) + ASYNC, cache=cache)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("strategy", list(TWO))
+def test_two_processes_with_one_rollout_worker_train_like_one_process_with_it(strategy, async_runs):
+    """Rank 0's worker samples the whole batch with the weights of version t - 1 and every rank updates on its block
+    of groups: the same batches (rewards), first update and weights as the one-process asynchronous run."""
+    assert_trains_alike(async_runs("one"), async_runs(strategy))
+    staleness = pd.read_csv(async_runs(strategy) / "metrics.csv")["rollout/staleness"].dropna().tolist()
+    assert staleness == [0.0] + [1.0] * 5
+
+
+def test_zero3_with_a_rollout_worker_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(
+        tmp_path, cache, async_runs):
+    """The batches in flight are rank 0's, saved in the checkpoint DeepSpeed writes from rank 0; both ranks resume
+    and repeat the uninterrupted run bit for bit."""
+    assert_kill_resume_repeats(async_runs("zero3"), tmp_path / "run", TWO["zero3"] + ASYNC, cache)
+
+
+def test_a_killed_worker_stops_every_trainer_process_with_one_line(tmp_path, cache):
+    """kill -9 of rank 0's rollout worker: rank 0 and rank 1 both stop (rank 1 learns it from rank 0, not from a
+    collective's timeout), the run exits non-zero naming the worker, and no process is left."""
+    import psutil
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ema_pg.train", *ARGS, *TWO["ddp"], *ASYNC, "algo.iterations=400", "algo.eval_every=100",
+         f"run_dir={tmp_path / 'run'}", f"sft.cache_dir={cache}"], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    rank0, t0 = psutil.Process(proc.pid), time.time()
+    spawned = lambda: [c for c in rank0.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+    while not spawned() and time.time() - t0 < 300:
+        time.sleep(0.2)
+    assert spawned(), "no rollout worker started"
+    time.sleep(3)  # a few iterations in
+    everyone = rank0.children(recursive=True)
+    spawned()[0].kill()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "rollout worker" in out and "died" in out, out[-3000:]
+    assert all(not psutil.pid_exists(c.pid) or c.status() == psutil.STATUS_ZOMBIE for c in everyone)
 
 
 def test_zero3_sigterm_inside_a_period_keeps_that_periods_checkpoint_and_resumes_to_the_uninterrupted_run(

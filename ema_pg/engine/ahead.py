@@ -35,6 +35,7 @@ from ..rollout import build_sampler
 from ..step import Sampled, sample_ahead
 from . import attention  # noqa: F401 - registers the attention kernel a policy may name
 from .console import quiet_third_party
+from .lora import ANCHOR, AdapterView, add_anchor_adapter, is_lora, wrap_lora
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +50,24 @@ def _loads(data: bytes, device: str = "cpu"):
     return torch.load(io.BytesIO(data), map_location=device, weights_only=False)
 
 
-def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of the parameters and buffers, under the names of the uncompiled model."""
-    return {k.replace("_orig_mod.", ""): v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+def _weights(model: torch.nn.Module, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+    """A copy of the parameters and buffers, under the names of the uncompiled model (``adapters_only``: a LoRA
+    model's adapter weights alone, every adapter's)."""
+    return {k.replace("_orig_mod.", ""): v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()
+            if not adapters_only or "lora_" in k}
 
 
-def _blank(model: torch.nn.Module):
+def _blank(model: torch.nn.Module, lora=None):
     """How to build the model again in the worker: its class's ``from_config``, its dtype, attention kernel and
-    device (a policy on a GPU gets a worker sampling on the same GPU)."""
+    device (a policy on a GPU gets a worker sampling on the same GPU); ``lora`` (the run's model config, for a
+    LoRA policy): the adapters to wrap it with, the anchor's among them when the policy holds one."""
     cfg, first = model.config, next(model.parameters())
+    adapters = None
+    if lora is not None:
+        adapters = {"rank": lora.lora_rank, "alpha": lora.lora_alpha, "targets": lora.lora_targets,
+                    "anchor": ANCHOR in model.peft_config}
     return {"config": cfg, "dtype": first.dtype, "attn": getattr(cfg, "_attn_implementation", None),
-            "device": str(first.device)}
+            "device": str(first.device), "lora": adapters}
 
 
 def _build(blank: dict) -> torch.nn.Module:
@@ -67,6 +75,11 @@ def _build(blank: dict) -> torch.nn.Module:
 
     kw = {"attn_implementation": blank["attn"]} if blank["attn"] else {}
     model = model_shell(blank["config"], dtype=blank["dtype"], **kw)  # the trainer's weights arrive next
+    if blank.get("lora"):  # the same adapters as the trainer's policy: its state dict's names line up
+        lo = blank["lora"]
+        model = wrap_lora(model, lo["rank"], lo["alpha"], lo["targets"])
+        if lo["anchor"]:
+            add_anchor_adapter(model)
     return model.to(blank.get("device", "cpu")).eval()
 
 
@@ -80,8 +93,11 @@ def _serve(conn, threads: int) -> None:
         spec = _loads(conn.recv_bytes())
         cfg = spec["cfg"]
         policy = _build(spec["policy"])
-        anchor = _build(spec["anchor"]) if spec["anchor"] is not None else None
-        sampler = build_sampler(cfg.rollout, spec["tokenizer"])
+        if spec["anchor"] == ANCHOR:  # a LoRA policy's anchor: its second adapter, pushed with the policy's weights
+            anchor = AdapterView(policy, ANCHOR)
+        else:
+            anchor = _build(spec["anchor"]) if spec["anchor"] is not None else None
+        sampler = build_sampler(cfg.rollout, spec["tokenizer"], lora=bool(cfg.model.lora_rank))
         estimator = build_estimator(cfg.kl)
         version = -1
         conn.send_bytes(_dumps(("ready", None)))
@@ -94,9 +110,12 @@ def _serve(conn, threads: int) -> None:
             if kind == "stop":
                 return
             if kind == "weights":
-                version = msg[1]
-                policy.load_state_dict(msg[2])
-                if anchor is not None:
+                version, partial = msg[1], msg[4]
+                missing, unexpected = policy.load_state_dict(msg[2], strict=False)
+                if unexpected or (missing and not partial):  # a partial push: a LoRA policy's adapters alone
+                    raise RuntimeError(f"version {version}'s weights do not fit the worker's model: missing "
+                                       f"{missing[:3]}, unexpected {unexpected[:3]}")
+                if msg[3] is not None:
                     anchor.load_state_dict(msg[3])
             elif kind == "sample":
                 t, want = msg[1], msg[2]
@@ -143,8 +162,14 @@ class RolloutsAhead:
         self.cfg, self.k = cfg, int(cfg.rollout.max_staleness)
         self.aligned = anchor_model is not None and cfg.anchor.align == "behaviour"
         self.device = str(next(policy.parameters()).device)  # where the batches are handed to the trainer
-        self._spec = {"cfg": cfg, "policy": _blank(policy), "anchor": _blank(anchor_model) if self.aligned else None,
+        #: a LoRA policy: the first push to a worker carries the whole model, later ones its adapters alone (the
+        #: anchor's adapter among them: the anchor is not pushed on its own)
+        self.lora = is_lora(policy)
+        anchor = (ANCHOR if self.lora else _blank(anchor_model)) if self.aligned else None
+        self._spec = {"cfg": cfg, "policy": _blank(policy, cfg.model if self.lora else None), "anchor": anchor,
                       "tokenizer": tokenizer, "task": task, "encode": encode, "chunk": chunk}
+        self._whole_sent = False  # the worker process now running has the LoRA base
+        self.last_push_mb = 0.0
         self.in_flight: dict[int, bytes] = {}
         self.asked: set[int] = set()
         self.proc = None
@@ -182,6 +207,7 @@ class RolloutsAhead:
                          threading.Thread(target=self._receiving, daemon=True, name="rollout-receive")]
         for th in self._threads:
             th.start()
+        self._whole_sent = False
         self._send(self._spec)
         with self._cond:  # "ready": the models are built
             self._wait(lambda: self._ready)
@@ -251,13 +277,13 @@ class RolloutsAhead:
         self._raise()
 
     # ------------------------------------------------------------------ the schedule
-    def next(self, t: int, policy, anchor_model) -> Sampled:
-        """Iteration t's batch. First pushes version t and asks for batch t + k and any batch before it that no one
-        has asked for (at t = 0: batches 0 .. k, all of version 0); then waits for batch t. Batches past the run's
-        last iteration are sampled too: the final checkpoint keeps them, so a run continued with more iterations
-        repeats the longer uninterrupted run exactly."""
+    def claim(self, t: int) -> list[int]:
+        """The batches iteration t asks for: t + k and any batch before it that no one has asked for (at t = 0:
+        batches 0 .. k, all of version 0), each checked against the schedule and marked as asked. Starts the
+        worker at the first call."""
         if self.proc is None:
             self._start()
+        self.last_push_mb = 0.0
         with self._cond:  # the receiver moves batches from asked to in_flight under the same lock
             wanted = [j for j in range(t, t + self.k + 1) if j not in self.in_flight and j not in self.asked]
             for j in wanted:
@@ -265,10 +291,29 @@ class RolloutsAhead:
                     raise RolloutWorkerError(f"batch {j} should have been sampled by version {self.version_of(j)}, but "
                                              f"it is neither saved nor in flight at iteration {t}; the checkpoint lacks it")
             self.asked.update(wanted)
-        if wanted:
-            self._send(("weights", t, _weights(policy), _weights(anchor_model) if self.aligned else None))
-            for j in wanted:
-                self._send(("sample", j, t))
+        return wanted
+
+    def snapshot(self, policy, anchor_model) -> tuple[dict, dict | None]:
+        """What the push of a version carries: a copy of the policy's weights and, aligned, of the anchor's. A LoRA
+        policy's weights are its adapters alone once the worker process has the base (the base never moves)."""
+        if self.lora:
+            whole = not self._whole_sent
+            self._whole_sent = True
+            return _weights(policy, adapters_only=not whole), None
+        return _weights(policy), _weights(anchor_model) if self.aligned else None
+
+    def ask(self, t: int, wanted: list[int], policy_weights: dict, anchor_weights: dict | None) -> None:
+        """Push version t (a snapshot of its weights, and its anchor's when aligned: :meth:`snapshot`) and ask for
+        ``wanted``."""
+        partial = self.lora and all("lora_" in k for k in policy_weights)
+        self.last_push_mb = sum(v.numel() * v.element_size() for w in (policy_weights, anchor_weights or {})
+                                for v in w.values()) / 2**20
+        self._send(("weights", t, policy_weights, anchor_weights if self.aligned else None, partial))
+        for j in wanted:
+            self._send(("sample", j, t))
+
+    def take(self, t: int) -> bytes:
+        """Batch t as the worker's bytes, waited for (``last_wait_s``: how long)."""
         t0 = time.perf_counter()
         with self._cond:
             if t not in self.in_flight and t not in self.asked:
@@ -276,7 +321,17 @@ class RolloutsAhead:
             self._wait(lambda: t in self.in_flight)
             data = self.in_flight.pop(t)
         self.last_wait_s = time.perf_counter() - t0
-        return _loads(data, self.device)
+        return data
+
+    def next(self, t: int, policy, anchor_model) -> Sampled:
+        """Iteration t's batch (one trainer process). First pushes version t and asks for the batches of
+        :meth:`claim`; then waits for batch t. Batches past the run's last iteration are sampled too: the final
+        checkpoint keeps them, so a run continued with more iterations repeats the longer uninterrupted run
+        exactly."""
+        wanted = self.claim(t)
+        if wanted:
+            self.ask(t, wanted, *self.snapshot(policy, anchor_model))
+        return _loads(self.take(t), self.device)
 
     def state(self) -> dict[int, bytes]:
         """The batches in flight, each awaited: what a checkpoint saves so that a resume repeats them."""
@@ -301,3 +356,40 @@ class RolloutsAhead:
             th.join(5)
         self.conn.close()
         self.proc = None
+
+
+def shared_next(ahead: RolloutsAhead | None, t: int, policy, anchor_model, world, gather, group_size: int,
+                aligned: bool) -> tuple[Sampled, float]:
+    """Iteration t's batch on several trainer processes with one worker: (this rank's share, seconds waited).
+
+    Rank 0 owns the worker (``ahead``; None on the other ranks) and keeps the schedule; the worker samples the
+    whole batch, exactly as it does for one trainer process, and every rank takes its block of whole groups
+    (:meth:`ema_pg.step.Sampled.share`), as a synchronous run splits its prompts. ``gather()`` is entered by every
+    rank while rank 0 copies the weights it pushes (ZeRO-3: a collective gather of the partitioned policy, and of
+    the anchor when ``aligned`` pushes it too; otherwise nothing). A failure of the worker reaches every rank as the
+    same :class:`RolloutWorkerError`, so no rank waits in a collective for a batch that will not come."""
+    t0 = time.perf_counter()
+    first = ("ok", None)
+    if world.rank == 0:
+        try:
+            first = ("ok", ahead.claim(t))
+        except RolloutWorkerError as e:
+            first = ("error", str(e))
+    kind, wanted = world.broadcast(first)
+    if kind == "error":
+        raise RolloutWorkerError(wanted)
+    if wanted:
+        with gather():
+            if world.rank == 0:
+                ahead.ask(t, wanted, *ahead.snapshot(policy, anchor_model))
+    second = ("ok", None)
+    if world.rank == 0:
+        try:
+            second = ("ok", ahead.take(t))
+        except RolloutWorkerError as e:
+            second = ("error", str(e))
+    kind, data = world.broadcast(second)
+    if kind == "error":
+        raise RolloutWorkerError(data)
+    device = str(next(policy.parameters()).device)
+    return _loads(data, device).share(world, group_size), time.perf_counter() - t0

@@ -19,7 +19,7 @@ import torch
 from ..advantages import ADVANTAGES
 from ..chunked import HeadChunk, chunk_budget_mb
 from ..config import build_estimator, is_deepspeed, stated_world_size, validate_world
-from ..dist import World, Zero3FullWeights, full_shape, zero3_partitioned
+from ..dist import World, Zero3FullWeights, full_shape, whole, zero3_partitioned
 from ..prompts import PromptEncoder
 from ..rollout import build_sampler
 from ..step import NonFiniteUpdates, Updater, rl_step
@@ -171,27 +171,45 @@ class GRPOModule(L.LightningModule):
     def _rl_step(self, iteration: int):
         anchor_model = None if self.anchor is None else self.anchor.model
         sampled = None
+        world, chunk = World.current(), self.head_chunk_rule()  # (ZeRO-3: the head's shape is read by a collective)
         if self.cfg.rollout.max_staleness:  # sampled ahead by the worker, with the weights of max(0, t - k)
-            if self.ahead is None:
-                self.ahead = self._rollouts_ahead()
-            sampled = self.ahead.next(iteration, self.policy, anchor_model)
+            if self.ahead is None and world.rank == 0:  # one worker, rank 0's (ahead.shared_next)
+                self.ahead = self._rollouts_ahead(chunk)
+            if world.size == 1:
+                sampled = self.ahead.next(iteration, self.policy, anchor_model)
+                wait = self.ahead.last_wait_s
+            else:
+                sampled, wait = self._shared_next(iteration, anchor_model, world)
         res = rl_step(iteration, policy=self.policy, anchor_model=anchor_model,
                       task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
-                      algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=self.head_chunk_rule(),
-                      world=World.current(), critic=self.critic, grad_ratio=self._grad_ratio_due(iteration),
+                      algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=chunk,
+                      world=world, critic=self.critic, grad_ratio=self._grad_ratio_due(iteration),
                       encode=self.encode, sampled=sampled)
         if sampled is not None:
             lag = iteration - sampled.version
             self.staleness_counts[lag] = self.staleness_counts.get(lag, 0) + 1
-            res.metrics["time/rollout_wait_s"] = self.ahead.last_wait_s
-            res.metrics["time/step_s"] += self.ahead.last_wait_s
+            res.metrics["time/rollout_wait_s"] = wait
+            if self.ahead is not None:  # rank 0's: what this iteration's push carried
+                res.metrics["rollout/push_mb"] = self.ahead.last_push_mb
+            res.metrics["time/step_s"] += wait
         return res
 
-    def _rollouts_ahead(self):
+    def _shared_next(self, iteration: int, anchor_model, world: World):
+        """Several trainer processes: rank 0's worker samples the whole batch, each rank takes its share."""
+        from .ahead import shared_next
+
+        aligned = anchor_model is not None and self.cfg.anchor.align == "behaviour"
+        offload = getattr(getattr(self.trainer.strategy.model, "optimizer", None), "parameter_offload", None)
+        models = [self.policy] + ([anchor_model] if aligned else [])
+        return shared_next(self.ahead, iteration, self.policy, anchor_model, world, lambda: whole(models, offload),
+                           self.cfg.algo.group_size, aligned)
+
+    def _rollouts_ahead(self, chunk: HeadChunk):
+        """The worker's trainer side, on one rank only: nothing here may be collective (see ahead.shared_next)."""
         from .ahead import RolloutsAhead
 
         ahead = RolloutsAhead(self.cfg, self.policy, None if self.anchor is None else self.anchor.model,
-                              self.tokenizer, self.task, self.encode, self.head_chunk_rule())
+                              self.tokenizer, self.task, self.encode, chunk)
         ahead.restore(self._restored_in_flight)
         return ahead
 

@@ -93,11 +93,15 @@ def test_a_prefix_cache_hit_after_a_push_reports_the_new_weights_log_probs(engin
     assert gap_after_update(copy.deepcopy(m0)) > 1e-2  # stale keys and values: the hit is visible
 
 
-def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_weights(tmp_path):
+@pytest.mark.parametrize("trainers", [[], ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]],
+                         ids=["one_trainer", "two_ddp_trainers"])
+def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_weights(tmp_path, trainers):
     """``rollout=vllm rollout.max_staleness=1``: the worker's engine samples batch t with the weights of version
     max(0, t - 1) (pushed to it, then its prefix cache reset), and pi_old is that version scored with the trainer's
     numerics: their gap is rounding at every iteration (an engine a version behind or ahead would differ by the
-    update, large at this learning rate). The staleness histogram is the schedule's."""
+    update, large at this learning rate). The staleness histogram is the schedule's. With two DDP trainer processes
+    the one worker is rank 0's, and each rank evaluates on an engine of its own (rank 1's engine folder is written
+    by rank 1: transformers' save_pretrained writes on rank 0 alone once torch.distributed is up)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -107,7 +111,7 @@ def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm", "rollout.max_staleness=1",
                         "algo.iterations=6", "algo.eval_every=3", "optim.lr=3e-3", f"sft.cache_dir={tmp_path / 'cache'}",
-                        "sft.steps=50", "trainer.progress_bar=false", f"run_dir={run}", f"hydra.run.dir={run}"],
+                        "sft.steps=50", "trainer.progress_bar=false", f"run_dir={run}", f"hydra.run.dir={run}", *trainers],
                        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
     console = r.stdout + r.stderr
     assert r.returncode == 0, console[-3000:]

@@ -119,6 +119,30 @@ def _row_seed(prompt_seed: int, sample: int, turn: int) -> int:
     return (prompt_seed * 1_000_003 + sample * 7_919 + turn * 104_729) % (2**31 - 1)
 
 
+def _engine_folder(model, tokenizer, path: str) -> None:
+    """The engine's model folder (config, weights, tokenizer), written on whichever rank starts an engine: every
+    rank of a DDP / ZeRO-2 run has its own. (Once torch.distributed is initialized, transformers'
+    ``save_pretrained`` writes a model's config and weights on rank 0 alone, and rank 1's engine found no model.)"""
+    import copy
+
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(model.config)  # what save_pretrained records of the model: its class and dtype
+    config.architectures = [type(model).__name__]
+    config.dtype = next(model.parameters()).dtype
+    config.save_pretrained(path)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(path)
+    weights, seen = {}, set()
+    for name, t in model.state_dict().items():  # a tied weight once, under its first name (the input embedding:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))  # the engine ties lm_head to it)
+        if key not in seen:
+            seen.add(key)
+            weights[name] = t.detach().contiguous()
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(path)
+
+
 class VLLMSampler:
     """Sampler over an in-process vLLM engine. ``cfg`` is the ``rollout`` config node."""
 
@@ -144,8 +168,7 @@ class VLLMSampler:
     def _start(self, model) -> None:
         c = self.cfg
         self._dir = tempfile.mkdtemp(prefix="ema_pg_vllm_")
-        model.save_pretrained(self._dir)
-        self.tok.save_pretrained(self._dir)
+        _engine_folder(model, self.tok, self._dir)
         dtype = c.engine_dtype if c.engine_dtype != "auto" else str(next(model.parameters()).dtype).replace("torch.", "")
         kw = {}
         if torch.cuda.is_available():

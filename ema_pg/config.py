@@ -712,9 +712,6 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     world = stated_world_size(cfg.trainer)
     if world is not None:  # else the module's setup checks it, once Lightning has counted the processes
         validate_world(cfg, world)
-    if ro.name == "vllm" and strategy == "deepspeed_stage_3":
-        _bad("rollout=vllm with deepspeed_stage_3 is not built: pushing weights would gather the whole model on "
-             "every rank; use deepspeed_stage_2 (full weights on each rank) or rollout=hf")
     _check_installed(cfg)
     if ro.name == "vllm" and head_dim is not None:
         import torch

@@ -117,8 +117,16 @@ def full_shape(p: torch.Tensor) -> torch.Size:
 
 @contextmanager
 def gathered(params, modifier_rank=None):
-    """Full tensors of ZeRO-3 partitioned ``params`` inside the block (no-op for ordinary ones)."""
+    """Full tensors of ZeRO-3 partitioned ``params`` inside the block (no-op for ordinary ones). A weight that is
+    whole already (a module running now holds it, as the root module's forward holds the persistent small weights
+    during a training step) is read as it is and left to that module: gathering it would partition it at the
+    block's end under the module, which DeepSpeed refuses ("still active in submodules"). The ranks run the same
+    forwards, so they hold the same weights and gather the same ones."""
     params = [p for p in params if zero3_partitioned(p)]
+    if params and modifier_rank is None:
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        params = [p for p in params if p.ds_status != ZeroParamStatus.AVAILABLE]
     if not params:
         yield
         return
@@ -187,6 +195,8 @@ def whole(models, offload=None):
     if params and offload is not None:
         offload.partition_all_parameters()
     with gathered(params):
+        for p in params:  # nothing holds them after the block: released as it ends (as Zero3FullWeights does)
+            p.ds_active_sub_modules.clear()
         yield
 
 

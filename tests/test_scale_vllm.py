@@ -93,8 +93,11 @@ def test_a_prefix_cache_hit_after_a_push_reports_the_new_weights_log_probs(engin
     assert gap_after_update(copy.deepcopy(m0)) > 1e-2  # stale keys and values: the hit is visible
 
 
-@pytest.mark.parametrize("trainers", [[], ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]],
-                         ids=["one_trainer", "two_ddp_trainers"])
+TWO_DDP = ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+TWO_ZERO3 = ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "trainer.devices=2"]
+
+
+@pytest.mark.parametrize("trainers", [[], TWO_DDP, TWO_ZERO3], ids=["one_trainer", "two_ddp_trainers", "two_zero3_trainers"])
 def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_weights(tmp_path, trainers):
     """``rollout=vllm rollout.max_staleness=1``: the worker's engine samples batch t with the weights of version
     max(0, t - 1) (pushed to it, then its prefix cache reset), and pi_old is that version scored with the trainer's
@@ -127,6 +130,32 @@ def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_
     assert d["train/ratio_max"].dropna().iloc[1:].gt(1.01).all(), d["train/ratio_max"].tolist()
     assert d["rollout/staleness"].dropna().tolist() == [0, 1, 1, 1, 1, 1]
     assert d["time/rollout_worker_s"].notna().sum() == 6 and d["time/rollout_s"].dropna().lt(0.01).all()  # a handoff
+
+
+def test_a_synchronous_zero3_run_pushes_each_ranks_engine_the_gathered_weights_of_every_step(tmp_path):
+    """``rollout=vllm`` on two ZeRO-3 trainers, synchronous: each rank's engine is pushed the policy's gathered weights
+    whenever they changed (DeepSpeed updates the partitions through ``.data``, so the change is told by their
+    values): the engine's log-probs match the trainer's pi_old to rounding at every iteration, while one update
+    moves some token's probability by far more (an engine left a step behind would fail), and the evaluations
+    follow the policy."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm", "algo.iterations=4",
+                        "algo.eval_every=2", "optim.lr=3e-3", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=50",
+                        "trainer.progress_bar=false", f"run_dir={run}", f"hydra.run.dir={run}", *TWO_ZERO3],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    d = pd.read_csv(run / "metrics.csv")
+    gap = d["rollout/logp_gap_max"].dropna()
+    assert len(gap) == 4 and gap.max() < 1e-3, gap.tolist()
+    assert d["train/ratio_max"].dropna().gt(1.01).all(), d["train/ratio_max"].tolist()
+    evals = d["eval/avg/em"].dropna().tolist()
+    assert len(evals) == 3 and evals[1:] != evals[:1] * 2, evals  # the engine evaluated the moved policy
 
 
 def test_an_asynchronous_vllm_run_continued_repeats_what_is_exact(tmp_path):

@@ -268,9 +268,12 @@ class GRPOModule(L.LightningModule):
         if any(zero3_partitioned(p) for p in self.policy.parameters()):
             self.sampler.lockstep = World.current()  # every forward is collective under ZeRO-3
             offload = getattr(getattr(self.trainer.strategy.model, "optimizer", None), "parameter_offload", None)
-            if self.cfg.rollout.zero3_gather and offload is not None and self.cfg.rollout.name == "hf":
+            if self.cfg.rollout.name == "vllm":  # each rank's engine is pushed the gathered weights
+                self.sampler.zero3_offload = offload
+            elif self.cfg.rollout.zero3_gather and offload is not None:
                 self.sampler.full_weights = Zero3FullWeights(offload)
-            log.info("ZeRO-3: rollouts sample from %s", "the gathered weights (rollout.zero3_gather)"
+            log.info("ZeRO-3: rollouts sample from %s", "an engine pushed the gathered weights"
+                     if self.cfg.rollout.name == "vllm" else "the gathered weights (rollout.zero3_gather)"
                      if self.sampler.full_weights is not None else "the partitioned weights")
         if self.cfg.model.compile:  # after the anchor's copy (attached at setup): each model compiles its own body
             for model in (self.policy, None if self.anchor is None else self.anchor.model):

@@ -110,8 +110,14 @@ def _llvmlite_hidden():
 
 def weights_version(model) -> tuple:
     """Identifies a model's current weights: the object plus its parameters' in-place version counters.
-    Any in-place update moves them, except torch's fused optimizer kernels: the policy's AdamW is not fused."""
-    return (id(model), sum(p._version for p in model.parameters()))
+    Any in-place update moves them, except torch's fused optimizer kernels: the policy's AdamW is not fused.
+    A ZeRO-3 partitioned model is told apart by the sum of this rank's partitions instead: DeepSpeed writes
+    its updates into them through ``.data``, which moves no version counter."""
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_tensor") for p in params):
+        with torch.no_grad():
+            return (id(model), float(sum(p.ds_tensor.double().sum() for p in params)))
+    return (id(model), sum(p._version for p in params))
 
 
 def _row_seed(prompt_seed: int, sample: int, turn: int) -> int:
@@ -148,6 +154,7 @@ class VLLMSampler:
 
     lockstep = None  # the engine holds its own weights: nothing to keep in step with ZeRO-3 (Sampler.lockstep)
     full_weights = None  # (Sampler.full_weights) unused: the engine samples from its own copy of the weights
+    zero3_offload = None  #: a ZeRO-3 run's DeepSpeedZeRoOffload (set by the trainer), for the gather of :meth:`sync`
 
     def __init__(self, tokenizer, cfg):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine lives in this process
@@ -185,15 +192,25 @@ class VLLMSampler:
         self._loaded = weights_version(model)
 
     def sync(self, model) -> bool:
-        """Push ``model``'s weights into the engine if they are not the ones it holds; True when pushed."""
-        if self.llm is None:
-            self._start(model)
-            return True
+        """Push ``model``'s weights into the engine if they are not the ones it holds; True when pushed.
+
+        A ZeRO-3 partitioned model is gathered whole for the copy: a collective, so under ZeRO-3 (``lockstep``) the
+        ranks agree first whether any of them holds new weights, and then all push or none does."""
+        from ..dist import whole
+
+        if self.llm is not None:
+            changed = weights_version(model) != self._loaded
+            if self.lockstep is not None:  # every rank's engine is synced at the same call: gather together
+                changed = bool(self.lockstep.max(int(changed)))
+            if not changed:
+                return False
+        with whole([model], self.zero3_offload):
+            if self.llm is None:
+                self._start(model)
+                return True
+            buf = io.BytesIO()
+            torch.save({k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}, buf)
         version = weights_version(model)
-        if version == self._loaded:
-            return False
-        buf = io.BytesIO()
-        torch.save({k: v.detach().to("cpu") for k, v in model.state_dict().items()}, buf)
         self.llm.collective_rpc("ema_pg_load_state", args=(buf.getvalue(),))
         self.llm.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         self._loaded = version

@@ -13,7 +13,8 @@ last checkpoint and skips the finished ones. Results: ``reproductions/<name>/`` 
 (the committed CPU-scale reproduction), ``reproductions/<name>/<scale>/`` for ``decide`` (the demo
 task at the collapse edge, ``sweeps/scale/decide.yaml``), ``decide_strong`` (the same from a stronger
 cold start), ``decide_reading`` (Table 2 in the world where RL's gain is reading), ``decide_episode`` (Table 2 where
-every question has a world of its own) and ``full``, and
+every question has a world of its own), ``vllm`` (a sweep's mini runs with a bfloat16 vLLM engine sampling:
+``sweeps/scale/<name>_vllm.yaml``) and ``full``, and
 ``runs/reproduce/<name>-smoke/report/`` for ``smoke`` (a pipeline check, not a result).
 Extra arguments are Hydra overrides passed to every run of the sweep.
 """
@@ -33,7 +34,7 @@ from .reports import REPORTS
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = ROOT / "sweeps"
-SCALES = ("smoke", "mini", "decide", "decide_strong", "decide_reading", "decide_episode", "full")
+SCALES = ("smoke", "mini", "decide", "decide_strong", "decide_reading", "decide_episode", "vllm", "full")
 #: what a full-scale reproduction needs in the environment (beside a GPU)
 FULL_SCALE_ENV = {"table2": ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER"),
                   "table3": ("EMA_PG_MODEL", "EMA_PG_MATH_DATA")}

@@ -291,6 +291,24 @@ def test_reproduce_evaluates_each_finished_run_on_unseen_worlds_before_the_repor
     assert made.stat().st_mtime_ns == stamp and "transfer evaluation" not in capsys.readouterr().out
 
 
+def test_the_async_study_with_a_vllm_engine_is_the_mini_study_sampled_by_a_bf16_engine(tmp_path):
+    """--scale vllm: the async study's sweep with rollout=vllm, the engine in bfloat16 and nothing else changed from
+    its mini scale; the pre-registration is committed beside where its results go. A sweep without a vllm overlay is
+    refused with the file to add."""
+    from omegaconf import OmegaConf
+
+    from ema_pg.workbench.reproduce import commands
+
+    sweep, _, _, out = commands("async_anchor", "vllm", [], runs=tmp_path)
+    assert "rollout=vllm" in sweep and "+scale=async_anchor_vllm" in sweep
+    assert out == ROOT / "reproductions" / "async_anchor" / "vllm" and (out / "README.md").is_file()
+    mini = OmegaConf.load(ROOT / "sweeps" / "scale" / "async_anchor_mini.yaml")
+    vllm = OmegaConf.load(ROOT / "sweeps" / "scale" / "async_anchor_vllm.yaml")
+    assert vllm.rollout.pop("engine_dtype") == "bfloat16" and vllm == mini
+    with pytest.raises(SystemExit, match="fig6_k_vllm.yaml"):
+        commands("fig6_k", "vllm", [], runs=tmp_path)
+
+
 def test_table2_decide_episode_is_table2_decide_on_search_reading_from_one_base_policy(tmp_path):
     """SCALE=decide_episode: experiment=search_reading (a world per question) with Table 2 decide's threads and
     compiled model, one base policy for all seeds (sft.seed=0), five seeds no pilot ran (11-15), every run also

@@ -222,7 +222,8 @@ def test_a_killed_worker_stops_every_trainer_process_with_one_line(tmp_path, cac
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0
     assert "rollout worker" in out and "died" in out, out[-3000:]
-    assert all(not psutil.pid_exists(c.pid) or c.status() == psutil.STATUS_ZOMBIE for c in everyone)
+    _, alive = psutil.wait_procs(everyone, timeout=30)  # rank 1 may still be ending as rank 0 exits
+    assert not alive, [" ".join(c.cmdline())[:200] for c in alive]
 
 
 def test_zero3_sigterm_inside_a_period_keeps_that_periods_checkpoint_and_resumes_to_the_uninterrupted_run(

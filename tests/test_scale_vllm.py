@@ -158,6 +158,39 @@ def test_a_synchronous_zero3_run_pushes_each_ranks_engine_the_gathered_weights_o
     assert len(evals) == 3 and evals[1:] != evals[:1] * 2, evals  # the engine evaluated the moved policy
 
 
+def test_a_trainer_killed_with_sigkill_leaves_no_vllm_worker_behind_and_the_same_command_resumes(tmp_path):
+    """SIGKILL to the trainer alone (not its process group) after its first checkpoint: the vLLM worker, which reads
+    its pipe, ends by itself, and the same command continues the run to its end with the schedule intact."""
+    import json
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import pandas as pd
+    import psutil
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm", "rollout.max_staleness=1",
+           "algo.iterations=6", "algo.eval_every=2", "optim.lr=3e-3", f"sft.cache_dir={tmp_path / 'cache'}",
+           "sft.steps=50", "trainer.progress_bar=false", "if_exists=resume", f"run_dir={run}", f"hydra.run.dir={run}"]
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    trainer, t0 = psutil.Process(p.pid), time.time()
+    workers = lambda: [c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline())]
+    while not ((run / "checkpoints" / "last.ckpt").exists() and workers()) and time.time() - t0 < 600:
+        time.sleep(0.2)
+    (worker,) = workers()
+    p.kill()
+    p.wait()
+    worker.wait(timeout=60)  # psutil.TimeoutExpired if the worker outlived its trainer
+    again = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert json.loads((run / "eval.json").read_text())["iteration"] == 6
+    staleness = pd.read_csv(run / "metrics.csv").groupby("step").last()["rollout/staleness"].dropna().tolist()
+    assert staleness == [0, 1, 1, 1, 1, 1]
+
+
 def test_an_asynchronous_vllm_run_continued_repeats_what_is_exact(tmp_path):
     """A run with a vLLM worker continued from its checkpoint (the batch in flight taken as it was saved) against the
     uninterrupted run: the schedule of versions is the same, and the run is equal in law, not bit for bit. The two

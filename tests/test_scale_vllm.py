@@ -272,6 +272,8 @@ def test_training_with_vllm_rollouts_raises_the_reward(tmp_path):
     gap = d["rollout/logp_gap_max"].dropna()
     assert len(gap) == n and gap.max() < 1e-3  # fp32 engine: the mismatch is rounding
     assert objs["module"].sampler.syncs >= n - 1  # the engine got the weights after every update
+    # the engine ended with its run: a Hydra sweep runs its runs in one process (27 vLLM runs kept 27 engines, 9 GiB)
+    assert objs["module"].sampler.llm is None
 
 
 def test_a_bf16_engine_run_with_a_correction_has_a_quiet_console_and_its_metrics(tmp_path):

@@ -21,6 +21,7 @@ its sample number and the turn, so a batch is reproducible and independent of ho
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -218,7 +219,11 @@ class VLLMSampler:
         return True
 
     def close(self) -> None:
-        self.llm = None
+        """Free the engine (its weights and KV cache) and its folder; the next :meth:`sync` starts a new one."""
+        if self.llm is not None:
+            self.llm = None
+            gc.collect()  # the engine's objects hold cycles: freed now, not at some later collection
+            self._loaded = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None

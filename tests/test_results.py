@@ -420,3 +420,15 @@ def test_the_run_plot_smooths_training_curves_by_a_debiased_moving_average():
 
     assert smoothed(pd.Series([1.0, 0.0, 0.0]), 0.5).tolist() == pytest.approx([1.0, 1 / 3, 1 / 7])
     assert smoothed(pd.Series([2.0] * 4)).tolist() == pytest.approx([2.0] * 4)  # a constant stays itself
+
+
+def test_the_async_report_names_the_sampler_the_runs_used():
+    """The async study's report says which sampler ran, from the runs' configs: a vLLM study's report said "the HF
+    sampler" (the line was written for the first study)."""
+    from ema_pg.workbench.async_study import _sampler
+
+    hf = pd.DataFrame({"rollout.name": ["hf", "hf"], "rollout.engine_dtype": ["auto", "auto"],
+                       "rollout.correction": ["none", "none"]})
+    vllm = hf.assign(**{"rollout.name": "vllm", "rollout.engine_dtype": "bfloat16"})
+    assert "HF" not in _sampler(vllm) and "vLLM engine (dtype bfloat16, correction none" in _sampler(vllm)
+    assert _sampler(hf).startswith("rollouts by the hf sampler")

@@ -42,6 +42,8 @@ CLAIMS = {
            [(("fixed", 2), 1), (("fixed", 0), -1)], "two-sided"),
 }
 TRAIN_STATS = ("train/kl", "train/clip_frac_high", "train/clip_frac_low", "train/approx_kl_old", "anchor/lag_norm")
+#: an inference engine's mismatch with the trainer's pi_old (runs with rollout=vllm log them)
+ENGINE_STATS = ("rollout/mismatch_kl_k3", "rollout/logp_gap_max")
 
 
 def arm_of(row) -> str:
@@ -80,9 +82,10 @@ def main(argv=None) -> dict:
     res = decide(table)
     same0 = bool(np.array_equal(table[("ema_current", 0)].values, table[("ema_behaviour", 0)].values))
     stats = {}
+    shown = TRAIN_STATS + tuple(c for c in ENGINE_STATS if (runs["rollout.name"] == "vllm").any())
     for r in runs.itertuples():
         df = pd.read_csv(Path(r.run_dir) / "metrics.csv")
-        for c in TRAIN_STATS + ("time/step_s", "time/rollout_wait_s", "time/rollout_worker_s"):
+        for c in shown + ("time/step_s", "time/rollout_wait_s", "time/rollout_worker_s"):
             if c in df:
                 stats.setdefault((r.arm, r.staleness, c), []).append(float(df[c].dropna().mean()))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -111,12 +114,12 @@ def main(argv=None) -> dict:
         lines.append(f"| {r.id} | {r.claim} | {r.mean:+.3f} ± {r.sd:.3f} | [{r.ci_lo:+.3f}, {r.ci_hi:+.3f}] | "
                      f"**{r.verdict}** | {r.mde:.3f} | {format_seeds(r.seeds_to_decide)} | {r.per_seed} ({r.tally}) |")
     lines += ["", "## What the runs did (means over iterations, then over seeds; descriptive)", "",
-              "| staleness | arm | " + " | ".join(f"`{c}`" for c in TRAIN_STATS) + " | step s | waited s | worker s |",
-              "|---:|---|" + "---:|" * (len(TRAIN_STATS) + 3)]
+              "| staleness | arm | " + " | ".join(f"`{c}`" for c in shown) + " | step s | waited s | worker s |",
+              "|---:|---|" + "---:|" * (len(shown) + 3)]
     for s in STALENESS:
         for arm in ARMS:
             vals = [np.mean(stats.get((arm, s, c), [np.nan])) for c in
-                    TRAIN_STATS + ("time/step_s", "time/rollout_wait_s", "time/rollout_worker_s")]
+                    shown + ("time/step_s", "time/rollout_wait_s", "time/rollout_worker_s")]
             lines.append(f"| {s} | {ARMS[arm]} | " + " | ".join(f"{v:.4g}" for v in vals) + " |")
     (a.out / "async_anchor.md").write_text("\n".join(lines) + "\n")
     _figure(runs, table, res, a.out)
@@ -135,7 +138,17 @@ def _variant(runs: pd.DataFrame) -> str:
     return (f"task {one('task.name')}, kl={one('kl.name')} (k = {one('kl.k')}, tail {one('kl.tail')}), lr {one('optim.lr')}, "
             f"beta {one('algo.beta')}, {one('algo.iterations')} iterations of {one('algo.prompts_per_step')} prompts x "
             f"{one('algo.group_size')} samples, EMA eta {one('anchor.eta', ema)} every {one('anchor.update_every', ema)} "
-            f"iterations (the EMA arms), rollouts by the HF sampler (in a worker process when staleness > 0)")
+            f"iterations (the EMA arms), {_sampler(runs)}")
+
+
+def _sampler(runs: pd.DataFrame) -> str:
+    """Which sampler the runs' configs name: the HF sampler, or a vLLM engine in its dtype."""
+    names = sorted({str(v) for v in runs["rollout.name"]})
+    if names != ["vllm"]:
+        return f"rollouts by the {'/'.join(names)} sampler (in a worker process when staleness > 0)"
+    dtypes = "/".join(sorted({str(v) for v in runs["rollout.engine_dtype"]}))
+    return (f"rollouts on a vLLM engine (dtype {dtypes}, correction {'/'.join(sorted(set(runs['rollout.correction'])))}"
+            "; in the trainer at staleness 0, in the worker process above)")
 
 
 def _figure(runs: pd.DataFrame, table: pd.DataFrame, res: pd.DataFrame, out: Path) -> None:

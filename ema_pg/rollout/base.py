@@ -133,6 +133,10 @@ class Sampler(Protocol):
                  max_new_tokens: int, stop: list[str] | None = None, on_stop: OnStop | None = None,
                  seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts: ...
 
+    def close(self) -> None:
+        """Free what the sampler holds beyond its run (an inference engine and its KV cache); a later
+        :meth:`generate` starts again. Called when a run ends: a sweep runs its runs in one process."""
+
 
 class RowUniforms:
     """The uniforms of a batch's sampled tokens: row r's j-th policy token is drawn at u[r, j], the r % n-th of

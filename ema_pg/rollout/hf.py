@@ -248,6 +248,9 @@ class HFSampler:
     def _max(self, n: int) -> int:
         return n if self.lockstep is None else self.lockstep.max(n)
 
+    def close(self) -> None:
+        """(Sampler.close) Nothing to free: the sampler samples from the trainer's own model."""
+
     def generate(self, model, prompts: list[str] | list[list[int]], n: int = 1, **kw) -> Rollouts:
         """:meth:`sample`, inside ``full_weights(model)`` when it is set."""
         if self.full_weights is None:

@@ -163,15 +163,8 @@ class Zero3FullWeights:
         if not any(m is model for m in self.offload.module.modules()):  # the engine's module holds the policy
             yield
             return
-        params = list(model.parameters())
         ours, set_aside = self.hook_ids(), []
-        # prefetches still in flight are waited for and every weight is released first: GatheredParameters skips a
-        # weight in flight and then cannot partition it ("Cannot partition a param in flight", iteration 2 of ZeRO-3
-        # at Qwen2.5-1.5B on an H200, benchmarks/results/recipe_math_1.5b_z3_h200.json)
-        self.offload.partition_all_parameters()
-        with gathered(params):
-            for p in params:
-                p.ds_active_sub_modules.clear()  # nothing holds them: released as the block ends
+        with whole([model], self.offload):
             try:
                 for m in model.modules():
                     for name in self.TABLES:
@@ -187,15 +180,17 @@ class Zero3FullWeights:
 
 @contextmanager
 def whole(models, offload=None):
-    """Every parameter of ``models`` whole on every rank inside the block, to be read (a copy of the weights to
-    push to a rollout worker): under ZeRO-3 a collective gather that every rank enters together, after the
-    prefetches still in flight are waited for (``offload``: the engine's DeepSpeedZeRoOffload, as in
-    :class:`Zero3FullWeights`); for ordinary parameters nothing."""
+    """Every parameter of ``models`` whole on every rank inside the block, to be read (a rollout's forward, a copy of
+    the weights to push): under ZeRO-3 a collective gather that every rank enters together; for ordinary parameters
+    nothing. Prefetches still in flight are waited for and every weight is released first (``offload``: the
+    engine's DeepSpeedZeRoOffload): GatheredParameters skips a weight in flight and then cannot partition it
+    ("Cannot partition a param in flight", iteration 2 of ZeRO-3 at Qwen2.5-1.5B on an H200,
+    benchmarks/results/recipe_math_1.5b_z3_h200.json)."""
     params = [p for m in models for p in m.parameters() if zero3_partitioned(p)]
     if params and offload is not None:
         offload.partition_all_parameters()
     with gathered(params):
-        for p in params:  # nothing holds them after the block: released as it ends (as Zero3FullWeights does)
+        for p in params:  # nothing holds them after the block: released as it ends
             p.ds_active_sub_modules.clear()
         yield
 

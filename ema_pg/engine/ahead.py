@@ -358,38 +358,37 @@ class RolloutsAhead:
         self.proc = None
 
 
-def shared_next(ahead: RolloutsAhead | None, t: int, policy, anchor_model, world, gather, group_size: int,
-                aligned: bool) -> tuple[Sampled, float]:
+def _from_rank0(world, work):
+    """``work()`` run on rank 0 and its result on every rank; a :class:`RolloutWorkerError` it raises is raised on
+    every rank alike, so no rank waits in a collective for an answer that will not come."""
+    answer = ("ok", None)
+    if world.rank == 0:
+        try:
+            answer = ("ok", work())
+        except RolloutWorkerError as e:
+            answer = ("error", str(e))
+    kind, value = world.broadcast(answer)
+    if kind == "error":
+        raise RolloutWorkerError(value)
+    return value
+
+
+def shared_next(ahead: RolloutsAhead | None, t: int, policy, anchor_model, world, gather, group_size: int
+                ) -> tuple[Sampled, float]:
     """Iteration t's batch on several trainer processes with one worker: (this rank's share, seconds waited).
 
     Rank 0 owns the worker (``ahead``; None on the other ranks) and keeps the schedule; the worker samples the
     whole batch, exactly as it does for one trainer process, and every rank takes its block of whole groups
     (:meth:`ema_pg.step.Sampled.share`), as a synchronous run splits its prompts. ``gather()`` is entered by every
     rank while rank 0 copies the weights it pushes (ZeRO-3: a collective gather of the partitioned policy, and of
-    the anchor when ``aligned`` pushes it too; otherwise nothing). A failure of the worker reaches every rank as the
-    same :class:`RolloutWorkerError`, so no rank waits in a collective for a batch that will not come."""
+    the anchor when it is pushed too; otherwise nothing). A failure of the worker reaches every rank as the same
+    :class:`RolloutWorkerError`. Nothing rank 0 does alone may be collective."""
     t0 = time.perf_counter()
-    first = ("ok", None)
-    if world.rank == 0:
-        try:
-            first = ("ok", ahead.claim(t))
-        except RolloutWorkerError as e:
-            first = ("error", str(e))
-    kind, wanted = world.broadcast(first)
-    if kind == "error":
-        raise RolloutWorkerError(wanted)
+    wanted = _from_rank0(world, lambda: ahead.claim(t))
     if wanted:
         with gather():
             if world.rank == 0:
                 ahead.ask(t, wanted, *ahead.snapshot(policy, anchor_model))
-    second = ("ok", None)
-    if world.rank == 0:
-        try:
-            second = ("ok", ahead.take(t))
-        except RolloutWorkerError as e:
-            second = ("error", str(e))
-    kind, data = world.broadcast(second)
-    if kind == "error":
-        raise RolloutWorkerError(data)
+    data = _from_rank0(world, lambda: ahead.take(t))
     device = str(next(policy.parameters()).device)
     return _loads(data, device).share(world, group_size), time.perf_counter() - t0

@@ -198,11 +198,14 @@ class GRPOModule(L.LightningModule):
         """Several trainer processes: rank 0's worker samples the whole batch, each rank takes its share."""
         from .ahead import shared_next
 
-        aligned = anchor_model is not None and self.cfg.anchor.align == "behaviour"
-        offload = getattr(getattr(self.trainer.strategy.model, "optimizer", None), "parameter_offload", None)
+        aligned = anchor_model is not None and self.cfg.anchor.align == "behaviour"  # the anchor is pushed too
         models = [self.policy] + ([anchor_model] if aligned else [])
-        return shared_next(self.ahead, iteration, self.policy, anchor_model, world, lambda: whole(models, offload),
-                           self.cfg.algo.group_size, aligned)
+        return shared_next(self.ahead, iteration, self.policy, anchor_model, world,
+                           lambda: whole(models, self._zero3_offload()), self.cfg.algo.group_size)
+
+    def _zero3_offload(self):
+        """The DeepSpeed ZeRO-3 engine's DeepSpeedZeRoOffload (None outside ZeRO-3)."""
+        return getattr(getattr(self.trainer.strategy.model, "optimizer", None), "parameter_offload", None)
 
     def _rollouts_ahead(self, chunk: HeadChunk):
         """The worker's trainer side, on one rank only: nothing here may be collective (see ahead.shared_next)."""
@@ -270,7 +273,7 @@ class GRPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if any(zero3_partitioned(p) for p in self.policy.parameters()):
             self.sampler.lockstep = World.current()  # every forward is collective under ZeRO-3
-            offload = getattr(getattr(self.trainer.strategy.model, "optimizer", None), "parameter_offload", None)
+            offload = self._zero3_offload()
             if self.cfg.rollout.name == "vllm":  # each rank's engine is pushed the gathered weights
                 self.sampler.zero3_offload = offload
             elif self.cfg.rollout.zero3_gather and offload is not None:

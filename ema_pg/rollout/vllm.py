@@ -31,6 +31,7 @@ import tempfile
 
 import torch
 
+from ..dist import whole
 from ..prompts import prompt_ids
 from .base import OnStop, Rollouts, prompt_seeds
 
@@ -197,8 +198,6 @@ class VLLMSampler:
 
         A ZeRO-3 partitioned model is gathered whole for the copy: a collective, so under ZeRO-3 (``lockstep``) the
         ranks agree first whether any of them holds new weights, and then all push or none does."""
-        from ..dist import whole
-
         if self.llm is not None:
             changed = weights_version(model) != self._loaded
             if self.lockstep is not None:  # every rank's engine is synced at the same call: gather together

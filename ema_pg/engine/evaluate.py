@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from ..config import pass_ks  # noqa: F401 - pass_ks is this module's too
 from ..dist import World
 from ..prompts import sampler_prompts
+from ..tasks.base import Task
 
 log = logging.getLogger("ema_pg")
 
@@ -159,9 +160,15 @@ def diagnostic_means(rows: list[dict]) -> dict[str, float]:
     return out
 
 
+def result_metric(result: dict) -> str:
+    """The metric an evaluation result (an eval.json, a history row) reports: the one it names; results written
+    before evaluations named their metric are the search task's, EM."""
+    return result.get("metric", Task.metric)
+
+
 def score_names(result: dict) -> list[str]:
     """The per-split scores of an evaluation result: its metric, then mean@N / pass@k / maj@N when sampled."""
-    return [result.get("metric", "em")] + list(result.get("avg_scores", {}))
+    return [result_metric(result)] + list(result.get("avg_scores", {}))
 
 
 def eval_metrics(prefix: str, result: dict) -> dict:

@@ -24,7 +24,7 @@ from ..step import NonFiniteUpdates
 from ..heads import check_head
 from ..packing import pack_problem
 from ..prompts import PromptEncoder
-from ..tasks import ServiceError, build_task
+from ..tasks import ServiceError, build_task, task_metric
 from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
 from .console import IterationBar, quiet_third_party
@@ -150,10 +150,10 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
             final["wall_s"] = module.elapsed_s()  # the run's wall time, its resumes summed (workbench.results)
             atomic_write(run_dir / "eval.json", json.dumps(final, indent=2))
         plot = plot_run(run_dir)
-    metric = final.get("metric", "em")
+    metric = task_metric(cfg.task.name)
     metrics = {f"eval/avg/{metric}": final.get("avg", float("nan")), "iteration": module.iteration,
                "base/avg": base,
-               **getattr(module, "last_metrics", {})}
+               **module.last_metrics}
     return metrics, {"module": module, "trainer": trainer, "run_dir": run_dir, "plot": plot, "cfg": cfg}
 
 

@@ -69,6 +69,8 @@ class Task:
     generated: bool = False
     #: every question is asked in a world of its own (the recall measurement rebuilds each one)
     episodic: bool = False
+    #: every training prompt where the task holds a finite set of them (a data file); None where they are generated
+    train_set: list[Prompt] | None = None
 
     # ---------------------------------------------------------------- required
     def sample(self, n: int, seed: int) -> list[Prompt]:
@@ -95,7 +97,7 @@ class Task:
     def train_prompts(self) -> list[Prompt] | None:
         """Every training prompt, where the task holds a finite set of them (a data file); None where they are
         generated (then :meth:`sample` is all there is). The start-up check measures each against the context."""
-        return getattr(self, "train_set", None)
+        return self.train_set
 
     def on_stop_fn(self, prompts: list[Prompt], n: int) -> Callable[[list[int], list[str]], list[str | None]] | None:
         """Multi-turn tasks: the sampler's batched ``on_stop`` (:data:`ema_pg.rollout.base.OnStop`) for rows

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..engine.evaluate import result_metric
 from ..engine.runs import EXIT_INTERRUPTED
 from ..engine.sweeps import failed_record
 from .sequential import Design, look
@@ -134,7 +135,7 @@ def finished(run: Path) -> bool:
 
 def _scores(res: dict) -> dict[str, float]:
     """The scores a claim may name, from an eval.json: ``avg`` and each split's metric."""
-    metric = res.get("metric", "em")
+    metric = result_metric(res)
     return {"avg": float(res["avg"]), **{k: float(v[metric]) for k, v in res["splits"].items()}}
 
 

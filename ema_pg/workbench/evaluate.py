@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.evaluate import evaluate_policy, score_names
+from ..engine.evaluate import evaluate_policy, result_metric, score_names
 from ..prompts import PromptEncoder
 
 log = logging.getLogger("ema_pg")
@@ -49,7 +49,7 @@ def format_table(result: dict) -> str:
     sep = "|" + "---|" * (len(names) + 2)
     rows = []
     for key in score_names(result):
-        avg = result["avg"] if key == result.get("metric", "em") else result["avg_scores"][key]
+        avg = result["avg"] if key == result_metric(result) else result["avg_scores"][key]
         rows.append("| " + " | ".join([key] + [f"{result['splits'][n][key]:.3f}" for n in names] + [f"{avg:.3f}"]) + " |")
     fmt = lambda x: "—" if x is None else f"{x:.3f}"
     for key in (k for k in result.get("avg_diagnostics", {}) if not k.endswith("_n")):
@@ -85,7 +85,7 @@ def mean_results(results: list[dict]) -> dict:
         if diags:
             row["diagnostics"] = {k: mean([e.get("diagnostics", {}).get(k) for e in each]) for k in sorted(diags)}
         splits[name] = row
-    out = {"splits": splits, "avg": mean([r["avg"] for r in results]), "metric": first.get("metric", "em"),
+    out = {"splits": splits, "avg": mean([r["avg"] for r in results]), "metric": result_metric(first),
            "avg_scores": {k: mean([r["avg_scores"][k] for r in results]) for k in first.get("avg_scores", {})},
            "per_world": [r["avg"] for r in results]}
     if any("avg_diagnostics" in r for r in results):

@@ -193,6 +193,35 @@ def test_each_trainer_process_takes_its_block_of_whole_groups_of_the_workers_bat
     assert whole.share(World(), G) is whole
 
 
+def test_a_stop_signal_that_lands_while_the_worker_is_spawned_is_the_trainers_and_not_lost(world, monkeypatch):
+    """SIGTERM to the trainer and to its new worker in the moment the worker is spawned: the trainer's handler runs
+    once the spawn is done (it used to ignore the run's signals for that moment, so a scheduler's stop landing
+    there was lost and the run went on to its end), and the worker, which leaves them to the trainer, lives on
+    and samples."""
+    import multiprocessing.context
+    import os
+    import signal
+
+    spawn = multiprocessing.context.SpawnProcess.start
+
+    def start_then_signal(proc):
+        spawn(proc)
+        os.kill(proc.pid, signal.SIGTERM)  # the worker is still starting: its interpreter has not run our code yet
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    got: list[int] = []
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_then_signal)
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: got.append(sig))
+    worker = _ahead(world, 1, world[0], None, "current")
+    try:
+        batch = worker.next(0, world[0], None)
+        assert worker.proc.is_alive()
+    finally:
+        worker.close()
+        signal.signal(signal.SIGTERM, previous)
+    assert got == [signal.SIGTERM] and batch.version == 0
+
+
 def test_a_worker_without_the_batches_it_should_have_sampled_refuses_to_guess(world):
     """Resumed at iteration 3 with nothing in flight: batch 3 was version 1's, which is gone: a clear error."""
     worker = _ahead(world, 2, world[0], None, "current")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import logging
 import multiprocessing as mp
+from multiprocessing import resource_tracker
 import queue
 import signal
 import threading
@@ -38,6 +39,7 @@ from .console import quiet_third_party
 from .lora import ANCHOR, AdapterView, add_anchor_adapter, is_lora, wrap_lora
 
 log = logging.getLogger(__name__)
+RUN_SIGNALS = {signal.SIGINT, signal.SIGTERM}  #: a run's stop signals: the trainer's to handle, never the worker's
 
 
 def _dumps(obj) -> bytes:
@@ -85,8 +87,9 @@ def _build(blank: dict) -> torch.nn.Module:
 
 def _serve(conn, threads: int) -> None:
     """The worker: builds its models from the first message, then serves weights and sample requests in order."""
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle (see RolloutsAhead._start)
-        signal.signal(sig, signal.SIG_IGN)
+    for sig in RUN_SIGNALS:  # the trainer's to handle (see RolloutsAhead._start): ignored, then let through, which
+        signal.signal(sig, signal.SIG_IGN)  # discards any that reached this process while it started
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RUN_SIGNALS)
     torch.set_num_threads(threads)
     quiet_third_party()  # the worker's console is the run's too (a vLLM engine's start writes model shards)
     try:
@@ -193,15 +196,18 @@ class RolloutsAhead:
                                 name="ema-pg-rollout-worker")
         # the run's signals are the trainer's: a scheduler's SIGTERM or a Ctrl-C to the whole process group must not
         # kill the worker before the trainer has taken the batches in flight into its checkpoint (the trainer stops
-        # the worker itself, and a trainer that dies closes the pipe, which ends it). An ignored signal stays
-        # ignored across the spawn's exec, so the worker is shielded from its first instruction, imports included.
-        shield = threading.current_thread() is threading.main_thread()
-        saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if shield else {}
+        # the worker itself, and a trainer that dies closes the pipe, which ends it). They are blocked while the
+        # worker is spawned: a blocked signal stays blocked across the spawn's exec, so the worker is shielded from
+        # its first instruction, imports included, until it ignores them; and one that reaches the trainer in that
+        # moment waits, and is handled when they are let through again (ignoring them here instead lost it).
+        # (multiprocessing's resource tracker, which a spawn starts, lets the two through when it has started: so
+        # it is started first)
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, RUN_SIGNALS)
         try:
             self.proc.start()
         finally:
-            for sig, handler in saved.items():
-                signal.signal(sig, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child.close()
         self._threads = [threading.Thread(target=self._sending, daemon=True, name="rollout-send"),
                          threading.Thread(target=self._receiving, daemon=True, name="rollout-receive")]

@@ -56,7 +56,21 @@ def test_each_fact_has_one_home():
         r'getattr\((task|prompt|self\.task|self\.sampler), |hasattr\((task|prompt|self\.task|self\.sampler), ': set(),
         r'getattr\((self|self\.\w+), "\w+", ': set(),  # an object of ours probing itself for a default
         r'get\("metric", "em"\)': set(),  # an old result's metric: engine.evaluate.result_metric
+        r'ArgumentParser\(': {"ema_pg/cli.py"},  # a command's parser: cli.command_parser (its usage names the command)
     }
     for pattern, allowed in homes.items():
         found = {str(p.relative_to(ROOT)) for p, src in _sources().items() if re.search(pattern, src)}
         assert found <= allowed, f"{pattern}: written in {sorted(found - allowed)} besides its home {sorted(allowed)}"
+
+
+def test_a_commands_usage_names_it_as_typed(monkeypatch):
+    """argparse names the file (``usage: decide.py``); a command's usage line is the command a user types."""
+    from ema_pg.cli import command_parser, typed_command
+
+    assert typed_command(str(ROOT / "ema_pg" / "decide.py")) == "python -m ema_pg.decide"
+    assert typed_command(str(ROOT / "ema_pg" / "search.py")) == "python -m ema_pg.search"  # the alias, as typed
+    assert typed_command(str(ROOT / "ema_pg" / "kl" / "lab" / "__main__.py")) == "python -m ema_pg.kl.lab"
+    assert typed_command(str(ROOT / "ema_pg" / "tasks" / "search" / "serve.py")) == "python -m ema_pg.tasks.search.serve"
+    assert typed_command(str(ROOT / "tests" / "test_layout.py")) is None and typed_command("/usr/bin/pytest") is None
+    monkeypatch.setattr("sys.argv", [str(ROOT / "ema_pg" / "decide.py"), "--help"])
+    assert command_parser("doc").format_usage() == "usage: python -m ema_pg.decide [-h]\n"

@@ -9,12 +9,12 @@ final held-out EM, the mean paired difference over seeds and its 95% percentile 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from ..cli import command_parser
 from .results import (bootstrap_ci, claim_verdict, format_seeds, load_curves, load_runs, min_detectable, paired_sd,
                       paired_differences, seed_tally, seeds_to_detect, set_style, verdict)
 
@@ -65,7 +65,7 @@ def decide(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = command_parser(__doc__.split("\n")[0])
     ap.add_argument("--runs", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--all", action="store_true", help="(refused: the verdicts need every run finished)")

@@ -19,9 +19,9 @@ writes, laid out as the original projects' scripts lay them out (columns, nestin
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
+from ..cli import command_parser
 
 SEARCH_R1_INSTRUCTION = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get new "
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("out", nargs="?", default="examples/byo", help="where to write them (default: examples/byo)")
     out = write_examples(ap.parse_args(argv).out)
     print(f"wrote the examples under {out}/ (see docs/byo.md)")

@@ -15,11 +15,11 @@ committed page is the one this command writes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from ..cli import command_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 REPRO = ROOT / "reproductions"
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
     from ..engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("--out", type=Path, default=PAGE)
     ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from what would be written")
     a = ap.parse_args(argv)

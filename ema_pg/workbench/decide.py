@@ -30,7 +30,6 @@ look says so: the boundaries are spent at the number of seeds a look actually ha
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..cli import command_parser
 from ..engine.evaluate import result_metric
 from ..engine.runs import EXIT_INTERRUPTED
 from ..engine.sweeps import failed_record
@@ -384,7 +384,7 @@ def main(argv=None) -> int:
     from ..engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("plan", type=Path)
     ap.add_argument("--workers", type=int, default=2, help="cells run at a time (default 2)")
     ap.add_argument("--status", action="store_true", help="say where the plan stands and what the next look needs; run nothing")

@@ -12,7 +12,6 @@ provenance (pandas, matplotlib, git) are workbench work, so they live here, not 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..cli import command_parser
 from ..engine.runs import git_commit
 from ..kl.lab import DTYPE, ENTRIES, PANEL, TOL, Case, Row, index_set, measure, moments, verdicts
 
@@ -362,7 +362,7 @@ def write_all(out: Path, progress=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ema_pg.kl.lab", description="The estimator lab from the command line.")
+    ap = command_parser("The estimator lab from the command line.")
     ap.add_argument("entries", nargs="*", help="entry names (see --list); their verdicts are printed")
     ap.add_argument("--all", action="store_true", help="write the whole report to --out")
     ap.add_argument("--out", type=Path, default=Path("reproductions/estimator_lab"),

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli import command_parser
 from ..engine.evaluate import evaluate_policy, result_metric, score_names
 from ..prompts import PromptEncoder
 
@@ -138,7 +139,7 @@ def run_is_live(run_dir: Path) -> bool:
 def _parser() -> argparse.ArgumentParser:
     from ..engine.policy import WHICH
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("target", help="a run folder (its last checkpoint), a saved model directory, or 'base' "
                     "(the cold-start base policy of the config given by the overrides)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. task=toy_add rollout.max_new_tokens=8")

@@ -10,10 +10,10 @@ The folder is what ``save_pretrained`` writes (config, weights, tokenizer), so
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+from ..cli import command_parser
 from ..engine.files import atomic_dir
 from ..engine.models import save_model_dir
 from ..engine.policy import DTYPES, checkpoint_iteration, load_run_model
@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     from ..engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("run", help="a run folder")
     ap.add_argument("out", help="the directory to write (new or empty)")
     group = ap.add_mutually_exclusive_group()

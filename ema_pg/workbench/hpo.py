@@ -24,7 +24,6 @@ worker killed outright stops sending heartbeats and its trial is re-queued the s
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import logging
@@ -42,6 +41,7 @@ import optuna
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
+from ..cli import command_parser
 from ..engine.module import EvalCallback
 
 log = logging.getLogger("ema_pg.hpo")
@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     from ..engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("study", help="a study file, e.g. conf/hparams_search/ema_topk.yaml")
     ap.add_argument("--n-trials", type=int, help="total trials of the study (over all workers); default: the file's")
     ap.add_argument("--workers", type=int, default=1, help="worker processes to start on this machine")

@@ -25,8 +25,8 @@ memory share ``trained - control`` with its 95% bootstrap interval over the runs
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from ..cli import command_parser
 
 KINDS = ("recalled", "own_world", "trained", "control", "invented")  #: the shares written, of all responses
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..engine.files import atomic_write
 
     quiet_third_party()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("runs", nargs="+", type=Path, help="run folders of the episode world (with --summarize: CSVs)")
     ap.add_argument("--out", type=Path, required=True, help="the CSV to write (with --summarize: the markdown)")
     ap.add_argument("--initial", action="store_true", help="also each run's initial policy (before RL)")

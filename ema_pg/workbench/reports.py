@@ -10,13 +10,13 @@ Adding an ablation is a sweep file plus one entry here: ``make reproduce``, the 
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
+from ..cli import command_parser
 from .results import METHOD_LABELS, TAIL_VARIANTS, ablation_report, load_runs
 
 #: Fig 9: the clip each direction uses by default (the estimators' registry defaults)
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
     from ..engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("name", choices=sorted(REPORTS))
     ap.add_argument("--runs", required=True, help="folder of runs (a sweep's multirun folder)")
     ap.add_argument("--out", required=True, help="where the .csv/.md/.png/.pdf go")

@@ -21,13 +21,13 @@ Extra arguments are Hydra overrides passed to every run of the sweep.
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ..cli import command_parser
 from ..engine.runs import EXIT_INTERRUPTED
 from ..engine.sweeps import failed_record, sweep_state
 from .reports import REPORTS
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     from ..engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("name", choices=sorted(REPORTS), help="the sweep (sweeps/<name>.yaml)")
     ap.add_argument("--scale", default="smoke", choices=SCALES)
     ap.add_argument("--runs", type=Path, help="where the runs go (default runs/reproduce/<name>-<scale>)")

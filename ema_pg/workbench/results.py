@@ -25,6 +25,7 @@ import seaborn as sns
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
+from ..cli import command_parser
 from ..config import flatten
 from ..engine.runs import run_commit
 
@@ -444,9 +445,8 @@ def table_args(name: str, doc: str, argv=None):
     from ..engine.console import quiet_third_party
 
     quiet_third_party()
-    import argparse
 
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(doc)
     ap.add_argument("--runs", default=f"runs/reproduce/{name}-mini", help=f"the {name} sweep's folder")
     ap.add_argument("--out", default=f"reproductions/{name}")
     ap.add_argument("--scale", default="mini")

@@ -28,13 +28,13 @@ subset for every seed, as the design has it).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from ..cli import command_parser
 from .results import DETECT_Z, write_results
 
 
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     from ..engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = command_parser(__doc__)
     ap.add_argument("--runs", type=Path, required=True, help="a folder of run folders (a sweep's)")
     ap.add_argument("--eval", default="eval", help="the evaluation to read: 'eval' (the run's own eval.json) or the "
                                                    "stem of <run>/evaluations/<stem>.json")

@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 
+from ...cli import command_parser
 from .retriever import BM25Retriever, serve
 
 
@@ -33,8 +33,8 @@ def load_corpus(path: str) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Serve a Search-R1-format corpus (JSON lines, 'contents') with BM25 "
-                                             "on Search-R1's /retrieve protocol.")
+    ap = command_parser("Serve a Search-R1-format corpus (JSON lines, 'contents') with BM25 on Search-R1's /retrieve "
+                        "protocol.")
     ap.add_argument("--corpus", required=True, help="JSON lines, each with 'contents': '\"Title\"\\ntext'")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)

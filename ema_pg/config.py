@@ -16,6 +16,7 @@ combinations, with messages that say what to change.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -441,6 +442,41 @@ def compose(overrides: list[str] | tuple = (), config_name: str = "config", conf
         return hydra_compose(config_name, overrides=list(overrides))
 
 
+def overrides_problem(overrides: list[str]) -> str | None:
+    """What is wrong with a run's command-line overrides, in one line that says what to change; None when they
+    compose (or are a sweep's, or carry Hydra's own flags: Hydra reads those itself). Hydra's own report of a typo is
+    several lines and advises ``+key=value``, which would add the misspelt key."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    if any(o.startswith("-") or o.startswith(("resume=", "hydra.")) for o in overrides):
+        return None
+    try:
+        compose(overrides)
+        return None
+    except MissingConfigException as e:
+        group, _, option = str(e.missing_cfg_file or "").rpartition("/")
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml") if not p.stem.startswith("_")) if group else []
+        return (f"{group}={option}: no such option; choose one of: {', '.join(options)}" if options
+                else str(e).splitlines()[0])
+    except ConfigCompositionException as e:
+        cause = e.__cause__
+        if isinstance(cause, ConfigAttributeError | ConfigKeyError):
+            key = str(cause.full_key)
+            rest = [o for o in overrides if not f"{o.split('=', 1)[0].lstrip('+~')}.".startswith(f"{key}.")]
+            parent, _, leaf = key.rpartition(".")
+            try:
+                node = OmegaConf.select(compose(rest), parent) if parent else compose(rest)
+            except Exception:  # noqa: BLE001 - another override is wrong too: name this one without a guess
+                node = None
+            near = difflib.get_close_matches(leaf, [str(k) for k in node], n=1) if isinstance(node, DictConfig) else []
+            hint = f"did you mean {parent + '.' if parent else ''}{near[0]}? " if near else ""
+            return f"unknown key {key}: {hint}remove it"
+        if isinstance(cause, ValidationError):
+            return f"{cause.full_key}: {str(cause).splitlines()[0]}"
+        return None  # a sweep's value without -m (Hydra says so) and anything else Hydra reports itself
+
+
 KL_PARAMS = tuple(f.name for f in fields(KLConfig) if f.name != "name")  #: the estimator parameters of ``kl.*``
 
 
@@ -536,7 +572,6 @@ def _check_finite(cfg) -> None:
 
 def _check_known_keys(cfg) -> None:
     """A key the schema does not have (``+anchor.etaa=0.9`` gets past Hydra's own check) is refused."""
-    import difflib
 
     from .tasks import task_defaults
 

@@ -21,7 +21,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from .config import CONF_DIR, register_configs
+from .config import CONF_DIR, overrides_problem, register_configs
 from .engine.fit import command, train
 
 __all__ = ["main", "train"]
@@ -45,4 +45,7 @@ def resume_argv(argv: list[str]) -> list[str]:
 if __name__ == "__main__":
     register_configs()  # the schema must be in Hydra's store before @hydra.main composes
     sys.argv[1:] = resume_argv(sys.argv[1:])
+    problem = overrides_problem(sys.argv[1:])  # a typo is one line naming the nearest key, before Hydra's report
+    if problem:
+        raise SystemExit(f"config error: {problem}")
     main()

@@ -102,6 +102,10 @@ def test_the_documented_commands_print_only_the_projects_lines(finished_run, tmp
     for name, console in consoles.items():
         assert noise(console) == [], (name, noise(console)[:10])
     assert (tmp_path / "exported" / "config.json").is_file() and (tmp_path / "CLAIMS.md").is_file()
+    typo = command("ema_pg.train", "algo.iterationz=3", ok=False)  # Hydra's six lines advised +algo.iterationz=3
+    assert typo == "config error: unknown key algo.iterationz: did you mean algo.iterations? remove it\n", typo
+    usage = command("ema_pg.decide", "--help")  # argparse's own said 'usage: decide.py'
+    assert usage.startswith("usage: python -m ema_pg.decide "), usage[:200]
 
 
 @pytest.mark.scale

@@ -30,6 +30,25 @@ def test_bad_knobs_are_one_line_naming_the_knob(overrides, match):
         validate(compose_cfg(overrides))
 
 
+@pytest.mark.parametrize("overrides,says", [
+    (["algo.iterationz=3"], "unknown key algo.iterationz: did you mean algo.iterations? remove it"),
+    (["experiment=search", "task.per_splt=3"], "unknown key task.per_splt: did you mean task.per_split? remove it"),
+    (["algoo.iterations=3"], "unknown key algoo: did you mean algo? remove it"),
+    (["experiment=nosuch"], "experiment=nosuch: no such option; choose one of: demo, math, math_deepscaler, search,"),
+    (["algo.iterations=abc"], "algo.iterations: Value 'abc' of type 'str' could not be converted to Integer"),
+    (["experiment=search", "task.per_split=3", "kl=k3"], None),  # they compose: Hydra takes them as they are
+    (["-m", "seed=1,2"], None),  # a sweep: Hydra's
+])
+def test_a_command_line_typo_is_one_line_with_the_nearest_key(overrides, says):
+    """Hydra's report of a misspelt key is six lines ending in advice to add it with +key=value; ours names the
+    nearest key (python -m ema_pg.train prints it as 'config error: ...' and exits 1 before Hydra starts)."""
+    from ema_pg.config import overrides_problem
+
+    got = overrides_problem(overrides)
+    assert got == says if says is None or not says.endswith(",") else got.startswith(says)
+    assert got is None or "\n" not in got
+
+
 def test_toy_held_out_prompts_are_distinct_and_an_impossible_size_is_refused():
     from ema_pg.tasks.toy import AdditionTask
 

@@ -449,8 +449,9 @@ def overrides_problem(overrides: list[str]) -> str | None:
     from hydra.errors import ConfigCompositionException, MissingConfigException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-    if any(o.startswith("-") or o.startswith(("resume=", "hydra.")) for o in overrides):
+    if any(o.startswith(("-", "resume=")) for o in overrides):
         return None
+    overrides = [o for o in overrides if not o.startswith("hydra.")]  # Hydra's own settings: its to check
     try:
         compose(overrides)
         return None

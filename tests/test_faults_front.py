@@ -31,7 +31,7 @@ def test_bad_knobs_are_one_line_naming_the_knob(overrides, match):
 
 
 @pytest.mark.parametrize("overrides,says", [
-    (["algo.iterationz=3"], "unknown key algo.iterationz: did you mean algo.iterations? remove it"),
+    (["algo.iterationz=3", "hydra.run.dir=/tmp/x"], "unknown key algo.iterationz: did you mean algo.iterations? remove it"),
     (["experiment=search", "task.per_splt=3"], "unknown key task.per_splt: did you mean task.per_split? remove it"),
     (["algoo.iterations=3"], "unknown key algoo: did you mean algo? remove it"),
     (["experiment=nosuch"], "experiment=nosuch: no such option; choose one of: demo, math, math_deepscaler, search,"),

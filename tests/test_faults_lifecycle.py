@@ -118,17 +118,26 @@ def test_of_many_processes_reaching_for_a_dead_runs_folder_exactly_one_gets_it(t
     run = tmp_path / "run"
     run.mkdir()
     (run / CLAIM).write_text(f"{socket.gethostname()} 999999999")  # a dead run's claim
-    go = tmp_path / "go"
+    go, done = tmp_path / "go", tmp_path / "done"
     race = ("import sys, time; from pathlib import Path; from ema_pg.config import ConfigError\n"
             "from ema_pg.engine.runs import own_run_dir\n"
-            "go = Path(sys.argv[2])\n"
+            "go, done = Path(sys.argv[2]), Path(sys.argv[3])\n"
+            "Path(sys.argv[4]).write_text('')\n"  # imported: at the line
             "while not go.exists(): time.sleep(0.001)\n"
-            "try:\n    own_run_dir(Path(sys.argv[1])); print('won', flush=True); time.sleep(3)\n"
+            "try:\n    own_run_dir(Path(sys.argv[1])); print('won', flush=True)\n"
+            "    while not done.exists(): time.sleep(0.01)\n"  # the winner lives until every other has tried
             "except ConfigError as e: print('refused', e, flush=True)")
-    ps = [subprocess.Popen([sys.executable, "-c", race, str(run), str(go)], stdout=subprocess.PIPE, text=True)
-          for _ in range(8)]
-    time.sleep(3)  # every process imported and waits at the line
+    n = 8
+    ready = [tmp_path / f"ready{i}" for i in range(n)]
+    ps = [subprocess.Popen([sys.executable, "-c", race, str(run), str(go), str(done), str(r)], stdout=subprocess.PIPE,
+                           text=True) for r in ready]
+    deadline = time.monotonic() + 300  # imports on a loaded machine: waited for, not guessed with a sleep
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
     go.write_text("")
+    while sum(p.poll() is not None for p in ps) < n - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)  # all but one have tried and ended (with two winners this waits to the deadline)
+    done.write_text("")
     outs = [p.communicate(timeout=60)[0] for p in ps]
     winners = [o for o in outs if o.startswith("won")]
     assert len(winners) == 1, outs

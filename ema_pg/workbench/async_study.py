@@ -44,6 +44,7 @@ CLAIMS = {
 TRAIN_STATS = ("train/kl", "train/clip_frac_high", "train/clip_frac_low", "train/approx_kl_old", "anchor/lag_norm")
 #: an inference engine's mismatch with the trainer's pi_old (runs with rollout=vllm log them)
 ENGINE_STATS = ("rollout/mismatch_kl_k3", "rollout/logp_gap_max")
+TIME_STATS = ("time/step_s", "time/rollout_wait_s", "time/rollout_worker_s")  #: shown as step s, waited s, worker s
 
 
 def arm_of(row) -> str:
@@ -82,10 +83,10 @@ def main(argv=None) -> dict:
     res = decide(table)
     same0 = bool(np.array_equal(table[("ema_current", 0)].values, table[("ema_behaviour", 0)].values))
     stats = {}
-    shown = TRAIN_STATS + tuple(c for c in ENGINE_STATS if (runs["rollout.name"] == "vllm").any())
+    shown = TRAIN_STATS + (ENGINE_STATS if (runs["rollout.name"] == "vllm").any() else ())
     for r in runs.itertuples():
         df = pd.read_csv(Path(r.run_dir) / "metrics.csv")
-        for c in shown + ("time/step_s", "time/rollout_wait_s", "time/rollout_worker_s"):
+        for c in shown + TIME_STATS:
             if c in df:
                 stats.setdefault((r.arm, r.staleness, c), []).append(float(df[c].dropna().mean()))
     a.out.mkdir(parents=True, exist_ok=True)
@@ -115,11 +116,11 @@ def main(argv=None) -> dict:
                      f"**{r.verdict}** | {r.mde:.3f} | {format_seeds(r.seeds_to_decide)} | {r.per_seed} ({r.tally}) |")
     lines += ["", "## What the runs did (means over iterations, then over seeds; descriptive)", "",
               "| staleness | arm | " + " | ".join(f"`{c}`" for c in shown) + " | step s | waited s | worker s |",
-              "|---:|---|" + "---:|" * (len(shown) + 3)]
+              "|---:|---|" + "---:|" * (len(shown) + len(TIME_STATS))]
     for s in STALENESS:
         for arm in ARMS:
             vals = [np.mean(stats.get((arm, s, c), [np.nan])) for c in
-                    shown + ("time/step_s", "time/rollout_wait_s", "time/rollout_worker_s")]
+                    shown + TIME_STATS]
             lines.append(f"| {s} | {ARMS[arm]} | " + " | ".join(f"{v:.4g}" for v in vals) + " |")
     (a.out / "async_anchor.md").write_text("\n".join(lines) + "\n")
     _figure(runs, table, res, a.out)

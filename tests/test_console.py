@@ -26,7 +26,7 @@ TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "mode
         "algo.minibatch_size=0", "algo.iterations=2", "algo.eval_every=2", "trainer.progress_bar=true"]
 PER_EXPERIMENT = {
     "demo": ["model.tokenizer_vocab=300", "task.eval_size=8", "rollout.max_new_tokens=4"],
-    "math": ["task.per_split=2", "rollout.max_new_tokens=8"],
+    "math": ["task.per_split=2", "rollout.max_new_tokens=8", "trainer.precision=bf16-mixed"],  # and CPU autocast
     "search": ["task.per_split=2", "rollout.max_new_tokens=12"],
     "search_reading": ["task.per_split=2", "rollout.max_new_tokens=12", "sft.stop_at_reward=0"],
 }
@@ -35,7 +35,7 @@ PER_EXPERIMENT = {
 NOISE = [re.compile(p) for p in (
     r"\]\[(?!ema_pg|HYDRA|__main__)[\w.]+\]\[(DEBUG|INFO|WARNING)\]", r"\b\w*Warning: ", r"warnings\.warn",
     r"Setting accelerator", r"Writing model shards", r"Loading weights", r"Tip:", r"GPU available", r"LeafSpec",
-    r"^\s*Epoch \d", r"Building index", r"The query is empty",
+    r"^\s*Epoch \d", r"Building index", r"The query is empty", r"Automatic Mixed Precision",
 )]
 
 
@@ -51,6 +51,8 @@ def test_a_shipped_experiment_prints_only_the_projects_lines(tmp_path, experimen
     noise = [line for line in re.split(r"[\r\n]", console) if any(p.search(line) for p in NOISE)]
     assert noise == [], "\n".join(noise[:10])
     assert "RL iterations" in console and "run folder:" in console  # the project's own bar and closing lines
+    if "trainer.precision=bf16-mixed" in PER_EXPERIMENT[experiment]:  # the start-up line says what Lightning's did
+        assert "parameters, float32, bf16-mixed)" in console, console[:3000]
     log = (run / "train.log").read_text()
     assert not [line for line in log.splitlines() if any(p.search(line) for p in NOISE)]
 

@@ -1,7 +1,8 @@
 """The console of a run: third-party lines that tell our user nothing are silenced where they come from, one by
 one (each filter names the message it drops; nothing else is hidden), and a progress bar counts RL iterations.
 
-Silenced: Lightning's hardware lines ("GPU available ...", the run's start-up line says what runs) and its
+Silenced: Lightning's hardware lines ("GPU available ...", the run's start-up line says what runs), its
+mixed-precision line ("Using bfloat16 Automatic Mixed Precision", the start-up line names the precision) and its
 litlogger tip; its "modules in eval mode" warning (the policy is kept in eval mode on purpose: no dropout in RL);
 its own deprecated ``LeafSpec`` use; its "checkpoint directory exists" and "logs directory exists" warnings on a
 resume (the folder is the run's own), and its "dirpath has changed" on a stage (``init_from``: a new folder by
@@ -32,7 +33,8 @@ QUIET_WARNINGS = (
     r"The dirpath has changed from",
 )
 #: the start of Lightning's info lines a run drops
-QUIET_LIGHTNING = ("GPU available:", "TPU available:", "HPU available:", "💡 Tip", "You are using a CUDA device")
+QUIET_LIGHTNING = ("GPU available:", "TPU available:", "HPU available:", "💡 Tip", "You are using a CUDA device",
+                   "Using bfloat16 Automatic Mixed Precision", "Using 16bit Automatic Mixed Precision")
 
 
 class _DropLines(logging.Filter):

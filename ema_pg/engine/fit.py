@@ -101,10 +101,11 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
             raise ConfigError(f"the anchor: {problem}")
     module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, estimator=opened.estimator)
     if is_rank_zero():  # what runs, once: model, task, estimator, anchor, and one prompt as the model reads it
-        a = cfg.algo
+        a, precision = cfg.algo, str(cfg.trainer.precision)
+        numbers = cfg.model.dtype if precision in ("32-true", "32") else f"{cfg.model.dtype}, {precision}"
         log.info("run: %s (%.1fM parameters, %s) on %s; kl=%s, anchor=%s, beta=%g; %d iterations of %d prompts x %d "
                  "samples; writing to %s", cfg.model.path or "tiny cold-start policy",
-                 sum(p.numel() for p in policy.parameters()) / 1e6, cfg.model.dtype, cfg.task.name, cfg.kl.name,
+                 sum(p.numel() for p in policy.parameters()) / 1e6, numbers, cfg.task.name, cfg.kl.name,
                  cfg.anchor.name, a.beta, a.iterations, a.prompts_per_step, a.group_size, run_dir)
         log.info("prompts as the model reads them (%s), e.g.:\n%s", encode.describe(),
                  tok.decode(encode.encode(task.sample(1, seed=cfg.seed)[0])))

@@ -21,7 +21,8 @@ run's real tokens, at this CPU's measured fp32 matmul rate.
         --method ema_topk_reverse --seed 11 --out benchmarks/results/seed_cost_cpu.json
 
 A variant is ``OVERLAY[:EXTRA][@COMMIT]``: the scale overlay ``sweeps/scale/table2_<OVERLAY>.yaml``; ``padded``
-adds ``algo.padding_free=false`` (the passes as they were before ema_pg.packing); ``@COMMIT`` runs that commit's
+adds ``algo.padding_free=false`` (the passes as they were before ema_pg.packing), ``bf16`` ``trainer.precision=bf16-mixed``
+(autocast: the matrix products in bfloat16); ``@COMMIT`` runs that commit's
 code from a git worktree made here (the "before" of a before/after, in the same run). Every variant's final evaluation is
 in the JSON, so a reader sees that the cheaper seed trains to the same kind of result.
 """
@@ -38,7 +39,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = {"padded": ["algo.padding_free=false"], "eager": ["model.compile=false"], "compiled": ["model.compile=true"]}  #: named override sets a variant may add to its overlay
+EXTRAS = {"padded": ["algo.padding_free=false"], "eager": ["model.compile=false"], "compiled": ["model.compile=true"],
+          "bf16": ["trainer.precision=bf16-mixed"]}  #: named override sets a variant may add to its overlay
 
 
 # ---------------------------------------------------------------------------------------------------- the child

@@ -7,7 +7,6 @@ intact one; Optuna never runs a finished point again; bad data rows are named by
 
 import copy
 import math
-import multiprocessing as mp
 import os
 from pathlib import Path
 
@@ -134,27 +133,12 @@ def test_search_r1_rows_are_checked_on_load_with_their_index(tmp_path):
 
 
 # ---------------------------------------------------------------------- run folders
-def _claim(run_dir, barrier, out):
-    from ema_pg.engine.runs import claim_run_dir
-
-    barrier.wait()
-    out.put(str(claim_run_dir(Path(run_dir))))
-    import time
-
-    time.sleep(2)  # a run lives on holding its folder
-
-
 def test_runs_started_at_the_same_moment_get_different_folders(tmp_path):
-    ctx = mp.get_context("spawn")
-    n = 4
-    barrier, out = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_claim, args=(tmp_path / "run", barrier, out)) for _ in range(n)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    got = sorted(out.get(timeout=5) for _ in range(n))
-    assert len(set(got)) == n and str(tmp_path / "run") in got
+    from helpers import race_for_folder
+
+    got = race_for_folder(tmp_path / "run", "claim_run_dir(folder)", 4, tmp_path)
+    assert len(set(got)) == 4 and str(tmp_path / "run") in got, got
+    assert {Path(g).parent for g in got} == {tmp_path}, got
 
 
 def test_a_dead_runs_claim_is_taken_over_and_a_live_ones_is_not(tmp_path):
@@ -162,7 +146,7 @@ def test_a_dead_runs_claim_is_taken_over_and_a_live_ones_is_not(tmp_path):
 
     from test_faults_lifecycle import holder
 
-    from ema_pg.engine.runs import CLAIM, claim_run_dir, release_run_dir
+    from ema_pg.engine.owner import CLAIM, claim_run_dir, release_run_dir
 
     run = tmp_path / "run"
     run.mkdir()

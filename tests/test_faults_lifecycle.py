@@ -74,7 +74,7 @@ def test_a_resume_writes_the_rows_before_its_checkpoint_as_they_were(tmp_path):
 
 
 # ---------------------------------------------------------------------- one writer per run folder
-HOLD = ("import sys, time; from pathlib import Path; from ema_pg.engine.runs import own_run_dir\n"
+HOLD = ("import sys, time; from pathlib import Path; from ema_pg.engine.owner import own_run_dir\n"
         "own_run_dir(Path(sys.argv[1])); print('holding', flush=True); time.sleep(600)")
 
 
@@ -88,7 +88,7 @@ def holder(run: Path) -> subprocess.Popen:
 def test_a_live_runs_folder_refuses_a_second_writer_and_a_killed_ones_is_free_at_once(tmp_path):
     """The claim is a lock the kernel drops when its process ends, however it ends: a SIGKILLed run's folder is free
     at once, even before its parent reaps it (a killed sweep worker re-queued by its launcher is not refused)."""
-    from ema_pg.engine.runs import CLAIM, live_owner, own_run_dir, release_run_dir
+    from ema_pg.engine.owner import CLAIM, live_owner, own_run_dir, release_run_dir
 
     run = tmp_path / "run"
     p = holder(run)
@@ -113,35 +113,23 @@ def test_of_many_processes_reaching_for_a_dead_runs_folder_exactly_one_gets_it(t
     """A scheduler's requeue and a person resuming at once, or more: every process tries at the same moment, one
     proceeds, the others are refused naming it. (The rename-based takeover let two win: each replaced the claim with
     its own and read its own back.)"""
-    from ema_pg.engine.runs import CLAIM
+    from helpers import race_for_folder
+
+    from ema_pg.engine.owner import CLAIM
 
     run = tmp_path / "run"
     run.mkdir()
     (run / CLAIM).write_text(f"{socket.gethostname()} 999999999")  # a dead run's claim
-    go, done = tmp_path / "go", tmp_path / "done"
-    race = ("import sys, time; from pathlib import Path; from ema_pg.config import ConfigError\n"
-            "from ema_pg.engine.runs import own_run_dir\n"
-            "go, done = Path(sys.argv[2]), Path(sys.argv[3])\n"
-            "Path(sys.argv[4]).write_text('')\n"  # imported: at the line
-            "while not go.exists(): time.sleep(0.001)\n"
-            "try:\n    own_run_dir(Path(sys.argv[1])); print('won', flush=True)\n"
-            "    while not done.exists(): time.sleep(0.01)\n"  # the winner lives until every other has tried
-            "except ConfigError as e: print('refused', e, flush=True)")
-    n = 8
-    ready = [tmp_path / f"ready{i}" for i in range(n)]
-    ps = [subprocess.Popen([sys.executable, "-c", race, str(run), str(go), str(done), str(r)], stdout=subprocess.PIPE,
-                           text=True) for r in ready]
-    deadline = time.monotonic() + 300  # imports on a loaded machine: waited for, not guessed with a sleep
-    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    go.write_text("")
-    while sum(p.poll() is not None for p in ps) < n - 1 and time.monotonic() < deadline:
-        time.sleep(0.05)  # all but one have tried and ended (with two winners this waits to the deadline)
-    done.write_text("")
-    outs = [p.communicate(timeout=60)[0] for p in ps]
-    winners = [o for o in outs if o.startswith("won")]
-    assert len(winners) == 1, outs
-    assert all("being written by a live run" in o for o in outs if not o.startswith("won"))
+    outs = race_for_folder(run, "own_run_dir(folder) or 'won'", 8, tmp_path)
+    assert outs.count("won") == 1, outs
+    assert all("being written by a live run" in o for o in outs if o != "won"), outs
+
+
+def test_asking_who_writes_a_folder_imports_no_torch():
+    """The race tests start many processes that ask only this, and ``evaluate`` asks it of a live run: it stays
+    seconds cheaper than the run folder's lifecycle (which loads torch and the models)."""
+    code = "import sys, ema_pg.engine.owner; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
 
 
 def test_resume_of_a_live_run_is_refused(finished_run):

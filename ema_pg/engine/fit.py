@@ -33,8 +33,9 @@ from .models import ModelPathError, head_dim
 from .module import GRPOModule
 from .plotting import plot_run
 from .policy import build_policy
+from .owner import release_run_dir
 from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multirun, is_rank_zero, job_folder,
-                   make_loggers, open_run, record_failure, record_run, release_run_dir)
+                   make_loggers, open_run, record_failure, record_run)
 from .strategies import build_strategy
 
 log = logging.getLogger("ema_pg")

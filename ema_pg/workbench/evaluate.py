@@ -131,7 +131,7 @@ def check_writable(out: Path) -> None:
 
 def run_is_live(run_dir: Path) -> bool:
     """True while the process that claimed the run folder is alive on this host."""
-    from ..engine.runs import live_owner
+    from ..engine.owner import live_owner
 
     return live_owner(run_dir) is not None
 

@@ -72,7 +72,8 @@ def race_for_folder(folder: Path, attempt: str, n: int, tmp_path: Path) -> list[
     ps = [subprocess.Popen([sys.executable, "-c", code, str(folder), str(r), str(go), str(done)], stdout=subprocess.PIPE,
                            text=True) for r in ready]
     try:
-        while not all(r.exists() or p.poll() is not None for r, p in zip(ready, ps)):
+        deadline = time.monotonic() + 300
+        while not all(r.exists() or p.poll() is not None for r, p in zip(ready, ps)) and time.monotonic() < deadline:
             time.sleep(0.02)
         go.write_text("")
         answers = [p.stdout.readline().strip() for p in ps]

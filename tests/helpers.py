@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -39,7 +41,6 @@ def per_row(fn):
 
 
 _RACER = """import sys, time
-import time
 from pathlib import Path
 from ema_pg.config import ConfigError
 from ema_pg.engine.owner import claim_run_dir, own_run_dir
@@ -63,9 +64,6 @@ def race_for_folder(folder: Path, attempt: str, n: int, tmp_path: Path) -> list[
     every process has imported (waited for, not guessed with a sleep, on however loaded a machine), and a process
     that got a folder holds it until all have answered. They import the claim alone (no torch): a few tenths of a
     second each."""
-    import subprocess
-    import sys
-
     ready = [tmp_path / f"ready{i}" for i in range(n)]
     go, done = tmp_path / "go", tmp_path / "done"
     code = _RACER.format(attempt=attempt)

@@ -103,7 +103,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
     module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, estimator=opened.estimator)
     if is_rank_zero():  # what runs, once: model, task, estimator, anchor, and one prompt as the model reads it
         a, precision = cfg.algo, str(cfg.trainer.precision)
-        numbers = cfg.model.dtype if precision in ("32-true", "32") else f"{cfg.model.dtype}, {precision}"
+        numbers = cfg.model.dtype if precision.startswith("32") else f"{cfg.model.dtype}, {precision}"  # 32, 32-true
         log.info("run: %s (%.1fM parameters, %s) on %s; kl=%s, anchor=%s, beta=%g; %d iterations of %d prompts x %d "
                  "samples; writing to %s", cfg.model.path or "tiny cold-start policy",
                  sum(p.numel() for p in policy.parameters()) / 1e6, numbers, cfg.task.name, cfg.kl.name,

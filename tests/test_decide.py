@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ema_pg.workbench.decide import CELLS, LOOKS, load_plan, needed, read_cells, record_cells, report, state, take_look
-from ema_pg.workbench.sequential import Design, look
+from ema_pg.workbench.decide import (CELLS, LOOKS, load_plan, needed, outlooks, read_cells, record_cells, report, state,
+                                     take_look)
+from ema_pg.workbench.sequential import OUTLOOKS, Design, look, outlook
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,6 +72,15 @@ def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_n
     assert rows["B"]["verdict"] == "continue" and rows["A"]["commits"] == "abc123"
     verdicts, taken = state(plan)
     assert taken == 1 and verdicts == {"A": "holds", "B": "open"}
+    # the open claim's outlook from where it stands (a decided one has none), on its page
+    ahead = outlooks(plan.design, pd.read_csv(plan.folder / LOOKS))
+    b = rows["B"]
+    assert list(ahead) == ["B"] and list(ahead["B"]) == list(OUTLOOKS)
+    assert ahead["B"]["predictive"] == outlook(plan.design, [3], b["mean_diff"], b["sd_diff"], "predictive", seed=0)
+    md = report(plan).read_text()
+    assert "## Where the open claims may end" in md
+    assert f"| B | 3 | 5 | predictive: {OUTLOOKS['predictive']} | {ahead['B']['predictive']['holds']:.0%} |" in md
+    assert "| A | 3 |" not in md
     todo = needed(plan, 2, verdicts)  # only claim B's methods, seeds 103-104
     assert sorted(todo) == sorted((m, s) for m in ("ema", "ema_topk_reverse") for s in (103, 104))
     fake_run(runs, "ema", 103, 0.4)
@@ -86,6 +96,7 @@ def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_n
     assert list(looks["look"]) == [1, 1, 2] and state(plan) == ({"A": "holds", "B": "stopped at the cap"}, 2)
     md = report(plan).read_text()
     assert "**holds**" in md and "stopped at the cap" in md and (plan.folder / "sequential.png").is_file()
+    assert "Where the open claims may end" not in md  # every claim decided or capped: nothing is ahead
 
 
 def test_a_plan_carried_to_a_fresh_machine_counts_the_cells_its_ledger_holds(tmp_path):

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from ema_pg.workbench.sequential import Design, fixed_power, look, simulate, spent, t_boundary, z_boundaries
+from ema_pg.workbench.sequential import (Design, fixed_power, look, outlook, simulate, spent, t_boundary,
+                                        z_boundaries)
 
 FIVE = [0.2, 0.4, 0.6, 0.8, 1.0]
 
@@ -94,3 +95,46 @@ def test_designs_refuse_what_cannot_be_a_design():
         Design(alpha=1.5)
     with pytest.raises(ValueError, match="at least 3"):
         look(Design(), [[0.1, 0.2]])
+
+
+def test_an_open_claims_outlook_matches_the_closed_forms_of_one_last_look():
+    """One look left, many seeds (so the t statistic is all but a z): the chance of "holds" at the cap is, with
+    t = n_1 / N the information time, c the last z boundary and Z_1 the statistic so far,
+    trend:      1 - Phi((c - Z_1 / sqrt t) / sqrt(1 - t))        (drift taken as Z_1 / sqrt t; Lan and Wittes),
+    predictive: 1 - Phi((c - Z_1 / sqrt t) / sqrt((1 - t) / t))  (drift ~ N(Z_1 / sqrt t, 1 / t), flat prior),
+    no effect:  1 - Phi((c - Z_1 sqrt t) / sqrt(1 - t))."""
+    from scipy.stats import norm
+
+    design = Design(looks=(200, 400))
+    c = design.boundaries()[-1]
+    sd, z1, t = 0.02, 1.0, 0.5
+    mean = z1 * sd / math.sqrt(200)
+    want = {"trend": norm.sf((c - z1 / math.sqrt(t)) / math.sqrt(1 - t)),
+            "predictive": norm.sf((c - z1 / math.sqrt(t)) / math.sqrt((1 - t) / t)),
+            "none": norm.sf((c - z1 * math.sqrt(t)) / math.sqrt(1 - t))}
+    assert want["none"] + 0.1 < want["trend"] < want["predictive"] - 0.05  # three futures the test tells apart
+    for effect, p in want.items():
+        r = outlook(design, [200], mean, sd, effect, sims=40_000, seed=5)
+        assert r["holds"] == pytest.approx(p, abs=0.008), (effect, r["holds"], p)
+        assert r["holds"] + r["fails"] + r["stopped at the cap"] == pytest.approx(1.0)
+        assert r["next_look"] == 400 and r["cap"] == 400
+    # a number is an effect for every future seed: zero is "none"
+    assert outlook(design, [200], mean, sd, 0.0, sims=40_000, seed=5)["holds"] == pytest.approx(want["none"], abs=0.008)
+
+
+def test_the_outlook_spends_alpha_at_the_looks_actually_taken_and_refuses_a_claim_at_its_cap():
+    """The remaining looks' boundaries are those look() will apply after the looks taken (a look taken at 9 seeds
+    instead of 10 spends at 9): a claim sitting just under the next boundary with a strong trend is carried over it
+    at the next look nearly always."""
+    design = Design(looks=(10, 20, 30))
+    zb = design.boundaries([9, 20, 30])
+    sd = 1.0
+    mean = 0.9 * t_boundary(zb[0], 9) * sd / 3  # t at 9 seeds: 90% of its boundary
+    r = outlook(design, [9], mean, sd, "trend", sims=20_000, seed=6)
+    assert r["seeds"] == 9 and r["next_look"] == 20
+    assert r["holds"] > 0.95 and r["fails"] == 0.0
+    assert r["mean_seeds"] < 21
+    with pytest.raises(ValueError, match="at its cap"):
+        outlook(design, [10, 20, 30], 0.1, 1.0)
+    with pytest.raises(ValueError, match="predictive"):
+        outlook(design, [10], 0.1, 1.0, "hopeful")

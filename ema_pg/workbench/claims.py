@@ -117,14 +117,21 @@ def look_verdicts(path: Path) -> list[Verdict]:
     """The last look of each claim of a sequential plan (``looks.csv``)."""
     import pandas as pd
 
+    from .decide import load_plan, outlooks
+
     looks = pd.read_csv(path)
     rel = str(path.relative_to(REPRO))
+    plan = load_plan(path.parent / "plan.yaml")
+    ahead = outlooks(plan.design, looks)
     out = []
     for cid, g in looks.groupby("claim", sort=False):
         r = g.iloc[-1]
+        to_decide = ""
+        if (o := ahead.get(str(cid), {}).get("predictive")) is not None:
+            to_decide = (f"next look at {o['next_look']}; by the cap ({o['cap']}): holds {o['holds']:.0%}, fails "
+                         f"{o['fails']:.0%} (predictive, [sequential.md]({Path(rel).parent / 'sequential.md'}))")
         out.append(Verdict(rel, str(cid), str(r["text"]), str(r["verdict"]), f"{r['mean_diff']:+.4f}",
-                           f"[{r['lo']:+.4f}, {r['hi']:+.4f}]", str(int(r["seeds"])),
-                           "" if r["verdict"] != "continue" else f"up to {int(r['planned_seeds'])}+ (next looks)"))
+                           f"[{r['lo']:+.4f}, {r['hi']:+.4f}]", str(int(r["seeds"])), to_decide))
     return out
 
 
@@ -278,6 +285,11 @@ def _matches(c: PaperClaim, v: Verdict) -> bool:
     return bool(re.search(c.match, v.key) or re.search(c.match, v.text))
 
 
+def _words(text: str) -> set[str]:
+    """A statement's words, without its punctuation: a row that says no more than its claim is not repeated."""
+    return set(re.findall(r"[^\s(),:;]+", text))
+
+
 def _cell(v: Verdict) -> str:
     return f"**{v.verdict}**"
 
@@ -307,7 +319,7 @@ def render(verdicts: list[Verdict]) -> str:
             continue
         latest_folder = max(rows, key=_order).folder
         for v in [v for v in rows if v.folder == latest_folder]:
-            label = f"{c.statement}: {v.text}" if v.text and v.text not in c.statement else c.statement
+            label = f"{c.statement}: {v.text}" if _words(v.text) - _words(c.statement) else c.statement
             lines.append(f"| {label} ({c.where}) | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} "
                          f"| {v.to_decide} |")
     lines += ["", "## History: the earlier verdicts of each claim", "",

@@ -47,7 +47,7 @@ from ..cli import command_parser
 from ..engine.evaluate import result_metric
 from ..engine.runs import EXIT_INTERRUPTED
 from ..engine.sweeps import failed_record
-from .sequential import Design, look
+from .sequential import OUTLOOKS, Design, look, outlook
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOKS = "looks.csv"  #: every look's numbers, beside the plan
@@ -208,6 +208,21 @@ def state(plan: Plan) -> tuple[dict[str, str], int]:
     return verdicts, taken
 
 
+def outlooks(design: Design, looks: pd.DataFrame, sims: int = 20_000) -> dict[str, dict[str, dict]]:
+    """For each claim still going after its last look in ``looks`` (looks.csv's rows), the chance of each verdict
+    by the cap under each future of :data:`~ema_pg.workbench.sequential.OUTLOOKS` ({claim: {future: outlook}});
+    the same simulated futures every time (the page it goes on is regenerated and compared)."""
+    out = {}
+    for cid, g in looks.groupby("claim", sort=False):
+        r = g.iloc[-1]
+        if r["verdict"] != "continue" or len(g) >= len(design.looks):
+            continue
+        taken = [int(n) for n in g["seeds"]]
+        out[str(cid)] = {f: outlook(design, taken, float(r["mean_diff"]), float(r["sd_diff"]), f, sims=sims, seed=0)
+                         for f in OUTLOOKS}
+    return out
+
+
 def needed(plan: Plan, k: int, verdicts: dict[str, str]) -> list[tuple[str, int]]:
     """The cells look ``k`` (1-based) needs that have not finished, seed-major (each seed's methods together)."""
     methods = list(dict.fromkeys(m for c in plan.claims if verdicts[c.id] == "open" for m in (c.better, c.worse)))
@@ -282,6 +297,23 @@ def report(plan: Plan) -> Path:
                          f"{r['t']:+.2f} | ±{r['t_bound']:.2f} | [{r['lo']:+.4f}, {r['hi']:+.4f}] | **{r['verdict']}** |")
         verdicts, taken = state(plan)
         lines += ["", "Where each claim stands: " + "; ".join(f"{c.id} {verdicts[c.id]}" for c in plan.claims) + "."]
+        ahead = outlooks(d, looks)
+        if ahead:
+            lines += ["", "## Where the open claims may end", "",
+                      f"The chance of each verdict by the cap ({d.cap} seeds) from the last look, over 20,000 simulated "
+                      "futures of the seeds still to come (each seed's difference normal with the sd so far) and the "
+                      "boundaries the remaining looks will apply (`outlook` in `ema_pg/workbench/sequential.py`). "
+                      "**predictive** is the one to plan by; **trend** takes the estimate so far for the truth; "
+                      "**no effect** is what noise alone would carry over a boundary from here. Not a verdict: only a "
+                      "boundary crossed at a look decides.", "",
+                      "| claim | seeds | next look | future | holds | fails | stopped at the cap | mean seeds at the end |",
+                      "|---|---|---|---|---|---|---|---|"]
+            names = {"trend": "trend", "predictive": "predictive", "none": "no effect"}
+            for cid, fut in ahead.items():
+                for f, o in fut.items():
+                    lines.append(f"| {cid} | {o['seeds']} | {o['next_look']} | {names[f]}: {OUTLOOKS[f]} | "
+                                 f"{o['holds']:.0%} | {o['fails']:.0%} | {o['stopped at the cap']:.0%} | "
+                                 f"{o['mean_seeds']:.0f} |")
         _plot(plan, looks)
         lines += ["", "![the looks](sequential.png)"]
     out = plan.folder / "sequential.md"

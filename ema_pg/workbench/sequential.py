@@ -231,6 +231,66 @@ def simulate(design: Design, effect: float, sd: float, sims: int = 20_000, seed:
     return out
 
 
+OUTLOOKS = {"trend": "if the effect is what the seeds so far estimate",
+            "predictive": "averaged over the uncertainty of the effect",
+            "none": "if there is no effect from here on"}  #: the futures :func:`outlook` may assume
+
+
+def outlook(design: Design, taken: list[int], mean: float, sd: float, effect: float | str = "trend",
+            sims: int = 20_000, seed: int = 0) -> dict:
+    """Where an open claim may end: the chance of each verdict by the cap, given the looks ``taken`` so far (their
+    numbers of seeds; the last one's paired differences have ``mean`` and ``sd``) and the planned looks still to
+    come, if each seed still to come differs by Normal(mu, ``sd``), where mu is ``effect`` when it is a number, or:
+
+    - ``"trend"``: mu = ``mean``, the effect the seeds so far estimate (the conditional power of Lan and Wittes,
+      1988), which takes the estimate for the truth and so is sure of itself;
+    - ``"predictive"``: mu drawn per simulated future from Normal(``mean``, ``sd`` / sqrt(n)), the effect's
+      uncertainty after n seeds under a flat prior (the predictive power of Spiegelhalter, Freedman and
+      Blackburn, 1986): the one to plan by;
+    - ``"none"``: mu = 0, no effect from here on (how often the seeds so far would be carried over a boundary by
+      noise alone).
+
+    The remaining looks apply the boundaries
+    :func:`look` will apply (spent at the seeds actually taken, then at the planned looks) to the t statistic of
+    all seeds so far, from the observed sum and sum of squares plus the simulated ones. Returns the shares of
+    holds, fails and stopped at the cap (each with its Monte-Carlo standard error), the mean number of seeds the
+    claim will have used and the next look's seeds."""
+    n = int(taken[-1])
+    rest = list(design.looks[len(taken):])  # the planned looks after the len(taken) already taken
+    if not rest:
+        raise ValueError(f"{len(taken)} looks taken of {len(design.looks)}: the claim is at its cap")
+    zb = design.boundaries(list(taken) + rest)[len(taken):]
+    rng = np.random.default_rng(seed)
+    if isinstance(effect, str):
+        if effect not in OUTLOOKS:
+            raise ValueError(f"effect={effect!r}; give a number or one of {', '.join(OUTLOOKS)}")
+        mu = {"trend": np.full((sims, 1), mean), "none": np.zeros((sims, 1)),
+              "predictive": rng.normal(mean, sd / math.sqrt(n), size=(sims, 1))}[effect]
+    else:
+        mu = np.full((sims, 1), float(effect))
+    d = rng.normal(mu, sd, size=(sims, rest[-1] - n))
+    s = n * mean + np.cumsum(d, 1)  # the running sum and sum of squares of every seed so far
+    q = (n - 1) * sd**2 + n * mean**2 + np.cumsum(d * d, 1)
+    state = np.zeros(sims, dtype=np.int8)  # 0 going, 1 holds, 2 fails
+    used = np.full(sims, rest[-1])
+    for m, c in zip(rest, zb):
+        mean_m = s[:, m - n - 1] / m
+        var_m = np.maximum(q[:, m - n - 1] - m * mean_m**2, 0.0) / (m - 1)
+        t = mean_m / np.sqrt(var_m / m)
+        b = t_boundary(c, m)
+        going = state == 0
+        up, down = going & (t >= b), going & (t <= -b)
+        state[up], state[down] = 1, 2
+        used[up | down] = m
+    out = {"sims": sims, "effect": effect, "sd": sd, "seeds": n, "next_look": rest[0], "cap": rest[-1],
+           "mean_seeds": float(used.mean())}
+    for name, code in (("holds", 1), ("fails", 2), ("stopped at the cap", 0)):
+        p = float((state == code).mean())
+        out[name] = p
+        out[f"{name} (MC se)"] = math.sqrt(p * (1 - p) / sims)
+    return out
+
+
 def fixed_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
     """The chance that one look at ``n`` seeds, a two-sided t test at ``alpha``, finds ``effect`` > 0 (a 'holds'),
     from the noncentral t distribution: the fixed design beside the sequential one."""

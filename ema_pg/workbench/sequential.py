@@ -211,23 +211,33 @@ def simulate(design: Design, effect: float, sd: float, sims: int = 20_000, seed:
     stopped-at-the-cap verdicts, each with its Monte-Carlo standard error, and the mean number of seeds used."""
     rng = np.random.default_rng(seed)
     d = rng.normal(effect, sd, size=(sims, design.cap))
-    zb = design.boundaries()
-    state = np.zeros(sims, dtype=np.int8)  # 0 going, 1 holds, 2 fails
-    used = np.full(sims, design.cap)
-    for n, c in zip(design.looks, zb):
+
+    def t_at(n):
         x = d[:, :n]
-        mean, s = x.mean(1), x.std(1, ddof=1)
-        t = mean / (s / math.sqrt(n))
+        return x.mean(1) / (x.std(1, ddof=1) / math.sqrt(n))
+    return {"sims": sims, "effect": effect, "sd": sd, **_verdict_shares(design.looks, design.boundaries(), t_at)}
+
+
+def _verdict_shares(ns, zb, t_at) -> dict:
+    """Simulated claims taken through looks at ``ns`` seeds with z boundaries ``zb``, as :func:`look` decides:
+    ``t_at(n)`` gives every simulated claim's t statistic at n seeds. The shares of each verdict (with their
+    Monte-Carlo standard errors) and the mean number of seeds used."""
+    state = used = None
+    for n, c in zip(ns, zb):
+        t = t_at(n)
+        if state is None:
+            state = np.zeros(len(t), dtype=np.int8)  # 0 going, 1 holds, 2 fails
+            used = np.full(len(t), ns[-1])
         b = t_boundary(c, n)
         going = state == 0
         up, down = going & (t >= b), going & (t <= -b)
         state[up], state[down] = 1, 2
         used[up | down] = n
-    out = {"sims": sims, "effect": effect, "sd": sd, "mean_seeds": float(used.mean())}
+    out = {"mean_seeds": float(used.mean())}
     for name, code in (("holds", 1), ("fails", 2), ("stopped at the cap", 0)):
         p = float((state == code).mean())
         out[name] = p
-        out[f"{name} (MC se)"] = math.sqrt(p * (1 - p) / sims)
+        out[f"{name} (MC se)"] = math.sqrt(p * (1 - p) / len(state))
     return out
 
 
@@ -271,24 +281,13 @@ def outlook(design: Design, taken: list[int], mean: float, sd: float, effect: fl
     d = rng.normal(mu, sd, size=(sims, rest[-1] - n))
     s = n * mean + np.cumsum(d, 1)  # the running sum and sum of squares of every seed so far
     q = (n - 1) * sd**2 + n * mean**2 + np.cumsum(d * d, 1)
-    state = np.zeros(sims, dtype=np.int8)  # 0 going, 1 holds, 2 fails
-    used = np.full(sims, rest[-1])
-    for m, c in zip(rest, zb):
+
+    def t_at(m):
         mean_m = s[:, m - n - 1] / m
         var_m = np.maximum(q[:, m - n - 1] - m * mean_m**2, 0.0) / (m - 1)
-        t = mean_m / np.sqrt(var_m / m)
-        b = t_boundary(c, m)
-        going = state == 0
-        up, down = going & (t >= b), going & (t <= -b)
-        state[up], state[down] = 1, 2
-        used[up | down] = m
-    out = {"sims": sims, "effect": effect, "sd": sd, "seeds": n, "next_look": rest[0], "cap": rest[-1],
-           "mean_seeds": float(used.mean())}
-    for name, code in (("holds", 1), ("fails", 2), ("stopped at the cap", 0)):
-        p = float((state == code).mean())
-        out[name] = p
-        out[f"{name} (MC se)"] = math.sqrt(p * (1 - p) / sims)
-    return out
+        return mean_m / np.sqrt(var_m / m)
+    return {"sims": sims, "effect": effect, "sd": sd, "seeds": n, "next_look": rest[0], "cap": rest[-1],
+            **_verdict_shares(rest, zb, t_at)}
 
 
 def fixed_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:

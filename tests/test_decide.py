@@ -51,7 +51,7 @@ def test_a_plan_is_checked_before_anything_runs(tmp_path):
         load_plan(write_plan(tmp_path / "c", tmp_path / "runs", claims={"A": {"better": "ema"}}))
 
 
-def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_no_more_seeds(tmp_path):
+def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_no_more_seeds(tmp_path, capsys):
     runs = tmp_path / "runs"
     plan = load_plan(write_plan(tmp_path / "plan", runs))
     rng = np.random.default_rng(0)
@@ -81,6 +81,12 @@ def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_n
     assert "## Where the open claims may end" in md
     assert f"| B | 3 | 5 | predictive: {OUTLOOKS['predictive']} | {ahead['B']['predictive']['holds']:.0%} |" in md
     assert "| A | 3 |" not in md
+    from ema_pg.workbench.decide import main
+
+    assert main([str(plan.path), "--status"]) == 0  # and --status says it, running nothing
+    said = capsys.readouterr().out
+    assert f"B by the cap (5 seeds): holds {ahead['B']['predictive']['holds']:.0%}" in said and "A by the cap" not in said
+    assert "look 2 at 5 seeds needs 4 more cells" in said
     todo = needed(plan, 2, verdicts)  # only claim B's methods, seeds 103-104
     assert sorted(todo) == sorted((m, s) for m in ("ema", "ema_topk_reverse") for s in (103, 104))
     fake_run(runs, "ema", 103, 0.4)

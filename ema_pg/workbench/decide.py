@@ -25,7 +25,7 @@ exits 75. A cell that failed (its failed.json) is left out of its claims' pairs 
 look says so: the boundaries are spent at the number of seeds a look actually has.
 
     python -m ema_pg.decide reproductions/table2/claims/plan.yaml --workers 2
-    python -m ema_pg.decide reproductions/table2/claims/plan.yaml --status      # where it stands, nothing run
+    python -m ema_pg.decide reproductions/table2/claims/plan.yaml --status      # where it stands and may end; nothing run
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def outlooks(design: Design, looks: pd.DataFrame, sims: int = 20_000) -> dict[st
     by the cap under each future of :data:`~ema_pg.workbench.sequential.OUTLOOKS` ({claim: {future: outlook}});
     the same simulated futures every time (the page it goes on is regenerated and compared)."""
     out = {}
-    for cid, g in looks.groupby("claim", sort=False):
+    for cid, g in (looks.groupby("claim", sort=False) if len(looks) else ()):
         r = g.iloc[-1]
         if r["verdict"] != "continue" or len(g) >= len(design.looks):
             continue
@@ -449,6 +449,10 @@ def main(argv=None) -> int:
                   + ", ".join(f"{m}:{s}" for m, s in todo[:12]) + (" ..." if len(todo) > 12 else ""))
             if todo:
                 print("a cell's command: " + shlex.join(cell_command(plan, *todo[0])))
+            for cid, fut in outlooks(plan.design, read_looks(plan)).items():
+                o = fut["predictive"]
+                print(f"{cid} by the cap ({o['cap']} seeds): holds {o['holds']:.0%}, fails {o['fails']:.0%}, stopped "
+                      f"at the cap {o['stopped at the cap']:.0%} (predictive; sequential.md has the other futures)")
             return 0
         if todo:
             plan.runs.mkdir(parents=True, exist_ok=True)

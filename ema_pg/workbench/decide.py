@@ -208,7 +208,10 @@ def state(plan: Plan) -> tuple[dict[str, str], int]:
     return verdicts, taken
 
 
-def outlooks(design: Design, looks: pd.DataFrame, sims: int = 20_000) -> dict[str, dict[str, dict]]:
+OUTLOOK_SIMS = 20_000  #: simulated futures behind each open claim's outlook
+
+
+def outlooks(design: Design, looks: pd.DataFrame, sims: int = OUTLOOK_SIMS) -> dict[str, dict[str, dict]]:
     """For each claim still going after its last look in ``looks`` (looks.csv's rows), the chance of each verdict
     by the cap under each future of :data:`~ema_pg.workbench.sequential.OUTLOOKS` ({claim: {future: outlook}});
     the same simulated futures every time (the page it goes on is regenerated and compared)."""
@@ -300,18 +303,17 @@ def report(plan: Plan) -> Path:
         ahead = outlooks(d, looks)
         if ahead:
             lines += ["", "## Where the open claims may end", "",
-                      f"The chance of each verdict by the cap ({d.cap} seeds) from the last look, over 20,000 simulated "
+                      f"The chance of each verdict by the cap ({d.cap} seeds) from the last look, over {OUTLOOK_SIMS:,} simulated "
                       "futures of the seeds still to come (each seed's difference normal with the sd so far) and the "
                       "boundaries the remaining looks will apply (`outlook` in `ema_pg/workbench/sequential.py`). "
                       "**predictive** is the one to plan by; **trend** takes the estimate so far for the truth; "
-                      "**no effect** is what noise alone would carry over a boundary from here. Not a verdict: only a "
+                      "**none** is what noise alone would carry over a boundary from here. Not a verdict: only a "
                       "boundary crossed at a look decides.", "",
                       "| claim | seeds | next look | future | holds | fails | stopped at the cap | mean seeds at the end |",
                       "|---|---|---|---|---|---|---|---|"]
-            names = {"trend": "trend", "predictive": "predictive", "none": "no effect"}
             for cid, fut in ahead.items():
                 for f, o in fut.items():
-                    lines.append(f"| {cid} | {o['seeds']} | {o['next_look']} | {names[f]}: {OUTLOOKS[f]} | "
+                    lines.append(f"| {cid} | {o['seeds']} | {o['next_look']} | {f}: {OUTLOOKS[f]} | "
                                  f"{o['holds']:.0%} | {o['fails']:.0%} | {o['stopped at the cap']:.0%} | "
                                  f"{o['mean_seeds']:.0f} |")
         _plot(plan, looks)

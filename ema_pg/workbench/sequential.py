@@ -274,8 +274,8 @@ def outlook(design: Design, taken: list[int], mean: float, sd: float, effect: fl
     if isinstance(effect, str):
         if effect not in OUTLOOKS:
             raise ValueError(f"effect={effect!r}; give a number or one of {', '.join(OUTLOOKS)}")
-        mu = {"trend": np.full((sims, 1), mean), "none": np.zeros((sims, 1)),
-              "predictive": rng.normal(mean, sd / math.sqrt(n), size=(sims, 1))}[effect]
+        mu = rng.normal(mean, sd / math.sqrt(n), size=(sims, 1)) if effect == "predictive" else \
+            np.full((sims, 1), mean if effect == "trend" else 0.0)
     else:
         mu = np.full((sims, 1), float(effect))
     d = rng.normal(mu, sd, size=(sims, rest[-1] - n))

@@ -316,7 +316,7 @@ def report(plan: Plan) -> Path:
                     lines.append(f"| {cid} | {o['seeds']} | {o['next_look']} | {f}: {OUTLOOKS[f]} | "
                                  f"{o['holds']:.0%} | {o['fails']:.0%} | {o['stopped at the cap']:.0%} | "
                                  f"{o['mean_seeds']:.0f} |")
-        _plot(plan, looks)
+        _plot(plan, looks, ahead)
         lines += ["", "![the looks](sequential.png)"]
     out = plan.folder / "sequential.md"
     from ..engine.files import atomic_write
@@ -332,14 +332,14 @@ def _rel(p: Path) -> str:
         return str(p)
 
 
-def _plot(plan: Plan, looks: pd.DataFrame) -> None:
+def _plot(plan: Plan, looks: pd.DataFrame, ahead: dict | None = None) -> None:
     import matplotlib.pyplot as plt
 
     from .results import set_style
 
     set_style()
     d = plan.design
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3 if ahead else 2, figsize=(16.5 if ahead else 11, 4))
     ns = list(d.looks)
     from .sequential import t_boundary
 
@@ -362,6 +362,21 @@ def _plot(plan: Plan, looks: pd.DataFrame) -> None:
     axes[1].set_ylabel("mean paired difference")
     axes[1].set_title("Repeated 95% intervals")
     axes[1].legend(fontsize=7)
+    if ahead:  # each open claim's chance of each verdict by the cap, under each future
+        ax = axes[2]
+        rows = [(f"{cid} {f}", o) for cid, fut in ahead.items() for f, o in fut.items()]
+        y = range(len(rows))
+        left = [0.0] * len(rows)
+        for verdict, color in (("holds", "C2"), ("stopped at the cap", "0.75"), ("fails", "C3")):
+            share = [o[verdict] for _, o in rows]
+            ax.barh(y, share, left=left, color=color, label=verdict)
+            left = [a + b for a, b in zip(left, share)]
+        ax.set_yticks(list(y), [r for r, _ in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1)
+        ax.set_xlabel(f"chance by the cap ({d.cap} seeds)")
+        ax.set_title("Where the open claims may end")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     fig.tight_layout()
     fig.savefig(plan.folder / "sequential.png", dpi=150)
     plt.close(fig)

@@ -201,7 +201,9 @@ def child(out: Path, argv: list[str]) -> None:
 # ---------------------------------------------------------------------------------------------------- the parent
 def flop_floor(model_dir: Path, tokens: dict, iterations: int, rate: float, per_row_len: float) -> dict:
     """The update's and the anchor's matmul FLOPs over the run's real tokens (rl_step.py's rule), and their time at
-    ``rate`` FLOP/s."""
+    ``rate`` FLOP/s; beside them the floor of the whole seed, what the experiment itself needs whatever the code:
+    every pass over the nodes of the shared-prefix layout (each prompt once per group), one forward to sample
+    (which also gives pi_old's scores), one for the anchor, forward and backward for the update (5 forwards)."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(str(model_dir))
@@ -209,12 +211,20 @@ def flop_floor(model_dir: Path, tokens: dict, iterations: int, rate: float, per_
     kv = h * c.num_key_value_heads // c.num_attention_heads
     body = L * (2 * h * h + 2 * h * kv + 3 * h * c.intermediate_size)  # multiply-adds per token
     attn = 4 * per_row_len * h * L / 2  # per token, causal
-    fwd_real = 2 * body * tokens["real"] + attn * tokens["real"] + 2 * h * V * tokens["policy"]
-    fwd_padded = 2 * body * tokens["padded"] + attn * tokens["padded"] + 2 * h * V * tokens["padded"]
+
+    def fwd(n_tokens, head_tokens):
+        return 2 * body * n_tokens + attn * n_tokens + 2 * h * V * head_tokens
+
+    fwd_real, fwd_padded = fwd(tokens["real"], tokens["policy"]), fwd(tokens["padded"], tokens["padded"])
+    fwd_shared = fwd(tokens["shared"], tokens["policy"])
     update, anchor = 3 * fwd_real, fwd_real
     return {"update_flops": update, "anchor_flops": anchor, "update_floor_s": update / rate,
             "anchor_floor_s": anchor / rate, "padded_update_flops": 3 * fwd_padded, "matmul_flops_per_s": rate,
-            "note": "real tokens, the output layer on policy tokens only; per iteration x iterations"}
+            "note": "real tokens, the output layer on policy tokens only; per iteration x iterations",
+            "shared_forward_flops": fwd_shared, "shared_update_floor_s": 3 * fwd_shared / rate,
+            "seed_floor_flops": 5 * fwd_shared, "seed_floor_s": 5 * fwd_shared / rate,
+            "seed_floor_note": "the shared-prefix layout's nodes: sampling (with pi_old) 1 forward, the anchor 1, "
+                               "the update 3 (forward and backward)"}
 
 
 def run_variant(name: str, a, work: Path) -> dict:
@@ -286,6 +296,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", default=str(ROOT / ".cache" / "ema_pg" / "cold_start"), help="the cold-start cache")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "bench" / "seed_cost")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "seed_cost_cpu.json")
+    ap.add_argument("--refloor", action="store_true",
+                    help="recompute the floors of --out's rows from their token counts and the models their runs left "
+                         "in --work, at a matmul rate measured now (pause other work on the machine first); run nothing")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("extra", nargs="*", help="Hydra overrides for every variant (after --)")
     a = ap.parse_args(argv)
@@ -297,6 +310,8 @@ def main(argv=None) -> int:
     from ema_pg.engine.files import atomic_write
     from ema_pg.engine.runs import machine
 
+    if a.refloor:
+        return refloor(a.out, a.work.resolve())
     a.work = a.work.resolve()
     if a.work.exists():
         shutil.rmtree(a.work)
@@ -320,6 +335,38 @@ def main(argv=None) -> int:
     if len(rows) > 1:
         print(f"{rows[0]['variant']} / {rows[-1]['variant']}: {rows[0]['seed_cpu_s'] / rows[-1]['seed_cpu_s']:.2f}x "
               "the CPU seconds of a seed")
+    return 0
+
+
+def refloor(out: Path, work: Path) -> int:
+    """The floors of a committed result again, every row at one rate measured now with one thread (the rates the
+    rows carry were each measured after their own run, some while other work shared the machine)."""
+    import torch
+
+    from benchmarks.rl_step import matmul_rate  # noqa: E402 - the rule of the step benchmark
+    from ema_pg.engine.files import atomic_write
+
+    payload = json.loads(out.read_text())
+    torch.set_num_threads(1)
+    models = {}
+    for r in payload["rows"]:
+        sweep_dir = work / r["variant"].replace(":", "_").replace("@", "_at_")
+        run = next((p for p in sweep_dir.glob("*") if (p / "model" / "config.json").is_file()), None)
+        if run is None:
+            raise SystemExit(f"{sweep_dir}: no run with its model; --refloor needs the runs the benchmark left in --work")
+        models[r["variant"]] = run / "model"
+    hidden = {v: json.loads((m / "config.json").read_text())["hidden_size"] for v, m in models.items()}
+    rates = {hd: max(matmul_rate(hd, torch.float32) for _ in range(3)) for hd in set(hidden.values())}
+    for r in payload["rows"]:
+        tk = r["tokens"]
+        r["floor"] = flop_floor(models[r["variant"]], tk, tk["iterations"], rates[hidden[r["variant"]]],
+                                tk["real"] / max(tk["rows"], 1))
+        r["floor"]["rate_note"] = "refloored: one rate for every row, measured with one thread and the machine idle"
+        f = r["floor"]
+        print(f"{r['variant']}: seed {r['seed_cpu_s']:.0f} CPU s; the experiment's floor {f['seed_floor_s']:.0f} s at "
+              f"{f['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s ({f['seed_floor_s'] / r['seed_cpu_s']:.0%} of the seed); "
+              f"the update {r['phases_cpu_s'].get('update', 0):.0f} s against its floor {f['shared_update_floor_s']:.0f} s")
+    atomic_write(out, json.dumps(payload, indent=2) + "\n")
     return 0
 
 

@@ -15,7 +15,9 @@ iteration 0, during the run, at its end; its own sampling and turns are inside i
 (imports, the config, the task, the policy), and the rest of the run (Lightning, logging, the anchor's updates).
 Beside them: the update's FLOP floor as ``benchmarks/rl_step.py`` computes one (6 FLOPs per parameter and token
 for the policy's forward and backward, 2 for the anchor's forward, attention 4 L^2 d per layer and row), over the
-run's real tokens, at this CPU's measured fp32 matmul rate.
+run's real tokens, at this CPU's measured fp32 matmul rate; and the floor of the whole seed, what the experiment
+needs whatever the code (five forwards over the shared-prefix layout's nodes: sampling, the anchor, the update's
+forward and backward). ``--refloor`` recomputes the floors of a result from the runs it left, every row at one rate.
 
     python benchmarks/seed_cost.py --variants decide_episode@534d1b9,claims:padded@dadebca,claims@dadebca \\
         --method ema_topk_reverse --seed 11 --out benchmarks/results/seed_cost_cpu.json

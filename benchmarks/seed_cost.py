@@ -345,7 +345,7 @@ def refloor(out: Path, work: Path) -> int:
     rows carry were each measured after their own run, some while other work shared the machine)."""
     import torch
 
-    from benchmarks.rl_step import matmul_rate  # noqa: E402 - the rule of the step benchmark
+    from benchmarks.rl_step import matmul_rate  # the rule of the step benchmark
     from ema_pg.engine.files import atomic_write
 
     payload = json.loads(out.read_text())

@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ema_pg.workbench.decide import (CELLS, LOOKS, load_plan, needed, outlooks, read_cells, record_cells, report, state,
-                                     take_look)
+from ema_pg.workbench.decide import (CELLS, LOOKS, load_plan, main, needed, outlooks, read_cells, record_cells, report,
+                                     state, take_look)
 from ema_pg.workbench.sequential import OUTLOOKS, Design, look, outlook
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,8 +81,6 @@ def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_n
     assert "## Where the open claims may end" in md
     assert f"| B | 3 | 5 | predictive: {OUTLOOKS['predictive']} | {ahead['B']['predictive']['holds']:.0%} |" in md
     assert "| A | 3 |" not in md
-    from ema_pg.workbench.decide import main
-
     assert main([str(plan.path), "--status"]) == 0  # and --status says it, running nothing
     said = capsys.readouterr().out
     assert f"B by the cap (5 seeds): holds {ahead['B']['predictive']['holds']:.0%}" in said and "A by the cap" not in said

@@ -229,6 +229,11 @@ def flop_floor(model_dir: Path, tokens: dict, iterations: int, rate: float, per_
                                "the update 3 (forward and backward)"}
 
 
+def _variant_dir(work: Path, name: str) -> Path:
+    """The sweep folder a variant's run goes to (and ``--refloor`` reads back)."""
+    return work / name.replace(":", "_").replace("@", "_at_")
+
+
 def run_variant(name: str, a, work: Path) -> dict:
     """One variant, ``OVERLAY[:EXTRA][@COMMIT]``: at COMMIT, the code is a git worktree of that commit (made here,
     removed after), run with this checkout's environment."""
@@ -243,7 +248,7 @@ def run_variant(name: str, a, work: Path) -> dict:
         subprocess.run(["git", "worktree", "add", "--detach", str(code), commit], cwd=ROOT, check=True,
                        capture_output=True)
     env = {**os.environ, "PYTHONPATH": str(code)}
-    sweep_dir = work / name.replace(":", "_").replace("@", "_at_")
+    sweep_dir = _variant_dir(work, name)
     argv = ["-m", "--config-dir", str(code / "sweeps"), "--config-name", "table2",
             *overlay_choices(f"table2_{overlay}"), f"+scale=table2_{overlay}", f"hydra.sweep.dir={sweep_dir}",
             f"method={a.method}", f"seed={a.seed}", f"sft.cache_dir={a.cache}", *overrides, *a.extra]
@@ -352,7 +357,7 @@ def refloor(out: Path, work: Path) -> int:
     torch.set_num_threads(1)
     models = {}
     for r in payload["rows"]:
-        sweep_dir = work / r["variant"].replace(":", "_").replace("@", "_at_")
+        sweep_dir = _variant_dir(work, r["variant"])
         run = next((p for p in sweep_dir.glob("*") if (p / "model" / "config.json").is_file()), None)
         if run is None:
             raise SystemExit(f"{sweep_dir}: no run with its model; --refloor needs the runs the benchmark left in --work")

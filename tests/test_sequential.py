@@ -122,10 +122,10 @@ def test_an_open_claims_outlook_matches_the_closed_forms_of_one_last_look():
     assert outlook(design, [200], mean, sd, 0.0, sims=40_000, seed=5)["holds"] == pytest.approx(want["none"], abs=0.008)
 
 
-def test_the_outlook_spends_alpha_at_the_looks_actually_taken_and_refuses_a_claim_at_its_cap():
-    """The remaining looks' boundaries are those look() will apply after the looks taken (a look taken at 9 seeds
-    instead of 10 spends at 9): a claim sitting just under the next boundary with a strong trend is carried over it
-    at the next look nearly always."""
+def test_the_outlook_goes_on_from_the_looks_actually_taken_and_refuses_a_claim_at_its_cap():
+    """After a first look taken at 9 seeds instead of 10, the next look is the planned second one (20 seeds), not
+    the planned first; a claim sitting just under its boundary with a strong trend is carried over it there nearly
+    always."""
     design = Design(looks=(10, 20, 30))
     zb = design.boundaries([9, 20, 30])
     sd = 1.0

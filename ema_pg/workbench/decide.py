@@ -218,7 +218,7 @@ def outlooks(design: Design, looks: pd.DataFrame, sims: int = OUTLOOK_SIMS) -> d
     out = {}
     for cid, g in (looks.groupby("claim", sort=False) if len(looks) else ()):
         r = g.iloc[-1]
-        if r["verdict"] != "continue" or len(g) >= len(design.looks):
+        if r["verdict"] != "continue":  # the last look's verdict is never "continue" (take_look passes final)
             continue
         taken = [int(n) for n in g["seeds"]]
         out[str(cid)] = {f: outlook(design, taken, float(r["mean_diff"]), float(r["sd_diff"]), f, sims=sims, seed=0)

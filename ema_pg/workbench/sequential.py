@@ -215,19 +215,17 @@ def simulate(design: Design, effect: float, sd: float, sims: int = 20_000, seed:
     def t_at(n):
         x = d[:, :n]
         return x.mean(1) / (x.std(1, ddof=1) / math.sqrt(n))
-    return {"sims": sims, "effect": effect, "sd": sd, **_verdict_shares(design.looks, design.boundaries(), t_at)}
+    return {"sims": sims, "effect": effect, "sd": sd, **_verdict_shares(design.looks, design.boundaries(), t_at, sims)}
 
 
-def _verdict_shares(ns, zb, t_at) -> dict:
-    """Simulated claims taken through looks at ``ns`` seeds with z boundaries ``zb``, as :func:`look` decides:
-    ``t_at(n)`` gives every simulated claim's t statistic at n seeds. The shares of each verdict (with their
-    Monte-Carlo standard errors) and the mean number of seeds used."""
-    state = used = None
+def _verdict_shares(ns, zb, t_at, sims: int) -> dict:
+    """``sims`` simulated claims taken through looks at ``ns`` seeds with z boundaries ``zb``, as :func:`look`
+    decides: ``t_at(n)`` gives every simulated claim's t statistic at n seeds. The shares of each verdict (with
+    their Monte-Carlo standard errors) and the mean number of seeds used."""
+    state = np.zeros(sims, dtype=np.int8)  # 0 going, 1 holds, 2 fails
+    used = np.full(sims, ns[-1])
     for n, c in zip(ns, zb):
         t = t_at(n)
-        if state is None:
-            state = np.zeros(len(t), dtype=np.int8)  # 0 going, 1 holds, 2 fails
-            used = np.full(len(t), ns[-1])
         b = t_boundary(c, n)
         going = state == 0
         up, down = going & (t >= b), going & (t <= -b)
@@ -237,7 +235,7 @@ def _verdict_shares(ns, zb, t_at) -> dict:
     for name, code in (("holds", 1), ("fails", 2), ("stopped at the cap", 0)):
         p = float((state == code).mean())
         out[name] = p
-        out[f"{name} (MC se)"] = math.sqrt(p * (1 - p) / len(state))
+        out[f"{name} (MC se)"] = math.sqrt(p * (1 - p) / sims)
     return out
 
 
@@ -287,7 +285,7 @@ def outlook(design: Design, taken: list[int], mean: float, sd: float, effect: fl
         var_m = np.maximum(q[:, m - n - 1] - m * mean_m**2, 0.0) / (m - 1)
         return mean_m / np.sqrt(var_m / m)
     return {"sims": sims, "effect": effect, "sd": sd, "seeds": n, "next_look": rest[0], "cap": rest[-1],
-            **_verdict_shares(rest, zb, t_at)}
+            **_verdict_shares(rest, zb, t_at, sims)}
 
 
 def fixed_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:

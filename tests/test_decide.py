@@ -31,12 +31,22 @@ def write_plan(folder: Path, runs: Path, looks=(3, 5), claims=None, **extra) -> 
     return folder / "plan.yaml"
 
 
-def fake_run(runs: Path, method: str, seed: int, avg: float, commit: str = "abc123") -> None:
-    """A finished run folder as the trainer leaves one: config.yaml, git.txt and eval.json."""
+def fake_run(runs: Path, method: str, seed: int, avg: float, commit: str = "abc123", base: float | None = None,
+             machine: str | None = None) -> None:
+    """A finished run folder as the trainer leaves one: config.yaml, git.txt and eval.json; with ``base``, the
+    initial weights in model/ (one tensor filled with it) and, with ``machine``, machine.txt."""
     d = runs / f"{method}_s{seed}"
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.yaml").write_text(f"method: {method}\nseed: {seed}\nname: demo\n")
     (d / "git.txt").write_text(commit + "\n")
+    if base is not None:
+        import torch
+        from safetensors.torch import save_file
+
+        (d / "model").mkdir(exist_ok=True)
+        save_file({"w": torch.full((2, 3), base), "b": torch.zeros(3)}, str(d / "model" / "model.safetensors"))
+    if machine is not None:
+        (d / "machine.txt").write_text(machine + "\n")
     (d / "eval.json").write_text(json.dumps({"iteration": 4, "splits": {"test": {"acc": avg, "n": 16}}, "avg": avg,
                                              "metric": "acc"}))
 
@@ -120,7 +130,8 @@ def test_a_plan_carried_to_a_fresh_machine_counts_the_cells_its_ledger_holds(tmp
     cells = read_cells(plan)
     assert len(cells) == 10 and cells[("ema", 104)] == {"scores": {"avg": pytest.approx(
         json.loads((runs / "ema_s104/eval.json").read_text())["avg"]), "test": pytest.approx(
-        json.loads((runs / "ema_s104/eval.json").read_text())["splits"]["test"]["acc"])}, "commit": "c2"}
+        json.loads((runs / "ema_s104/eval.json").read_text())["splits"]["test"]["acc"])}, "commit": "c2",
+        "base": "unknown", "machine": "unknown"}
     both = take_look(plan, 2, state(plan)[0])
     moved = tmp_path / "moved"
     shutil.copytree(tmp_path / "plan", moved / "plan")
@@ -133,6 +144,93 @@ def test_a_plan_carried_to_a_fresh_machine_counts_the_cells_its_ledger_holds(tmp
         assert {k: a[k] for k in ("claim", "seeds", "mean_diff", "lo", "hi", "verdict", "commits")} == \
                {k: b[k] for k in ("claim", "seeds", "mean_diff", "lo", "hi", "verdict", "commits")}
     assert again[-1]["look"] == 2 and again[-1]["commits"] == "c1 c2" and (moved / "plan" / CELLS).is_file()
+
+
+def test_a_runs_base_is_its_initial_weights_whatever_the_files_layout(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from ema_pg.engine.runs import run_base
+
+    w = {"a.weight": torch.arange(6.0).reshape(2, 3), "b.bias": torch.ones(3)}
+    for name, tensors, meta in (("one", w, None), ("two", dict(reversed(list(w.items()))), {"format": "pt", "x": "y"})):
+        (tmp_path / name / "model").mkdir(parents=True)
+        save_file(tensors, str(tmp_path / name / "model" / "model.safetensors"), metadata=meta)
+    assert (tmp_path / "one/model/model.safetensors").read_bytes() != (tmp_path / "two/model/model.safetensors").read_bytes()
+    assert run_base(tmp_path / "one") == run_base(tmp_path / "two") and len(run_base(tmp_path / "one")) == 16
+    nudged = dict(w, **{"b.bias": torch.tensor([1.0, 1.0, float(np.nextafter(np.float32(1), np.float32(2)))])})
+    (tmp_path / "three" / "model").mkdir(parents=True)
+    save_file(nudged, str(tmp_path / "three" / "model" / "model.safetensors"))
+    assert run_base(tmp_path / "three") != run_base(tmp_path / "one")  # one ulp of one weight is another policy
+    (tmp_path / "four" / "model").mkdir(parents=True)
+    (tmp_path / "four" / "model" / "initial.json").write_text(json.dumps({"path": "/models/qwen"}))
+    assert run_base(tmp_path / "four") == "path:/models/qwen" and run_base(tmp_path / "none") == "unknown"
+
+
+def test_a_cell_from_another_base_policy_is_refused_before_a_look_pairs_it(tmp_path):
+    """Two cold starts of one sft.seed on two kinds of CPU can end apart; a seed whose two methods start from two
+    base policies compares starting points. Such a cell is not recorded and no look is taken with it."""
+    from ema_pg.engine.runs import run_base
+    from ema_pg.workbench.decide import OtherBase
+
+    runs = tmp_path / "runs"
+    plan = load_plan(write_plan(tmp_path / "plan", runs, looks=(3, 5)))
+    for s in plan.seeds(3):
+        for m in ("grpo", "ema", "ema_topk_reverse"):
+            fake_run(runs, m, s, 0.3 + 0.01 * (s - 100), base=0.5, machine="cpu A")
+    assert record_cells(plan) == 9 and {c["base"] for c in read_cells(plan).values()} == {run_base(runs / "ema_s100")}
+    ledger = (plan.folder / CELLS).read_text()
+    fake_run(runs, "ema", 103, 0.4, base=0.5, machine="cpu A")
+    fake_run(runs, "grpo", 103, 0.3, base=0.6, machine="cpu B")  # the cold start came out elsewhere
+    with pytest.raises(OtherBase, match=r"grpo_s103: it started from base policy \w{16} \(built on cpu B\), not \w{16}"):
+        record_cells(plan)
+    assert (plan.folder / CELLS).read_text() == ledger  # nothing recorded, not even the good cell beside it
+    with pytest.raises(OtherBase):
+        take_look(plan, 1, state(plan)[0])
+    assert not (plan.folder / LOOKS).exists()
+    import shutil
+
+    shutil.rmtree(runs / "grpo_s103")  # set aside: the ledger goes on
+    assert record_cells(plan) == 1
+    pinned = load_plan(write_plan(tmp_path / "pinned", runs, looks=(3, 5), base="0123456789abcdef"))
+    with pytest.raises(OtherBase, match="not 0123456789abcdef, .*pinned/plan.yaml's base"):
+        record_cells(pinned)  # a pinned base outranks the cells
+
+
+def test_cells_on_another_machine_start_only_when_told(tmp_path, capsys):
+    from ema_pg.engine.runs import machine
+
+    runs = tmp_path / "runs"
+    path = write_plan(tmp_path / "plan", runs, looks=(3,), claims={"A": {"better": "ema", "worse": "grpo", "text": "x"}})
+    for s in range(100, 103):
+        for m in ("grpo", "ema"):
+            fake_run(runs, m, s, 0.3 + 0.01 * (m == "ema") + 0.001 * s, base=0.5, machine="a machine of another kind")
+    assert machine() != "a machine of another kind"
+    with pytest.raises(SystemExit, match="this machine is .*--any-machine"):
+        main([str(path)])
+    assert not (tmp_path / "plan" / LOOKS).exists()
+    assert main([str(path), "--any-machine"]) == 0 and (tmp_path / "plan" / LOOKS).is_file()  # every cell was there
+
+
+def test_cells_can_run_the_code_of_another_checkout(tmp_path):
+    """--code: a plan's cells run the code it was registered at (a worktree), named by its own sweep files."""
+    import shutil
+
+    from ema_pg.workbench.decide import cell_command
+
+    plan = load_plan(write_plan(tmp_path / "plan", tmp_path / "runs"))
+    other = tmp_path / "frozen"
+    shutil.copytree(ROOT / "sweeps", other / "sweeps")
+    here, there = cell_command(plan, "ema", 101), cell_command(plan, "ema", 101, other)
+    assert here[here.index("--config-dir") + 1] == str(ROOT / "sweeps")
+    assert there[there.index("--config-dir") + 1] == str(other / "sweeps")
+    assert [w for w in here if w != str(ROOT / "sweeps")] == [w for w in there if w != str(other / "sweeps")]
+    (other / "sweeps" / "scale" / "fig5_methods_smoke.yaml").unlink(missing_ok=True)
+    (other / "sweeps" / "scale" / "smoke.yaml").unlink()
+    with pytest.raises(SystemExit, match="has no sweeps/scale/.*smoke.yaml"):
+        cell_command(plan, "ema", 101, other)
+    with pytest.raises(SystemExit, match="not a checkout of ema-pg"):
+        main([str(plan.path), "--code", str(other)])
 
 
 @pytest.mark.slow

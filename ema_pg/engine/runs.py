@@ -89,6 +89,39 @@ def run_commit(run_dir: Path) -> str:
     return f.read_text().strip() if f.is_file() else "unknown"
 
 
+def run_machine(run_dir: Path) -> str:
+    """The machine a run folder's run ran on (its ``machine.txt``, :func:`machine`), or ``unknown``."""
+    f = Path(run_dir) / "machine.txt"
+    return f.read_text().strip() if f.is_file() else "unknown"
+
+
+def run_base(run_dir: Path) -> str:
+    """The identity of the policy a run started from, in 16 hex digits: a digest of the initial weights in
+    ``<run>/model/`` (every tensor's name, dtype, shape and bytes, in name order, so the file's layout and metadata
+    do not count), or ``path:DIR`` for a run that started from ``model.path`` (its ``initial.json``); ``unknown``
+    when the folder has neither. Two runs of a sweep that share one base policy (``sft.seed``) have one value here
+    when, and only when, their cold starts came out the same: on another kind of CPU they may not (:func:`machine`)."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    model = Path(run_dir) / "model"
+    if (model / "initial.json").is_file():
+        return "path:" + json.loads((model / "initial.json").read_text())["path"]
+    files = sorted(model.glob("*.safetensors"))
+    if not files:
+        return "unknown"
+    h = hashlib.sha256()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in sorted(st.keys()):
+                t = st.get_tensor(name).contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def metrics_rows(metrics_file: Path, upto: int) -> list[dict]:
     """The intact rows of a run's ``metrics.csv`` up to step ``upto`` (a checkpoint's iteration), for a resumed run.
 

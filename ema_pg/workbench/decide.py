@@ -16,8 +16,13 @@ last look (the cap) an open claim is "stopped at the cap". The command
 3. goes on to the next look until every claim is decided or capped.
 
 Every finished cell's scores also go to ``cells.csv`` beside the plan (method, seed, the final evaluation's
-scores, the commit it ran from): small enough to commit as cells land, so that a plan carried to a fresh machine
-(run folders are never committed) counts the cells it already has and runs only the rest.
+scores, the commit it ran from, its base policy and the machine it ran on): small enough to commit as cells land, so
+that a plan carried to a fresh machine (run folders are never committed) counts the cells it already has and runs
+only the rest. A plan's seeds share one base policy (``sft.seed``), but a cold start built on another kind of CPU can
+come out another policy (:func:`ema_pg.engine.runs.machine`): a cell whose base differs from the plan's (pinned as
+``base:`` in the plan, else the one its recorded cells share) is refused as it lands, before any look pairs it, and
+the command will not start cells on a machine other than the one the recorded cells ran on unless told
+``--any-machine``.
 
 Run it again after an interruption: finished cells are kept, a killed one resumes from its checkpoint, looks
 already taken are read back, never retaken. SIGTERM stops the workers (each saves its checkpoint) and the command
@@ -26,6 +31,8 @@ look says so: the boundaries are spent at the number of seeds a look actually ha
 
     python -m ema_pg.decide reproductions/table2/claims/plan.yaml --workers 2
     python -m ema_pg.decide reproductions/table2/claims/plan.yaml --status      # where it stands and may end; nothing run
+    python -m ema_pg.decide PLAN --code ../claims    # the cells run the code of ../claims (a worktree of the plan's
+                                                     # commit); the ledger, its checks and the looks are this checkout's
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class Plan:
     claims: list[Claim]
     runs: Path
     overrides: list[str] = field(default_factory=list)
+    base: str | None = None  #: the base policy every cell must start from (``run_base``'s digest), when pinned
 
     @property
     def folder(self) -> Path:
@@ -116,17 +124,21 @@ def load_plan(path: Path) -> Plan:
         raise SystemExit(f"{path}: sweep {raw['sweep']!r} is not sweeps/{raw['sweep']}.yaml")
     runs = Path(raw.get("runs") or ROOT / "runs" / "reproduce" / f"{raw['sweep']}-{raw['scale']}")
     return Plan(Path(path), str(raw["sweep"]), str(raw["scale"]), int(raw["seed0"]), design, claims,
-                runs if runs.is_absolute() else ROOT / runs, [str(o) for o in raw.get("overrides", [])])
+                runs if runs.is_absolute() else ROOT / runs, [str(o) for o in raw.get("overrides", [])],
+                str(raw["base"]) if raw.get("base") else None)
 
 
-def cell_command(plan: Plan, method: str, seed: int) -> list[str]:
-    """The sweep's per-cell command (what ``make reproduce-table2 SCALE=...`` runs for one cell)."""
-    from .reproduce import SWEEPS, overlay_choices, scale_file
+def cell_command(plan: Plan, method: str, seed: int, code: Path = ROOT) -> list[str]:
+    """The sweep's per-cell command (what ``make reproduce-table2 SCALE=...`` runs for one cell), to run in ``code``:
+    this checkout, or one of the commit a plan's cells must run (``--code``), whose sweep files it names."""
+    from .reproduce import overlay_choices, scale_file
 
-    overlay = scale_file(plan.sweep, plan.scale)
-    return [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", str(SWEEPS), "--config-name", plan.sweep,
-            *overlay_choices(overlay), f"+scale={overlay}", f"hydra.sweep.dir={plan.runs}", f"method={method}",
-            f"seed={seed}", *plan.overrides]
+    overlay, sweeps = scale_file(plan.sweep, plan.scale), Path(code) / "sweeps"
+    if not (sweeps / "scale" / f"{overlay}.yaml").is_file():
+        raise SystemExit(f"--code {code}: it has no sweeps/scale/{overlay}.yaml; give a checkout of the plan's code")
+    return [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", str(sweeps), "--config-name", plan.sweep,
+            *overlay_choices(overlay, sweeps), f"+scale={overlay}", f"hydra.sweep.dir={plan.runs}",
+            f"method={method}", f"seed={seed}", *plan.overrides]
 
 
 def finished(run: Path) -> bool:
@@ -139,32 +151,65 @@ def _scores(res: dict) -> dict[str, float]:
     return {"avg": float(res["avg"]), **{k: float(v[metric]) for k, v in res["splits"].items()}}
 
 
+class OtherBase(SystemExit):
+    """A finished cell started from another base policy than the plan's cells: its seed's pairs would compare two
+    starting points, not two methods."""
+
+
 def read_cells(plan: Plan) -> dict[tuple[str, int], dict]:
-    """{(method, seed): {"scores": {...}, "commit": ...}} from cells.csv."""
+    """{(method, seed): {"scores": {...}, "commit": ..., "base": ..., "machine": ...}} from cells.csv (``base`` and
+    ``machine`` are empty for rows recorded before cells.csv carried them)."""
     f = plan.folder / CELLS
     if not f.is_file():
         return {}
-    return {(str(r.method), int(r.seed)): {"scores": json.loads(r.scores), "commit": str(r.commit)}
-            for r in pd.read_csv(f).itertuples()}
+    df = pd.read_csv(f, dtype=str, keep_default_na=False)
+    return {(r["method"], int(r["seed"])): {"scores": json.loads(r["scores"]), "commit": r["commit"],
+                                            "base": r.get("base", ""), "machine": r.get("machine", "")}
+            for r in df.to_dict("records")}
+
+
+def plan_base(plan: Plan, cells: dict) -> tuple[str | None, str]:
+    """(the base policy the plan's cells start from, where that is said): the plan's ``base`` when pinned, else the
+    one base its recorded cells share (None before any cell records one)."""
+    if plan.base:
+        return plan.base, f"{plan.path}'s base"
+    bases = sorted({c["base"] for c in cells.values() if c["base"]})
+    if len(bases) > 1:
+        raise OtherBase(f"{plan.folder / CELLS}: its cells start from {len(bases)} base policies ({', '.join(bases)}); "
+                        f"a plan's seeds share one: pin the right one as base: in {plan.path} and set the others aside")
+    return (bases[0], f"the base of the cells in {plan.folder / CELLS}") if bases else (None, "")
 
 
 def record_cells(plan: Plan) -> int:
-    """Add every finished cell of the plan's run folder that cells.csv lacks; the number added."""
+    """Add every finished cell of the plan's run folder that cells.csv lacks; the number added. A cell that started
+    from another base policy than the plan's (:func:`plan_base`) is not added: :class:`OtherBase` says which and what
+    to do, before any look could pair it."""
     from ..engine.files import atomic_write
-    from ..engine.runs import run_commit
+    from ..engine.runs import run_base, run_commit, run_machine
 
     have = read_cells(plan)
+    base, said = plan_base(plan, have)
     new = []
     for run in sorted(plan.runs.glob("*_s*")) if plan.runs.is_dir() else []:
         method, _, seed = run.name.rpartition("_s")
         if not seed.isdigit() or (method, int(seed)) in have or not finished(run):
             continue
         res = json.loads((run / "eval.json").read_text())
-        new.append({"method": method, "seed": int(seed), "scores": json.dumps(_scores(res), sort_keys=True),
-                    "commit": run_commit(run)})
+        cell = {"method": method, "seed": int(seed), "scores": json.dumps(_scores(res), sort_keys=True),
+                "commit": run_commit(run), "base": run_base(run), "machine": run_machine(run)}
+        if base is None:
+            base, said = cell["base"], f"the base of {run}, the first cell recorded"
+        if cell["base"] != base:
+            raise OtherBase(f"{run}: it started from base policy {cell['base']} (built on {cell['machine']}), not "
+                            f"{base}, {said}: a cold start built on another kind of CPU can end elsewhere. Move the "
+                            f"folder aside, and run the cells where the cold start comes out as {base}, or carry that "
+                            f"machine's cold-start cache here (EMA_PG_CACHE)")
+        new.append(cell)
     if new:
-        old = pd.read_csv(plan.folder / CELLS) if (plan.folder / CELLS).is_file() else pd.DataFrame()
-        out = pd.concat([old, pd.DataFrame(new)], ignore_index=True).sort_values(["method", "seed"])
+        old = (pd.read_csv(plan.folder / CELLS, dtype=str, keep_default_na=False) if (plan.folder / CELLS).is_file()
+               else pd.DataFrame())  # as written: no row read back as a number or rewritten
+        out = pd.concat([old, pd.DataFrame(new).astype(str)], ignore_index=True).fillna("")
+        out = out.sort_values(["method", "seed"], key=lambda c: c.astype(int) if c.name == "seed" else c)
         atomic_write(plan.folder / CELLS, out.to_csv(index=False))
     return len(new)
 
@@ -386,8 +431,8 @@ class Workers:
     """At most ``n`` cells at a time, each a per-cell command in its own process group (a SIGTERM is passed on to
     each, which saves its checkpoint)."""
 
-    def __init__(self, n: int, log_dir: Path):
-        self.n, self.log_dir, self.live = n, log_dir, {}
+    def __init__(self, n: int, log_dir: Path, code: Path = ROOT):
+        self.n, self.log_dir, self.live, self.code = n, log_dir, {}, Path(code)
         self.stopping = False
 
     def run(self, plan: Plan, cells: list[tuple[str, int]]) -> None:
@@ -401,7 +446,7 @@ class Workers:
             while queue and len(self.live) < self.n and not self.stopping:
                 m, s = queue.pop(0)
                 log = open(self.log_dir / f"{m}_s{s}.log", "ab")
-                p = subprocess.Popen(cell_command(plan, m, s), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                p = subprocess.Popen(cell_command(plan, m, s, self.code), cwd=self.code, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
                 self.live[p] = (m, s, log)
             time.sleep(1)
@@ -409,7 +454,14 @@ class Workers:
                 m, s, log = self.live.pop(p)
                 log.close()
                 if p.returncode == 0:
-                    record_cells(plan)
+                    try:
+                        record_cells(plan)
+                    except OtherBase:
+                        self.stop()  # the other cells save their checkpoints; none is paired meanwhile
+                        for q in self.live:
+                            q.wait()
+                        bar.close()
+                        raise
                 done += 1
                 bar.update(1)
                 if p.returncode == EXIT_INTERRUPTED or self.stopping:
@@ -438,6 +490,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="cells run at a time (default 2)")
     ap.add_argument("--status", action="store_true", help="say where the plan stands and what the next look needs; run nothing")
     ap.add_argument("--report-only", action="store_true", help="write sequential.md / .png from looks.csv; run nothing")
+    ap.add_argument("--code", type=Path, default=None,
+                    help="run the cells from the code in this checkout (say a worktree of the commit the plan was "
+                         "registered at), in this checkout's environment; the ledger, its checks and the looks stay "
+                         "this command's (default: this checkout)")
+    ap.add_argument("--any-machine", action="store_true",
+                    help="run cells on a machine other than the one cells.csv's cells ran on (where the cold start "
+                         "comes out the same, or its cache is carried here); each cell's base policy is still checked")
     a = ap.parse_args(argv)
     if not a.plan.is_file():
         raise SystemExit(f"{a.plan}: no such plan file")
@@ -445,11 +504,22 @@ def main(argv=None) -> int:
     if a.report_only:
         print(f"wrote {report(plan)}")
         return 0
-    workers = Workers(max(1, a.workers), plan.runs / "logs")
+    code = (a.code or ROOT).resolve()
+    if not (code / "ema_pg" / "train.py").is_file():
+        raise SystemExit(f"--code {a.code}: not a checkout of ema-pg (no ema_pg/train.py); make one with "
+                         f"git worktree add --detach DIR COMMIT")
+    workers = Workers(max(1, a.workers), plan.runs / "logs", code)
     signal.signal(signal.SIGTERM, workers.stop)
     signal.signal(signal.SIGINT, workers.stop)
     if not a.status:
         record_cells(plan)
+        from ..engine.runs import machine
+
+        machines = sorted({c["machine"] for c in read_cells(plan).values() if c["machine"]})
+        if machines and machine() not in machines and not a.any_machine:
+            raise SystemExit(f"{plan.folder / CELLS}: its cells ran on {' / '.join(machines)}, this machine is "
+                             f"{machine()}: a cold start built here can come out another base policy. Run on that "
+                             f"machine, or pass --any-machine (each cell's base is still checked as it lands)")
     while True:
         verdicts, taken = state(plan)
         open_claims = [c for c in plan.claims if verdicts[c.id] == "open"]
@@ -465,7 +535,7 @@ def main(argv=None) -> int:
             print(f"look {k} at {plan.design.looks[k - 1]} seeds needs {len(todo)} more cells: "
                   + ", ".join(f"{m}:{s}" for m, s in todo[:12]) + (" ..." if len(todo) > 12 else ""))
             if todo:
-                print("a cell's command: " + shlex.join(cell_command(plan, *todo[0])))
+                print(f"a cell's command, in {code}: " + shlex.join(cell_command(plan, *todo[0], code)))
             for cid, fut in outlooks(plan.design, read_looks(plan)).items():
                 o = fut["predictive"]
                 print(f"{cid} by the cap ({o['cap']} seeds): holds {o['holds']:.0%}, fails {o['fails']:.0%}, stopped "

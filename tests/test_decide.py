@@ -197,6 +197,30 @@ def test_a_cell_from_another_base_policy_is_refused_before_a_look_pairs_it(tmp_p
         record_cells(pinned)  # a pinned base outranks the cells
 
 
+def test_a_ledger_from_before_bases_were_recorded_takes_a_new_cell_only_once_its_base_is_pinned(tmp_path):
+    """Rows without a base cannot vouch for the first cell that has one: the plan must pin it, after a person checked
+    the cell's cold start; then the cell is recorded, and one from another base is refused."""
+    from ema_pg.engine.runs import run_base
+    from ema_pg.workbench.decide import OtherBase
+
+    runs = tmp_path / "runs"
+    path = write_plan(tmp_path / "plan", runs, looks=(3, 5))
+    pd.DataFrame([{"method": "ema", "seed": 100, "scores": json.dumps({"avg": 0.3}), "commit": "c0"}]).to_csv(
+        tmp_path / "plan" / CELLS, index=False)  # a ledger as it was before: no base, no machine
+    fake_run(runs, "grpo", 100, 0.29, base=0.5, machine="cpu A")
+    digest = run_base(runs / "grpo_s100")
+    with pytest.raises(OtherBase, match=f"pin it as 'base: {digest}'"):
+        record_cells(load_plan(path))
+    assert len(read_cells(load_plan(path))) == 1
+    path = write_plan(tmp_path / "plan", runs, looks=(3, 5), base=digest)
+    assert record_cells(load_plan(path)) == 1
+    cells = read_cells(load_plan(path))
+    assert cells[("ema", 100)]["base"] == "" and cells[("grpo", 100)]["base"] == digest
+    fake_run(runs, "ema", 101, 0.3, base=0.7, machine="cpu B")
+    with pytest.raises(OtherBase, match="ema_s101: it started from base policy"):
+        record_cells(load_plan(path))
+
+
 def test_cells_on_another_machine_start_only_when_told(tmp_path, capsys):
     from ema_pg.engine.runs import machine
 

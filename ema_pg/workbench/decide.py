@@ -197,6 +197,11 @@ def record_cells(plan: Plan) -> int:
         res = json.loads((run / "eval.json").read_text())
         cell = {"method": method, "seed": int(seed), "scores": json.dumps(_scores(res), sort_keys=True),
                 "commit": run_commit(run), "base": run_base(run), "machine": run_machine(run)}
+        if base is None and any(not c["base"] for c in have.values()):
+            raise OtherBase(f"{plan.folder / CELLS}: its cells were recorded before cells carried their base policy, so "
+                            f"{run}'s ({cell['base']}, built on {cell['machine']}) cannot be checked against theirs: "
+                            f"if its train.log shows the plan's cold start, pin it as 'base: {cell['base']}' in "
+                            f"{plan.path}, and run again (the cell is kept)")
         if base is None:
             base, said = cell["base"], f"the base of {run}, the first cell recorded"
         if cell["base"] != base:

@@ -52,15 +52,15 @@ def scale_file(name: str, scale: str) -> str:
     raise SystemExit(f"no scale {scale!r} for {name}: add sweeps/scale/{name}_{scale}.yaml (there are: {', '.join(have)})")
 
 
-def overlay_directive(overlay: str, key: str, sweeps: Path = SWEEPS) -> list[str]:
-    """The words of a scale overlay's ``# <key>:`` line ([] without one)."""
-    for line in (sweeps / "scale" / f"{overlay}.yaml").read_text().splitlines():
+def overlay_directive(overlay: str, key: str, sweeps: Path | None = None) -> list[str]:
+    """The words of a scale overlay's ``# <key>:`` line ([] without one); ``sweeps``: another checkout's sweep files."""
+    for line in ((SWEEPS if sweeps is None else sweeps) / "scale" / f"{overlay}.yaml").read_text().splitlines():
         if line.startswith(f"# {key}:"):
             return line.split(":", 1)[1].split()
     return []
 
 
-def overlay_choices(overlay: str, sweeps: Path = SWEEPS) -> list[str]:
+def overlay_choices(overlay: str, sweeps: Path | None = None) -> list[str]:
     """Group choices a scale overlay asks for on its ``# choices:`` line (``experiment=search_paper``):
     an overlay cannot re-choose a group the sweep file already chose, the command line can."""
     return overlay_directive(overlay, "choices", sweeps)

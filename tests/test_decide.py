@@ -222,7 +222,7 @@ def test_a_ledger_from_before_bases_were_recorded_takes_a_new_cell_only_once_its
 
 
 def test_cells_on_another_machine_start_only_when_told(tmp_path, capsys):
-    from ema_pg.engine.runs import machine
+    from ema_pg.engine.runs import machine, run_base
 
     runs = tmp_path / "runs"
     path = write_plan(tmp_path / "plan", runs, looks=(3,), claims={"A": {"better": "ema", "worse": "grpo", "text": "x"}})
@@ -230,6 +230,11 @@ def test_cells_on_another_machine_start_only_when_told(tmp_path, capsys):
         for m in ("grpo", "ema"):
             fake_run(runs, m, s, 0.3 + 0.01 * (m == "ema") + 0.001 * s, base=0.5, machine="a machine of another kind")
     assert machine() != "a machine of another kind"
+    assert record_cells(load_plan(path)) == 6
+    assert main([str(path), "--status"]) == 0  # what the check will see, before anything runs
+    said = capsys.readouterr().out
+    assert f"base policy: {run_base(runs / 'ema_s100')} (the base of the cells in" in said
+    assert f"the cells ran on: a machine of another kind; this machine: {machine()}" in said
     with pytest.raises(SystemExit, match="this machine is .*--any-machine"):
         main([str(path)])
     assert not (tmp_path / "plan" / LOOKS).exists()

@@ -537,6 +537,17 @@ def main(argv=None) -> int:
         k = taken + 1
         todo = needed(plan, k, verdicts)
         if a.status:
+            from ..engine.runs import machine
+
+            cells = read_cells(plan)
+            try:
+                base, said = plan_base(plan, cells)
+                base = f"{base} ({said})" if base else "none recorded yet"
+            except OtherBase as e:
+                base = str(e)
+            ran_on = sorted({c["machine"] for c in cells.values() if c["machine"]})
+            print(f"base policy: {base}; the cells ran on: {' / '.join(ran_on) or 'not recorded'}; "
+                  f"this machine: {machine()}")
             print(f"look {k} at {plan.design.looks[k - 1]} seeds needs {len(todo)} more cells: "
                   + ", ".join(f"{m}:{s}" for m, s in todo[:12]) + (" ..." if len(todo) > 12 else ""))
             if todo:

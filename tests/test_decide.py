@@ -254,7 +254,6 @@ def test_cells_can_run_the_code_of_another_checkout(tmp_path):
     assert here[here.index("--config-dir") + 1] == str(ROOT / "sweeps")
     assert there[there.index("--config-dir") + 1] == str(other / "sweeps")
     assert [w for w in here if w != str(ROOT / "sweeps")] == [w for w in there if w != str(other / "sweeps")]
-    (other / "sweeps" / "scale" / "fig5_methods_smoke.yaml").unlink(missing_ok=True)
     (other / "sweeps" / "scale" / "smoke.yaml").unlink()
     with pytest.raises(SystemExit, match="has no sweeps/scale/.*smoke.yaml"):
         cell_command(plan, "ema", 101, other)

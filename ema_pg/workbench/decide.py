@@ -52,7 +52,7 @@ import pandas as pd
 
 from ..cli import command_parser
 from ..engine.evaluate import result_metric
-from ..engine.runs import EXIT_INTERRUPTED
+from ..engine.runs import EXIT_INTERRUPTED, machine
 from ..engine.sweeps import failed_record
 from .sequential import OUTLOOKS, Design, look, outlook
 
@@ -152,8 +152,8 @@ def _scores(res: dict) -> dict[str, float]:
 
 
 class OtherBase(SystemExit):
-    """A finished cell started from another base policy than the plan's cells: its seed's pairs would compare two
-    starting points, not two methods."""
+    """A finished cell whose base policy the plan cannot vouch for (another base than the plan's, or a ledger with
+    no base to check it against): its seed's pairs might compare two starting points, not two methods."""
 
 
 def read_cells(plan: Plan) -> dict[tuple[str, int], dict]:
@@ -180,6 +180,11 @@ def plan_base(plan: Plan, cells: dict) -> tuple[str | None, str]:
     return (bases[0], f"the base of the cells in {plan.folder / CELLS}") if bases else (None, "")
 
 
+def ledger_machines(cells: dict) -> list[str]:
+    """The machines the recorded cells ran on (rows from before cells.csv carried them say none)."""
+    return sorted({c["machine"] for c in cells.values() if c["machine"]})
+
+
 def record_cells(plan: Plan) -> int:
     """Add every finished cell of the plan's run folder that cells.csv lacks; the number added. A cell that started
     from another base policy than the plan's (:func:`plan_base`) is not added: :class:`OtherBase` says which and what
@@ -189,6 +194,7 @@ def record_cells(plan: Plan) -> int:
 
     have = read_cells(plan)
     base, said = plan_base(plan, have)
+    unvouched = base is None and any(not c["base"] for c in have.values())  # rows from before bases were recorded
     new = []
     for run in sorted(plan.runs.glob("*_s*")) if plan.runs.is_dir() else []:
         method, _, seed = run.name.rpartition("_s")
@@ -197,7 +203,7 @@ def record_cells(plan: Plan) -> int:
         res = json.loads((run / "eval.json").read_text())
         cell = {"method": method, "seed": int(seed), "scores": json.dumps(_scores(res), sort_keys=True),
                 "commit": run_commit(run), "base": run_base(run), "machine": run_machine(run)}
-        if base is None and any(not c["base"] for c in have.values()):
+        if unvouched:
             raise OtherBase(f"{plan.folder / CELLS}: its cells were recorded before cells carried their base policy, so "
                             f"{run}'s ({cell['base']}, built on {cell['machine']}) cannot be checked against theirs: "
                             f"if its train.log shows the plan's cold start, pin it as 'base: {cell['base']}' in "
@@ -518,9 +524,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, workers.stop)
     if not a.status:
         record_cells(plan)
-        from ..engine.runs import machine
-
-        machines = sorted({c["machine"] for c in read_cells(plan).values() if c["machine"]})
+        machines = ledger_machines(read_cells(plan))
         if machines and machine() not in machines and not a.any_machine:
             raise SystemExit(f"{plan.folder / CELLS}: its cells ran on {' / '.join(machines)}, this machine is "
                              f"{machine()}: a cold start built here can come out another base policy. Run on that "
@@ -537,16 +541,13 @@ def main(argv=None) -> int:
         k = taken + 1
         todo = needed(plan, k, verdicts)
         if a.status:
-            from ..engine.runs import machine
-
             cells = read_cells(plan)
             try:
                 base, said = plan_base(plan, cells)
                 base = f"{base} ({said})" if base else "none recorded yet"
             except OtherBase as e:
                 base = str(e)
-            ran_on = sorted({c["machine"] for c in cells.values() if c["machine"]})
-            print(f"base policy: {base}; the cells ran on: {' / '.join(ran_on) or 'not recorded'}; "
+            print(f"base policy: {base}; the cells ran on: {' / '.join(ledger_machines(cells)) or 'not recorded'}; "
                   f"this machine: {machine()}")
             print(f"look {k} at {plan.design.looks[k - 1]} seeds needs {len(todo)} more cells: "
                   + ", ".join(f"{m}:{s}" for m, s in todo[:12]) + (" ..." if len(todo) > 12 else ""))

@@ -14,7 +14,7 @@ import torch
 from ema_pg.kl import get_estimator
 from ema_pg.kl import peers
 from ema_pg.kl.enumeration import enumeration_inputs
-from ema_pg.kl.lab import ENTRIES, PANEL, Case, Claims, ConformanceError, assert_conforms, moments, verdicts
+from ema_pg.kl.lab import ENTRIES, PANEL, Case, Claims, ConformanceError, assert_conforms, index_set, moments, verdicts
 from ema_pg.kl.lab.entries import NO_IW, WIDE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +117,30 @@ def test_value_variance_by_hand():
     assert m.value_var == pytest.approx(float((p * lr**2).sum()) - kl**2, rel=1e-12)
     assert moments(get_estimator("exact_reverse"), case, "reverse").value_var == pytest.approx(0.0, abs=1e-15)
     assert moments(get_estimator("exact_reverse"), case, "reverse").grad_var == pytest.approx(0.0, abs=1e-15)
+
+
+def test_a_variance_within_float64_rounding_is_exactly_zero_and_a_small_real_one_is_kept():
+    """Two tokens, pi = (1/2, 1/2): K5's gradient is the same whichever token is sampled, so its variance is 0.
+
+    E[g^2] - |E g|^2 leaves up to 6e-17 of it, at anchors that differ between CPU kinds (an Intel Xeon leaves
+    some at the first and last below); the region map's ratio over it was 2e15 on one kind and NaN on another.
+    """
+    k5, k4 = ENTRIES["k5"].make(0), ENTRIES["k4"].make(0)
+    half = torch.log(torch.tensor([0.5, 0.5], dtype=torch.float64))
+    for b in (0.02 + i * 0.96 / 49 for i in (2, 21, 40)):
+        case = Case("half", half, torch.log(torch.tensor([b, 1 - b], dtype=torch.float64)))
+        assert moments(k5, case, "forward").grad_var == 0.0
+    near = Case("near", torch.log(torch.tensor([0.48, 0.52], dtype=torch.float64)), half)
+    small = moments(k4, near, "reverse").grad_var
+    assert 0 < small < 1e-5  # a real variance of 3e-7 is not read as rounding
+
+
+def test_a_relative_bias_where_the_kl_is_zero_is_undefined_not_huge():
+    same = Case("same", torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)),
+                torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)))
+    e = ENTRIES["topk_reverse[paper]"]
+    m = moments(e.make(1), same, "reverse", index_set(same, e.index_source, 1))
+    assert math.isnan(m.rel_grad_bias) and math.isnan(m.rel_value_bias)
 
 
 # ------------------------------------------------------------------------------------ the peers' formulas

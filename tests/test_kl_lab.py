@@ -143,6 +143,16 @@ def test_a_relative_bias_where_the_kl_is_zero_is_undefined_not_huge():
     assert math.isnan(m.rel_grad_bias) and math.isnan(m.rel_value_bias)
 
 
+def test_the_sweeps_variance_ratio_over_a_zero_sampled_variance_is_undefined():
+    """At t = 0 (anchor = policy) K4's gradient variance is 0: the ratio over it was 6e299 and counted as noisier."""
+    from ema_pg.workbench.estimator_lab import kl_k_sweep
+
+    rows = kl_k_sweep()
+    zero = rows[rows.grad_var_sampled == 0]
+    assert len(zero) and zero.grad_var_ratio.isna().all()
+    assert rows[rows.grad_var_sampled > 0].grad_var_ratio.notna().all()
+
+
 # ------------------------------------------------------------------------------------ the peers' formulas
 def _inputs(seed=0, V=6, k=2, source="anchor"):
     g = torch.Generator().manual_seed(seed)

@@ -69,7 +69,7 @@ def kl_k_sweep(V: int = 8) -> pd.DataFrame:
                 out.append({"entry": name, "target": e.target, "t": t, "kl_reverse": case.kl("reverse"),
                              "kl_forward": case.kl("forward"), "k": k, "rel_grad_bias": m.rel_grad_bias,
                              "rel_value_bias": m.rel_value_bias, "grad_var": m.grad_var, "value_var": m.value_var,
-                             "grad_var_sampled": b.grad_var, "grad_var_ratio": m.grad_var / max(b.grad_var, 1e-300)})
+                             "grad_var_sampled": b.grad_var, "grad_var_ratio": _ratio(m.grad_var, b.grad_var)})
     return pd.DataFrame(out)
 
 
@@ -94,9 +94,15 @@ def region_v2(n: int = REGION_N) -> pd.DataFrame:
                 var = moments(fn, case, target, index_set(case, src, 1)).grad_var
                 row[f"var[{name}]"] = var
                 base = vr if target == "reverse" else vf
-                row[f"ratio[{name}]"] = var / base if base > 1e-300 else float("nan")
+                row[f"ratio[{name}]"] = _ratio(var, base)
             out.append(row)
     return pd.DataFrame(out)
+
+
+def _ratio(var: float, sampled: float) -> float:
+    """A Top-k gradient variance over its sampled estimator's; NaN where that one is 0 (moments() reads rounding
+    as exactly 0), e.g. where the anchor is the policy."""
+    return var / sampled if sampled > 0 else float("nan")
 
 
 def variance_comparison(rows: pd.DataFrame) -> pd.DataFrame:
@@ -109,7 +115,7 @@ def variance_comparison(rows: pd.DataFrame) -> pd.DataFrame:
             b = float(base[(r["case"], r["setting"])])
             out.append({"entry": name, "case": r["case"], "setting": r["setting"], "V": r["V"], "k": r["k"],
                         "grad_var": r["grad_var"], "grad_var_sampled": b,
-                        "ratio": r["grad_var"] / b if b > 1e-300 else float("nan")})
+                        "ratio": _ratio(r["grad_var"], b)})
     return pd.DataFrame(out)
 
 
@@ -325,7 +331,8 @@ def _variance_text(var: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame)
                "(l_t pi_h)^2 / (l_h pi_t + l_t pi_h)^2 (l_j = log pi_j / anchor_j): l_h and l_t have opposite signs "
                "whenever pi != anchor, so K4's two terms partly cancel while Top-1 keeps the tail's alone. Forward "
                f"(top-1 of the anchor vs K5): higher on {float((region['ratio[topk_forward[corrected]]'] > 1).mean()):.0%}.")
-    s = sweep[(sweep.entry == "topk_reverse[corrected]") & (sweep.k > 0) & (sweep.k < sweep.k.max())]
+    s = sweep[(sweep.entry == "topk_reverse[corrected]") & (sweep.k > 0) & (sweep.k < sweep.k.max())].dropna(
+        subset=["grad_var_ratio"])
     worse = s[s.grad_var_ratio > 1 + 1e-9]
     out.append(f"- **V = 8, against k and KL** (anchor = policy + t d, t in {list(SWEEP_T)}): the ratio falls with k "
                f"(median {s[s.k == 1].grad_var_ratio.median():.2f} at k = 1, {s[s.k == 3].grad_var_ratio.median():.2f} at "

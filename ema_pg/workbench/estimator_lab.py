@@ -207,11 +207,12 @@ def _commit() -> str:
     return sha[:7] + (f"-{dirty}" if dirty else "")
 
 
-def readme(rows: pd.DataFrame, verd: pd.DataFrame, var: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame, seconds: float) -> str:
+def readme(rows: pd.DataFrame, verd: pd.DataFrame, var: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame, seconds: float,
+           commit: str) -> str:
     lines = [
         "# KL-estimator conformance lab",
         "",
-        f"Regenerate: `python -m ema_pg.kl.lab --all` ({seconds:.0f} s on this CPU; commit `{_commit()}`). Exact",
+        f"Regenerate: `python -m ema_pg.kl.lab --all` ({seconds:.0f} s on this CPU; commit `{commit}`). Exact",
         "enumeration in float64 over a panel of small vocabularies: no sampling, so *unbiased* means equal to the true",
         f"KL or its gradient to {TOL:g}, and *biased* gives the worst relative error over the panel",
         "(|E[value] - KL| / KL; ||E[grad] - grad KL|| / ||grad KL||, gradients w.r.t. the policy's logits).",
@@ -347,7 +348,7 @@ def _variance_text(var: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame)
 
 def write_all(out: Path, progress=None) -> dict:
     """Compute everything and write the report folder; returns the verdict table as records."""
-    t0 = time.time()
+    t0, commit = time.time(), _commit()  # before writing: a report folder inside the repository makes the tree dirty
     out.mkdir(parents=True, exist_ok=True)
     rows = panel_rows(progress=progress)
     verd = verdict_table(rows)
@@ -364,7 +365,7 @@ def write_all(out: Path, progress=None) -> dict:
     sweep.to_csv(out / "bias_variance_k_kl.csv", index=False, float_format="%.6g")
     region.to_csv(out / "region_v2.csv", index=False, float_format="%.6g")
     figure(verd, sweep, region, out)
-    (out / "README.md").write_text(readme(rows, verd, var, sweep, region, time.time() - t0))
+    (out / "README.md").write_text(readme(rows, verd, var, sweep, region, time.time() - t0, commit))
     return verd.to_dict("records")
 
 

@@ -105,7 +105,8 @@ class ValueModel(torch.nn.Module):
         only, 0 elsewhere."""
         if packing is not None:
             return packing.put(self.head(packed_states(self.body, packing)).squeeze(-1).float())
-        out = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+        out = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                        use_cache=False)
         h = out.last_hidden_state[:, batch.prompt_len - 1 : -1]  # (N, T, H): the states before each response token
         return self.head(h).squeeze(-1).float()  # (N, T)
 

@@ -57,7 +57,8 @@ def output_layer(model) -> Tensor:
 def response_hidden(model, batch: Rollouts) -> Tensor:
     """(N, T, H) final hidden states at the positions that predict the response tokens."""
     body = model.get_decoder()
-    out = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    out = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+               use_cache=False)  # a scoring pass: no cache to fill (the config's default builds and fills one)
     return out.last_hidden_state[:, batch.prompt_len - 1 : -1]
 
 

@@ -276,7 +276,7 @@ def packed_states(body, p: Packing, owner=None) -> Tensor:
     """(M, H) final hidden states of a decoder ``body`` at the nodes that predict the scored tokens; ``owner``: the
     model whose config the body reads (default: the body's own)."""
     with packed(owner if owner is not None else body):
-        out = body(input_ids=p.input_ids, position_ids=p.position_ids, **{PACK_KWARG: p})
+        out = body(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False, **{PACK_KWARG: p})
     return _Rows.apply(out.last_hidden_state[0], p.predictors)  # a node predicts every row's next token after it
 
 

@@ -331,8 +331,14 @@ def test_if_exists_resume_skips_finished_runs_continues_longer_ones_and_refuses_
 @pytest.mark.slow
 def test_model_compile_compiles_the_policy_and_the_anchor_each_its_own(tmp_path):
     """``model.compile=true`` reaches both models of a run (the anchor's copy is made before and compiled
-    separately, so it runs its own weights), and the run trains and evaluates through them."""
-    metrics, objs = train(compose_cfg(["model.compile=true", "algo.iterations=2"], tmp_path))
+    separately, so it runs its own weights), and the run trains and evaluates through them without reaching
+    dynamo's recompile limit (past it a frame runs eagerly: the sampler's cache had taken a tiny model's layers
+    there, so the update's passes ran uncompiled)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()  # this process's earlier compiles count towards the limit
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        metrics, objs = train(compose_cfg(["model.compile=true", "algo.iterations=2"], tmp_path))
     policy, anchor = objs["module"].policy, objs["module"].anchor.model
     p_call, a_call = policy.model._compiled_call_impl, anchor.model._compiled_call_impl
     assert p_call is not None and a_call is not None and p_call is not a_call

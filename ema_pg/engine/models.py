@@ -64,8 +64,9 @@ def build_tiny_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 
 
 
 def compile_body(model, *, backward_twice: bool = False):
-    """``torch.compile`` a causal LM's decoder body in place, with dynamic shapes (one graph serves every batch
-    and length: the sampler's prefill and decode steps, the scorer's and the update's passes).
+    """``torch.compile`` a causal LM's decoder body in place, with dynamic shapes (a graph serves every batch
+    and length of the scorer's and the update's passes; the HF sampler runs the body eagerly:
+    :meth:`ema_pg.rollout.hf.HFSampler.sample`).
 
     In place (``nn.Module.compile``): parameter names, ``state_dict`` and checkpoints are unchanged and the
     EMA anchor's in-place updates are seen by the compiled graph. The language-model head and the log-prob

@@ -272,20 +272,28 @@ class HFSampler:
         cache with loss mask 0 and the rows go on (a row answered None ends).
 
         The phases are :class:`_Decoding`'s: the prompts' prefill, the environment's turn, a token step, the
-        cache's new column, and the result packed to the left."""
+        cache's new column, and the result packed to the left.
+
+        A body compiled in place (``model.compile``, :func:`ema_pg.engine.models.compile_body`) runs eagerly here:
+        the cache's Python bookkeeping (its fill, each layer's index into it) specialized a graph per layer and
+        per prefill / decode / observation block, 28 graphs for a two-layer model, past dynamo's recompile limit,
+        after which the layers fell back to eager for the update's passes too. The static cache's decode step
+        (CUDA) keeps its own compiled graph."""
         was_training = model.training
         model.eval()
-        d = _Decoding(self, model, prompts, n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                      stop=list(stop or []), on_stop=on_stop, seed=seed, score=score)
-        while self._any(bool(d.active.any())):
-            d.environment_turn()
-            nxt, a, sampling = d.token_step()
-            if self._any(bool(d.active.any())):  # a row goes on (or waits for the environment): the cache takes the
-                # column, as the columns do. (Skipping it when every row that sampled had ended, while others waited,
-                # left the cache a column short of the mask from then on: each later step read its rows' keys one
-                # column off, so pi_old's scores and the samples of every multi-turn batch after such a step were not
-                # the policy's. Found by scoring the sampler's batches with the log-prob head: up to 1.8 nats apart.)
-                d.extend_cache(nxt, a, sampling)
+        with torch.compiler.set_stance("force_eager"):  # a compiled body (model.compile) runs eagerly here: see below
+            d = _Decoding(self, model, prompts, n, temperature=temperature, top_p=top_p,
+                          max_new_tokens=max_new_tokens, stop=list(stop or []), on_stop=on_stop, seed=seed, score=score)
+            while self._any(bool(d.active.any())):
+                d.environment_turn()
+                nxt, a, sampling = d.token_step()
+                if self._any(bool(d.active.any())):  # a row goes on (or waits for the environment): the cache takes
+                    # the column, as the columns do. (Skipping it when every row that sampled had ended, while others
+                    # waited, left the cache a column short of the mask from then on: each later step read its rows'
+                    # keys one column off, so pi_old's scores and the samples of every multi-turn batch after such a
+                    # step were not the policy's. Found by scoring the sampler's batches with the log-prob head: up to
+                    # 1.8 nats apart.)
+                    d.extend_cache(nxt, a, sampling)
         model.train(was_training)
         return d.result()
 
@@ -360,8 +368,9 @@ class _Decoding:
         bpos = self._positions(block_am)
         if self.static:  # one column: written into the mask buffer; same shapes at every step
             self.mask_buf[:, self.P + len(self.cols_am) - 1] = block_am[:, 0]
-            o = self.decode(input_ids=block, attention_mask=self.mask_buf, position_ids=bpos, use_cache=True,
-                            **{self.kv: self.cache})
+            with torch.compiler.set_stance("default"):  # the decode step's own graph (CUDA), compiled on purpose
+                o = self.decode(input_ids=block, attention_mask=self.mask_buf, position_ids=bpos, use_cache=True,
+                                **{self.kv: self.cache})
         else:
             o = self.model(input_ids=block, attention_mask=self._attention(), position_ids=bpos, use_cache=True,
                            **{self.kv: self.cache})

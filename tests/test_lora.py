@@ -76,7 +76,8 @@ def test_lora_ema_is_eq_2_on_the_adapters(lora_policy):
     assert an.lag_norm(pol) == pytest.approx(lag)
 
 
-@pytest.mark.parametrize("worker", [False, True], ids=["synchronous", "rollout_worker"])
+@pytest.mark.parametrize("worker", [False, pytest.param(True, marks=pytest.mark.slow)],  # the worker: 40 s
+                         ids=["synchronous", "rollout_worker"])
 def test_a_lora_run_trains_the_adapters_resumes_exactly_and_exports_merged(tmp_path, worker):
     """rollout_worker: staleness 1 with the anchor's adapter aligned to the behaviour version. The resumed run starts
     a new worker, which must be sent the base again (a worker given the adapters alone would sample from an empty

@@ -101,7 +101,7 @@ test-full: test ## Run every test but the scale path's: the fast suite (make tes
 	$(PY) -m pytest -m "slow and not scale" -q $(XDIST)
 
 test-scale: scale-setup ## The scale path on its real engines: vLLM rollouts, DDP, DeepSpeed ZeRO-2/3 over 2 CPU processes
-	DS_ACCELERATOR=cpu $(PY) -m pytest -m scale -q
+	DS_ACCELERATOR=cpu $(PY) -m pytest -m scale -q $(XDIST)
 
 bench-rollout: scale-setup ## Rollout throughput, HF sampler vs vLLM engine, two model sizes (JSON in benchmarks/results)
 	$(PY) benchmarks/rollout.py --out benchmarks/results/rollout_cpu.json

@@ -367,6 +367,7 @@ def test_a_stopped_worker_stops_the_run_in_bounded_time_even_under_sigterm(tmp_p
     assert f"the rollout worker (pid {worker.pid}) is stopped" in out and "Traceback" not in out, out[-3000:]
 
 
+@pytest.mark.slow  # a whole run with its worker: ~30 s; the fast suite stays under 5 minutes
 def test_a_staleness_that_leaves_every_batch_to_the_initial_policy_is_said(tmp_path, caplog):
     """rollout.max_staleness=500 with 4 iterations: every batch sampled by version 0, and no word said."""
     from helpers import compose_cfg

@@ -109,6 +109,7 @@ def test_sampler_with_growing_cache_equals_dynamic_cache(gqa_policy, monkeypatch
     assert torch.equal(fast.old.index, ref.old.index)
 
 
+@pytest.mark.slow  # compiling forward and backward: ~45 s on a cold cache; the fast suite stays under 5 minutes
 def test_a_compiled_body_computes_what_the_eager_one_does(gqa_policy):
     """``model.compile``: the decoder body compiled in place (dynamic shapes) gives eager's logits and
     gradients to float rounding and keeps every parameter name. The sampler runs it eagerly (no frame traced: its

@@ -92,10 +92,13 @@ gpu-wheels: setup ## The wheels a lent GPU's image lacks, into .whl/ for benchma
 # TEST_WORKERS=0 runs them in this process (a debugger, -x, a test that times itself)
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+# the fast suite's tests are short and its module fixtures cheap: an idle worker takes tests from the busy one
+# (a fresh clone on a 2-core Intel Xeon: 4:59, against 5:26 one file per worker)
+XDIST_FAST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 
 test: setup ## Run the fast test suite (slow and scale tests excluded), the import contracts first
 	$(VENV)/bin/lint-imports --no-cache --no-logo
-	$(PY) -m pytest -m "not slow and not scale" -q $(XDIST)
+	$(PY) -m pytest -m "not slow and not scale" -q $(XDIST_FAST)
 
 test-full: test ## Run every test but the scale path's: the fast suite (make test), then the slow ones
 	$(PY) -m pytest -m "slow and not scale" -q $(XDIST)

@@ -91,14 +91,13 @@ gpu-wheels: setup ## The wheels a lent GPU's image lacks, into .whl/ for benchma
 # pytest-xdist worker processes for the suites, one test file each at a time (its module fixtures built once);
 # TEST_WORKERS=0 runs them in this process (a debugger, -x, a test that times itself)
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
-# the fast suite's tests are short and its module fixtures cheap: an idle worker takes tests from the busy one
-# (a fresh clone on a 2-core Intel Xeon: 4:59, against 5:26 one file per worker)
-XDIST_FAST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
+# $(call XDIST,mode): the fast suite's tests are short and its module fixtures cheap, so there an idle worker steals
+# tests from the busy one (worksteal; a fresh clone on a 2-core Intel Xeon: 4:59, against 5:26 one file per worker)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist $(or $(1),loadfile))
 
 test: setup ## Run the fast test suite (slow and scale tests excluded), the import contracts first
 	$(VENV)/bin/lint-imports --no-cache --no-logo
-	$(PY) -m pytest -m "not slow and not scale" -q $(XDIST_FAST)
+	$(PY) -m pytest -m "not slow and not scale" -q $(call XDIST,worksteal)
 
 test-full: test ## Run every test but the scale path's: the fast suite (make test), then the slow ones
 	$(PY) -m pytest -m "slow and not scale" -q $(XDIST)

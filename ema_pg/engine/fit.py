@@ -31,6 +31,7 @@ from .console import IterationBar, quiet_third_party
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
 from .models import ModelPathError, head_dim
 from .module import GRPOModule
+from .plotting import plot_run
 from .policy import build_policy
 from .owner import release_run_dir
 from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multirun, is_rank_zero, job_folder,
@@ -150,8 +151,6 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
                 final["base_avg"] = base
             final["wall_s"] = module.elapsed_s()  # the run's wall time, its resumes summed (workbench.results)
             atomic_write(run_dir / "eval.json", json.dumps(final, indent=2))
-        from .plotting import plot_run  # here: pandas and matplotlib cost every process ~1 s to import
-
         plot = plot_run(run_dir)
     metric = task_metric(cfg.task.name)
     metrics = {f"eval/avg/{metric}": final.get("avg", float("nan")), "iteration": module.iteration,

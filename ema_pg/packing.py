@@ -216,9 +216,11 @@ def packed_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
 
 class _Rows(torch.autograd.Function):
     """``x[index]`` whose backward sums the gradients of a node that several rows read (a shared prefix) in a fixed
-    order. The default backward (``index_put_`` with accumulation) sums them on several CPU threads in an order that
-    varies from one process to the next: a run on 2 threads did not repeat itself. Torch's deterministic
-    implementation of that one operation is switched on for it alone."""
+    order: the reads sorted by node (stably, so in reading order), each node's run summed by a segmented reduction.
+    The default backward (``index_put_`` with accumulation) sums them on several CPU threads in an order that
+    varies from one process to the next (a run on 2 threads did not repeat itself), and so does the atomic add a
+    compiled scatter becomes. This one sums in torch's deterministic ``index_put_``'s order (bit-identical to it)
+    and has no global switch to flip, so ``torch.compile`` traces it whole."""
 
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
@@ -229,14 +231,12 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (index,) = ctx.saved_tensors
-        out = grad.new_zeros((ctx.n, *grad.shape[index.dim():]))
-        prior = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-        torch.use_deterministic_algorithms(True)
-        try:
-            out.index_put_((index,), grad, accumulate=True)
-        finally:
-            torch.use_deterministic_algorithms(prior[0], warn_only=prior[1])
-        return out, None
+        flat = index.reshape(-1)
+        node, read = torch.sort(flat, stable=True)  # the reads, by node, each node's in reading order
+        runs = torch.searchsorted(node, torch.arange(ctx.n + 1, device=flat.device)).diff()  # reads per node
+        g = grad.reshape(flat.shape[0], -1)[read]
+        out = torch.segment_reduce(g, "sum", lengths=runs, axis=0)
+        return out.reshape(ctx.n, *grad.shape[index.dim():]), None
 
 
 def _rows_attention(module, query, key, value, gather, dropout, scaling, sliding_window, softcap) -> Tensor:

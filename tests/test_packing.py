@@ -210,3 +210,27 @@ def test_a_packed_update_on_two_threads_repeats_itself_in_another_process(tmp_pa
         assert r.returncode == 0, r.stderr[-2000:]
     a, b = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_shared_nodes_gradient_is_its_readers_sum_in_reading_order_and_compiles_whole():
+    """The backward of a row gather (``_Rows``) sums each node's gradients in reading order, bit for bit the sum a
+    loop over the reads gives, touches no process-wide switch (torch's deterministic mode is global: another
+    thread's operations would run under it meanwhile), and is traced whole: compiled without a graph break, the same bits."""
+    from ema_pg.packing import _Rows
+
+    g = torch.Generator().manual_seed(0)
+    S, n, L, H, D = 30, 6, 25, 2, 3
+    index = torch.randint(0, S, (n, L), generator=g)
+    index.view(-1)[:S] = torch.arange(S)  # every node read at least once
+    x = torch.randn(S, H, D, generator=g, requires_grad=True)
+    w = torch.randn(n, L, H, D, generator=g)
+    want = torch.zeros(S, H, D)
+    for pos, node in enumerate(index.reshape(-1).tolist()):
+        want[node] = want[node] + w.reshape(-1, H, D)[pos]
+    before = torch.are_deterministic_algorithms_enabled()
+    (got,) = torch.autograd.grad((_Rows.apply(x, index) * w).sum(), x)
+    assert torch.equal(got, want)
+    assert torch.are_deterministic_algorithms_enabled() == before
+    compiled = torch.compile(lambda x: (_Rows.apply(x, index) * w).sum(), fullgraph=True, backend="aot_eager")
+    (got,) = torch.autograd.grad(compiled(x), x)
+    assert torch.equal(got, want)

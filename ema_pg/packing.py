@@ -214,13 +214,35 @@ def packed_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
     return out[p.rep][None], None  # (1, S, Hq, D): each node from its creating row
 
 
+@torch.library.custom_op("ema_pg::node_sums", mutates_args=())
+def node_sums(grad: Tensor, index: Tensor, n: int) -> Tensor:
+    """(n, ...): each node's sum of ``grad`` over the positions of ``index`` that read it, in reading order (the
+    positions' flat order), accumulated in float32 at least. The gradient of ``x[index]``, summed in an order that
+    does not depend on threads or processes: on the CPU ``index_add_`` adds the reads one after another; elsewhere
+    (atomic adds) the reads are sorted by node, stably, and each node's run summed by a segmented reduction. An op
+    of its own, so a compiled graph calls it as it is instead of turning it into a scatter of atomic adds."""
+    flat = index.reshape(-1)
+    g = grad.reshape(flat.shape[0], -1)
+    acc = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+    if g.device.type == "cpu":
+        out = acc.new_zeros((n, acc.shape[1])).index_add_(0, flat, acc)
+    else:
+        node, read = torch.sort(flat, stable=True)
+        runs = torch.searchsorted(node, torch.arange(n + 1, device=flat.device)).diff()  # reads per node
+        out = torch.segment_reduce(acc[read], "sum", lengths=runs, axis=0)
+    return out.to(g.dtype).reshape(n, *grad.shape[index.dim():])
+
+
+@node_sums.register_fake
+def _(grad: Tensor, index: Tensor, n: int) -> Tensor:
+    return grad.new_empty((n, *grad.shape[index.dim():]))
+
+
 class _Rows(torch.autograd.Function):
     """``x[index]`` whose backward sums the gradients of a node that several rows read (a shared prefix) in a fixed
-    order: the reads sorted by node (stably, so in reading order), each node's run summed by a segmented reduction.
-    The default backward (``index_put_`` with accumulation) sums them on several CPU threads in an order that
-    varies from one process to the next (a run on 2 threads did not repeat itself), and so does the atomic add a
-    compiled scatter becomes. This one sums in torch's deterministic ``index_put_``'s order (bit-identical to it)
-    and has no global switch to flip, so ``torch.compile`` traces it whole."""
+    order (:func:`node_sums`). The default backward (``index_put_`` with accumulation) sums them on several CPU
+    threads in an order that varies from one process to the next (a run on 2 threads did not repeat itself), and
+    so does the atomic add a compiled scatter becomes."""
 
     @staticmethod
     def forward(ctx, x: Tensor, index: Tensor) -> Tensor:
@@ -231,12 +253,7 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (index,) = ctx.saved_tensors
-        flat = index.reshape(-1)
-        node, read = torch.sort(flat, stable=True)  # the reads, by node, each node's in reading order
-        runs = torch.searchsorted(node, torch.arange(ctx.n + 1, device=flat.device)).diff()  # reads per node
-        g = grad.reshape(flat.shape[0], -1)[read]
-        out = torch.segment_reduce(g, "sum", lengths=runs, axis=0)
-        return out.reshape(ctx.n, *grad.shape[index.dim():]), None
+        return node_sums(grad, index, ctx.n), None
 
 
 def _rows_attention(module, query, key, value, gather, dropout, scaling, sliding_window, softcap) -> Tensor:

@@ -213,24 +213,29 @@ def test_a_packed_update_on_two_threads_repeats_itself_in_another_process(tmp_pa
 
 
 def test_a_shared_nodes_gradient_is_its_readers_sum_in_reading_order_and_compiles_whole():
-    """The backward of a row gather (``_Rows``) sums each node's gradients in reading order, bit for bit the sum a
-    loop over the reads gives, touches no process-wide switch (torch's deterministic mode is global: another
-    thread's operations would run under it meanwhile), and is traced whole: compiled without a graph break, the same bits."""
-    from ema_pg.packing import _Rows
+    """The backward of a row gather (``_Rows``, :func:`node_sums`) sums each node's gradients in reading order, bit for
+    bit the sum a loop over the reads gives (half precision accumulated in float32), with nodes read by every row;
+    it touches no process-wide switch (torch's deterministic mode is global to every thread), and is traced whole:
+    compiled without a graph break, the same bits."""
+    from ema_pg.packing import _Rows, node_sums
 
     g = torch.Generator().manual_seed(0)
     S, n, L, H, D = 30, 6, 25, 2, 3
     index = torch.randint(0, S, (n, L), generator=g)
     index.view(-1)[:S] = torch.arange(S)  # every node read at least once
-    x = torch.randn(S, H, D, generator=g, requires_grad=True)
-    w = torch.randn(n, L, H, D, generator=g)
-    want = torch.zeros(S, H, D)
-    for pos, node in enumerate(index.reshape(-1).tolist()):
-        want[node] = want[node] + w.reshape(-1, H, D)[pos]
-    before = torch.are_deterministic_algorithms_enabled()
-    (got,) = torch.autograd.grad((_Rows.apply(x, index) * w).sum(), x)
-    assert torch.equal(got, want)
-    assert torch.are_deterministic_algorithms_enabled() == before
+    index[:, :4] = torch.arange(4)  # four nodes read by every row
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(S, H, D, generator=g).to(dtype).requires_grad_()
+        w = torch.randn(n, L, H, D, generator=g).to(dtype)
+        want = torch.zeros(S, H, D)
+        for pos, node in enumerate(index.reshape(-1).tolist()):
+            want[node] = want[node] + w.reshape(-1, H, D)[pos].float()
+        want = want.to(dtype)
+        before = torch.are_deterministic_algorithms_enabled()
+        (got,) = torch.autograd.grad(_Rows.apply(x, index), x, w)
+        assert torch.equal(got, want), dtype
+        assert torch.are_deterministic_algorithms_enabled() == before
+    torch.library.opcheck(node_sums, (w, index, S))  # its fake (shape) function, schema and autograd registration
     compiled = torch.compile(lambda x: (_Rows.apply(x, index) * w).sum(), fullgraph=True, backend="aot_eager")
     (got,) = torch.autograd.grad(compiled(x), x)
     assert torch.equal(got, want)

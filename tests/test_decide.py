@@ -241,6 +241,31 @@ def test_cells_on_another_machine_start_only_when_told(tmp_path, capsys):
     assert main([str(path), "--any-machine"]) == 0 and (tmp_path / "plan" / LOOKS).is_file()  # every cell was there
 
 
+def test_a_machine_whose_cells_were_set_aside_is_refused_before_a_cold_start(tmp_path, capsys):
+    """set_aside.csv names the machine each set-aside cell ran on: on that kind of machine the plan's cold start came
+    out another base policy, so a run stops there at once (no cold start built to be refused), and --status says so;
+    --any-machine goes on."""
+    from ema_pg.engine.runs import machine
+    from ema_pg.workbench.decide import SET_ASIDE
+
+    runs = tmp_path / "runs"
+    path = write_plan(tmp_path / "plan", runs, looks=(3,), claims={"A": {"better": "ema", "worse": "grpo", "text": "x"}})
+    for s in range(100, 103):
+        for m in ("grpo", "ema"):
+            fake_run(runs, m, s, 0.3 + 0.01 * (m == "ema") + 0.001 * s, base=0.5, machine=machine())
+    aside = {"method": "ema", "seed": 99, "scores": json.dumps({"avg": 0.4}), "commit": "c0", "base": "b1",
+             "cold_start": "660 SFT steps, final loss 0.457", "why": "another base"}
+    pd.DataFrame([{**aside, "machine": "a machine of another kind"}]).to_csv(tmp_path / "plan" / SET_ASIDE, index=False)
+    assert main([str(path), "--status"]) == 0 and "set aside" not in capsys.readouterr().out  # another kind: no word
+    pd.DataFrame([{**aside, "machine": machine()}]).to_csv(tmp_path / "plan" / SET_ASIDE, index=False)
+    assert main([str(path), "--status"]) == 0
+    assert "set aside before on this machine's kind: 1 cells" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"1 cells built on this machine's kind .* \(their cold start: 660 SFT steps"):
+        main([str(path)])
+    assert not (tmp_path / "plan" / LOOKS).exists()
+    assert main([str(path), "--any-machine"]) == 0 and (tmp_path / "plan" / LOOKS).is_file()
+
+
 def test_cells_can_run_the_code_of_another_checkout(tmp_path):
     """--code: a plan's cells run the code it was registered at (a worktree), named by its own sweep files."""
     import shutil

@@ -59,6 +59,9 @@ from .sequential import OUTLOOKS, Design, look, outlook
 ROOT = Path(__file__).resolve().parents[2]
 LOOKS = "looks.csv"  #: every look's numbers, beside the plan
 CELLS = "cells.csv"  #: every finished cell's scores, beside the plan
+#: cells that can count in no look (their base policy was not the plan's), with cells.csv's columns, the cold start
+#: their train.log showed, and why they were set aside
+SET_ASIDE = "set_aside.csv"
 
 
 @dataclass
@@ -183,6 +186,18 @@ def plan_base(plan: Plan, cells: dict) -> tuple[str | None, str]:
 def ledger_machines(cells: dict) -> list[str]:
     """The machines the recorded cells ran on (rows from before cells.csv carried them say none)."""
     return sorted({c["machine"] for c in cells.values() if c["machine"]})
+
+
+def set_aside_here(plan: Plan) -> list[dict]:
+    """The set-aside cells (:data:`SET_ASIDE`) that ran on this machine's kind: a cold start built here came out
+    another base policy before, and would again."""
+    from ..engine.runs import machine
+
+    f = plan.folder / SET_ASIDE
+    if not f.is_file():
+        return []
+    here = machine()
+    return [r for r in pd.read_csv(f, dtype=str, keep_default_na=False).to_dict("records") if r.get("machine") == here]
 
 
 def record_cells(plan: Plan) -> int:
@@ -529,6 +544,11 @@ def main(argv=None) -> int:
             raise SystemExit(f"{plan.folder / CELLS}: its cells ran on {' / '.join(machines)}, this machine is "
                              f"{machine()}: a cold start built here can come out another base policy. Run on that "
                              f"machine, or pass --any-machine (each cell's base is still checked as it lands)")
+        if (gone := set_aside_here(plan)) and not a.any_machine:
+            raise SystemExit(f"{plan.folder / SET_ASIDE}: {len(gone)} cells built on this machine's kind ({machine()}) "
+                             f"were set aside (their cold start: {gone[0].get('cold_start') or 'not recorded'}): one "
+                             f"built here would be refused too. Run where the plan's base policy comes from, or pass "
+                             f"--any-machine (each cell's base is still checked as it lands)")
     while True:
         verdicts, taken = state(plan)
         open_claims = [c for c in plan.claims if verdicts[c.id] == "open"]
@@ -549,6 +569,9 @@ def main(argv=None) -> int:
                 base = str(e)
             print(f"base policy: {base}; the cells ran on: {' / '.join(ledger_machines(cells)) or 'not recorded'}; "
                   f"this machine: {machine()}")
+            if gone := set_aside_here(plan):
+                print(f"set aside before on this machine's kind: {len(gone)} cells ({plan.folder / SET_ASIDE}; their cold "
+                      f"start: {gone[0].get('cold_start') or 'not recorded'}): a cell run here would be refused")
             print(f"look {k} at {plan.design.looks[k - 1]} seeds needs {len(todo)} more cells: "
                   + ", ".join(f"{m}:{s}" for m, s in todo[:12]) + (" ..." if len(todo) > 12 else ""))
             if todo:

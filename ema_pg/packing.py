@@ -220,7 +220,9 @@ def node_sums(grad: Tensor, index: Tensor, n: int) -> Tensor:
     positions' flat order), accumulated in float32 at least. The gradient of ``x[index]``, summed in an order that
     does not depend on threads or processes: on the CPU ``index_add_`` adds the reads one after another; elsewhere
     (atomic adds) the reads are sorted by node, stably, and each node's run summed by a segmented reduction. An op
-    of its own, so a compiled graph calls it as it is instead of turning it into a scatter of atomic adds."""
+    of its own, so a compiled graph calls it as it is instead of turning it into a scatter of atomic adds. The CPU
+    order is how torch implements ``index_add_``, not a documented promise: tests/test_packing.py holds it to a loop
+    over the reads, bit for bit, and to two processes on two threads giving the same gradient."""
     flat = index.reshape(-1)
     g = grad.reshape(flat.shape[0], -1)
     acc = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g

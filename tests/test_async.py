@@ -271,6 +271,7 @@ def test_weights_larger_than_the_pipes_buffer_flow_both_ways_without_a_deadlock(
 def async_run(tmp_path, eval_every: int, **popen):
     """(the trainer process, its run folder, its rollout worker): a real async run (staleness 1, 400 iterations of
     the tiny task) started on the command line, returned once its worker process exists."""
+    import signal
     import subprocess
     import sys
     import time
@@ -283,14 +284,32 @@ def async_run(tmp_path, eval_every: int, **popen):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "algo.iterations=400",
            f"algo.eval_every={eval_every}", "rollout.max_staleness=1", f"run_dir={run}", f"hydra.run.dir={run}"]
-    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    # started as a terminal starts a foreground job, with Ctrl-C at its default: a child inherits an ignored SIGINT,
+    # and bash ignores it in a script's background jobs (`make test-full &`, a CI script run with &), where Python
+    # then never raises KeyboardInterrupt and the run went on to its end. A handled signal is reset by the exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     trainer = psutil.Process(p.pid)
+
+    def rollout_workers() -> list:
+        found = []
+        for c in trainer.children():
+            try:
+                if "spawn_main" in " ".join(c.cmdline()):
+                    found.append(c)
+            except psutil.NoSuchProcess:  # a short-lived child (a git call) that ended meanwhile, a zombie included
+                pass
+        return found
+
     deadline = time.time() + 300
-    while time.time() < deadline and not any("spawn_main" in " ".join(c.cmdline()) for c in trainer.children()):
+    while time.time() < deadline and not rollout_workers():
         time.sleep(0.2)
-    workers = [c for c in trainer.children() if "spawn_main" in " ".join(c.cmdline())]
-    assert workers, "no rollout worker started"
-    return p, run, workers[0]
+    found = rollout_workers()
+    assert found, "no rollout worker started"
+    return p, run, found[0]
 
 
 @pytest.mark.slow

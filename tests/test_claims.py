@@ -52,3 +52,30 @@ def test_the_parser_reads_a_verdict_table_as_the_reports_write_it(tmp_path, monk
     got = table_verdicts(f)
     assert [(v.key, v.verdict, v.interval, v.seeds, v.delta) for v in got] == [
         ("E1", "holds", "[+0.014, +0.059]", "5", "+0.034 ± 0.029"), ("E2", "undecided", "[−0.064, +0.070]", "5", "+0.016 ± 0.091")]
+
+
+def test_plans_that_ran_side_by_side_are_each_a_latest_verdict_and_a_newer_one_supersedes(tmp_path, monkeypatch):
+    """Two sequential plans from two base policies stand side by side on the page (neither is history of the
+    other), while an older reproduction's verdict of the same claim moves to the history."""
+    import shutil
+
+    import ema_pg.workbench.claims as claims
+
+    monkeypatch.setattr(claims, "REPRO", tmp_path)
+    src = REPRO / "table2" / "claims"
+    for name, shift in (("claims", 0.0), ("claims_base660", 0.5)):
+        d = tmp_path / "table2" / name
+        d.mkdir(parents=True)
+        shutil.copy(src / "plan.yaml", d / "plan.yaml")
+        looks = pd.read_csv(src / "looks.csv")
+        looks[["mean_diff", "lo", "hi"]] += shift  # the second plan's numbers differ from the first's
+        looks.to_csv(d / "looks.csv", index=False)
+    old = tmp_path / "table2" / "decide_episode" / "results.md"
+    old.parent.mkdir()
+    old.write_text("| id | claim | Δ | 95% CI | verdict |\n|---|---|---|---|---|\n"
+                   "| P1 | EMA anchor > GRPO | +0.013 | [−0.010, +0.034] | **undecided** |\n")
+    page, history = claims.render(claims.all_verdicts(tmp_path)).split("## History")
+    p1 = [ln for ln in page.splitlines() if ln.startswith("| EMA anchor > GRPO")]
+    assert len(p1) == 2 and any("(table2/claims/looks.csv)" in ln for ln in p1) \
+        and any("(table2/claims_base660/looks.csv)" in ln for ln in p1), p1
+    assert "table2/decide_episode/results.md" in history and "claims_base660" not in history

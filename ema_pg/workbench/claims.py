@@ -24,12 +24,13 @@ from ..cli import command_parser
 ROOT = Path(__file__).resolve().parents[2]
 REPRO = ROOT / "reproductions"
 PAGE = REPRO / "CLAIMS.md"
-#: the reproductions from oldest to newest: a claim's latest verdict is the newest one's (each a folder)
+#: the reproductions from oldest to newest: a claim's latest verdict is the newest one's (each a folder, or a tuple of
+#: folders that ran side by side, each latest)
 ORDER = ("fig4", "stability", "estimator_lab", "table2", "table2/ppo_mini", "fig5_methods", "fig6_k", "reference_updates",
          "table2/decide", "fig5_methods/decide", "fig6_k/decide", "tail_bias/decide", "beta0_collapse", "fig5_methods/decide_strong",
          "fig6_k/decide_strong", "tail_bias/decide_strong", "fig7_eta_direction/decide_strong", "fig8_tail/decide_strong",
          "fig9_iw_clip/decide_strong", "fig9_iw_clip/decide_strong_kl_scale", "table3", "table2/decide_reading",
-         "async_anchor", "table2/decide_episode", "table2/claims")
+         "async_anchor", "table2/decide_episode", ("table2/claims", "table2/claims_base660"))
 VERDICT_WORDS = ("stopped at the cap", "holds", "fails", "undecided", "higher", "lower", "continue", "(descriptive)",
                  "not as in the paper", "not the paper's direction")
 
@@ -225,7 +226,9 @@ PAPER_CLAIMS = (
 
 
 def _order(v: Verdict) -> int:
-    return ORDER.index(v.folder) if v.folder in ORDER else -1
+    """Where a verdict's reproduction stands in :data:`ORDER` (-1: not listed, the oldest); a tuple there holds
+    reproductions that ran side by side (two plans from two base policies), none superseding the other."""
+    return next((i for i, e in enumerate(ORDER) if v.folder in ((e,) if isinstance(e, str) else e)), -1)
 
 
 #: which of a reproduction's files speaks for a verdict it states in several (a report's table over its README's copy)
@@ -317,8 +320,8 @@ def render(verdicts: list[Verdict]) -> str:
         if not rows:
             lines.append(f"| {c.statement} ({c.where}) | not tested | | | | | |")
             continue
-        latest_folder = max(rows, key=_order).folder
-        for v in [v for v in rows if v.folder == latest_folder]:
+        latest = max(map(_order, rows))
+        for v in [v for v in rows if _order(v) == latest]:
             label = f"{c.statement}: {v.text}" if _words(v.text) - _words(c.statement) else c.statement
             lines.append(f"| {label} ({c.where}) | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} "
                          f"| {v.to_decide} |")
@@ -328,9 +331,9 @@ def render(verdicts: list[Verdict]) -> str:
         rows = per[c.id]
         if not rows:
             continue
-        latest_folder = max(rows, key=_order).folder
+        latest = max(map(_order, rows))
         for v in rows:
-            if v.folder != latest_folder:
+            if _order(v) != latest:
                 lines.append(f"| {c.id}: {v.text} | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} |")
     lines += ["", "## Our own claims and the comparisons beside the paper's", "",
               "| claim | verdict | effect | interval | seeds | from |", "|---|---|---|---|---|---|"]

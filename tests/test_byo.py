@@ -110,15 +110,18 @@ def test_a_failing_server_is_one_line_naming_the_url(search_r1_dir, mode, words)
     assert msg.startswith(f"start-up check: retrieval server {s.url} ") and words in msg and "\n" not in msg
 
 
-@pytest.mark.parametrize("mode,words", [("trickle", "did not finish its answer within 1 s (task.retriever_timeout=1 s a try)"),
-                                        ("cut", "broke off its answer")])
-def test_a_server_that_trickles_or_breaks_off_its_answer_is_one_line_within_the_deadline(mode, words):
+@pytest.mark.parametrize("mode,words,timeout", [
+    ("trickle", "did not finish its answer within 1 s (task.retriever_timeout=1 s a try)", 1.0),
+    # a generous deadline: on a loaded machine the half answer itself can take over 1 s to arrive, and a break-off
+    # must be reported as one, at once, not after waiting out any time-out
+    ("cut", "broke off its answer", 30.0)])
+def test_a_server_that_trickles_or_breaks_off_its_answer_is_one_line_within_the_deadline(mode, words, timeout):
     """requests' time-out bounds the gap between bytes: a server that sends one byte every 0.2 s held a call for as
     long as its answer lasted; one that closed mid-answer was a ChunkedEncodingError traceback."""
     import time
 
     s = FaultServer(DOCS, mode=mode, delay=0.2)
-    r = HTTPRetriever(s.url, timeout=1.0, retries=0)
+    r = HTTPRetriever(s.url, timeout=timeout, retries=0)
     try:
         start = time.monotonic()
         with pytest.raises(RetrieverError) as e:
@@ -128,7 +131,8 @@ def test_a_server_that_trickles_or_breaks_off_its_answer_is_one_line_within_the_
         s.close()
     msg = str(e.value)
     assert msg.startswith(f"retrieval server {s.url} ") and words in msg and "\n" not in msg, msg
-    assert took < 3.0 and "tries" not in msg  # the answer is hundreds of bytes: 0.2 s each would take a minute
+    # the trickled answer is hundreds of bytes (0.2 s each would take a minute); the cut one waits for nothing
+    assert took < min(3 * timeout, 10.0) and "tries" not in msg
 
 
 def test_answers_that_are_not_retried_do_not_claim_retries(search_r1_dir):

@@ -301,6 +301,14 @@ def _link(v: Verdict) -> str:
     return f"[{v.file}]({v.file})"
 
 
+def _side_by_side() -> str:
+    """The sentence that says which reproductions ran side by side (a tuple in :data:`ORDER`), if any."""
+    groups = [" and ".join(f"`{f}`" for f in e) for e in ORDER if not isinstance(e, str)]
+    return (f" Reproductions that ran side by side ({'; '.join(groups)}) asked the same claims under different "
+            "conditions, as their READMEs say: each gives a latest verdict, a row of its own, and their seeds are "
+            "never pooled.") if groups else ""
+
+
 def render(verdicts: list[Verdict]) -> str:
     per, rest = assign(verdicts)
     n = len(verdicts)
@@ -312,7 +320,7 @@ def render(verdicts: list[Verdict]) -> str:
              "(where the reproduction says); earlier verdicts of the same claim are kept below it as history. "
              "**holds** / **fails**: the 95% interval of the paired difference lies above / below 0; **undecided**: "
              "it contains 0; a sequential plan's claim is **stopped at the cap** when no boundary was crossed by its last "
-             "look, and **continue** while its looks go on.", "",
+             "look, and **continue** while its looks go on." + _side_by_side(), "",
              "| claim (paper) | latest verdict | effect | interval | seeds | from | seeds to decide |",
              "|---|---|---|---|---|---|---|"]
     for c in PAPER_CLAIMS:

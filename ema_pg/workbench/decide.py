@@ -419,11 +419,20 @@ def _plot(plan: Plan, looks: pd.DataFrame, ahead: dict | None = None) -> None:
     ax = axes[0]
     ax.plot(ns, tb, "k--", lw=1, label="boundaries (planned looks, t scale)")
     ax.plot(ns, [-x for x in tb], "k--", lw=1)
-    for i, (cid, g) in enumerate(looks.groupby("claim", sort=False)):
+    claims = looks.groupby("claim", sort=False)
+    for i, (cid, g) in enumerate(claims):
         ax.plot(g["seeds"], g["t"], "o-", color=f"C{i}", label=cid)
-        axes[1].errorbar(g["seeds"] + 0.4 * i, g["mean_diff"], yerr=[g["mean_diff"] - g["lo"], g["hi"] - g["mean_diff"]],
+        dodge = i - (claims.ngroups - 1) / 2  # a seed apart, centred on the look
+        axes[1].errorbar(g["seeds"] + dodge, g["mean_diff"], yerr=[g["mean_diff"] - g["lo"], g["hi"] - g["mean_diff"]],
                          fmt="o", color=f"C{i}", capsize=3, label=cid)
-    ax.set_ylim(-max(6, min(tb) * 1.5), max(6, min(tb) * 1.5))
+    top = max(6, min(tb) * 1.5)
+    ax.set_ylim(-top, top)
+    for n, b in zip(ns, tb):  # an early look's boundary lies far off the scale: its value is written at the edge
+        if b > top:
+            ax.text(n, top * 0.9, f"±{b:.1f}", ha="center", fontsize=7)
+    for a in axes[:2]:  # the planned looks on both panels, whichever have been taken
+        a.set_xlim(ns[0] - 3, ns[-1] + 3)
+        a.set_xticks(ns)
     ax.set_xlabel("paired seeds")
     ax.set_ylabel("paired t statistic")
     ax.set_title("Each look against the boundaries")

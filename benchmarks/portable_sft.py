@@ -29,13 +29,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+NEUTRAL = {"MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "default"}
+MKL_AVX2 = {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 VARIANTS = {
     "default": {},
-    "mkl_avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "neutral": {"MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "default"},
-    "neutral_mkl_avx2": {"MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "default",
-                         "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "neutral_aten_avx2": {"MKL_CBWR": "COMPATIBLE,STRICT", "ATEN_CPU_CAPABILITY": "avx2"},
+    "mkl_avx2": MKL_AVX2,
+    "neutral": NEUTRAL,
+    "neutral_mkl_avx2": {**NEUTRAL, **MKL_AVX2},
+    "neutral_aten_avx2": {**NEUTRAL, "ATEN_CPU_CAPABILITY": "avx2"},
 }
 
 

@@ -87,6 +87,73 @@ def test_cold_start_is_cached_and_reused(full_run, tmp_path):
     assert len(list(cache.iterdir())) == len(entries) + 1
 
 
+_COLD_START = """import hashlib, logging, sys
+sys.path.insert(0, {tests!r})
+from helpers import compose_cfg
+from ema_pg.engine.sft import cold_start
+from ema_pg.tasks import build_task
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s", force=True)
+cfg = compose_cfg(["sft.cache_dir=" + sys.argv[1]])
+model, _, d = cold_start(cfg.model, cfg.task, cfg.sft, build_task(cfg.task), cfg.seed, progress=False)
+sd = model.state_dict()
+print(d.name, hashlib.sha256(b"".join(sd[k].numpy().tobytes() for k in sorted(sd))).hexdigest())
+"""
+
+
+def _cold_start_child(cache, err, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = _COLD_START.format(tests=str(Path(__file__).parent))
+    return subprocess.Popen([sys.executable, "-c", code, str(cache)], stdout=subprocess.PIPE, text=True,
+                            stderr=open(err, "w"), cwd=tmp_path)
+
+
+def test_processes_that_ask_for_one_cold_start_together_build_it_once(tmp_path):
+    """Two processes asking for a base policy that a third is building wait, then one builds it and the other
+    reuses that build: one set of SFT steps, not two, and the same weights as a build in another cache."""
+    import time
+
+    from ema_pg.engine.files import file_lock
+
+    first = _cold_start_child(tmp_path / "elsewhere", tmp_path / "elsewhere.err", tmp_path)
+    name, digest = first.communicate(timeout=300)[0].split()
+    cache = tmp_path / "cache"
+    errs = [tmp_path / f"child{i}.err" for i in range(2)]
+    with file_lock(cache / ".locks" / f"{name}.lock"):  # the lock a builder holds: both children find it taken
+        kids = [_cold_start_child(cache, e, tmp_path) for e in errs]
+        deadline = time.monotonic() + 300
+        while not all("waiting to reuse it" in e.read_text() for e in errs):
+            assert time.monotonic() < deadline and all(k.poll() is None for k in kids), [e.read_text() for e in errs]
+            time.sleep(0.1)
+        assert not (cache / name).exists()  # nothing built while the lock was held
+    outs = [k.communicate(timeout=300)[0].split() for k in kids]
+    assert all(k.returncode == 0 for k in kids) and outs == [[name, digest]] * 2
+    logs = [e.read_text() for e in errs]
+    assert sum("SFT steps" in t for t in logs) == 1 and sum("cold start: reusing" in t for t in logs) == 1, logs
+    assert sorted(p.name for p in cache.iterdir()) == [".locks", name]
+
+
+@pytest.mark.slow
+def test_a_run_that_reuses_a_cold_start_equals_the_run_that_built_it(tmp_path, caplog):
+    """What makes waiting for another process's cold start safe: the run reseeds after its cold start, so it does
+    not matter whether this process built the base policy or found it built."""
+    import logging
+
+    cache, said, finals = tmp_path / "cache", [], []
+    for d in ("built", "reused"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ema_pg.engine.sft"):
+            metrics, _ = train(compose_cfg(["algo.iterations=3", f"sft.cache_dir={cache}"], tmp_path / d))
+        said.append(caplog.text)
+        finals.append({k: v for k, v in metrics.items() if not k.startswith("time/")})
+    assert "SFT steps" in said[0] and "cold start: reusing" in said[1]
+    a, b = (comparable(pd.read_csv(tmp_path / d / "run" / "metrics.csv")) for d in ("built", "reused"))
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+    assert finals[0] == finals[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [["kl=k3", "kl.k=null", "anchor=fixed"], ["kl=topk_forward", "kl.tail=paper"],
                                        ["kl=exact_reverse", "kl.k=null"], ["anchor=none", "kl.k=null"],

@@ -5,12 +5,14 @@ file and a full disk leaves nothing behind but the previous version.
 :class:`AtomicCheckpointIO` (Lightning's checkpoints the same way: Lightning's own writes the whole checkpoint into
 the system temp folder and moves it across file systems, which is neither atomic nor possible on a small node-local
 ``/tmp``). A write that finds no room raises :class:`NoRoom`, one line naming the folder and the space it needed.
+``file_lock`` serializes processes that would build the same thing (a study's trials, a cold start).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import io
 import os
 import shutil
@@ -33,6 +35,26 @@ class NoRoom(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike, waiting=None):
+    """Hold an exclusive lock on ``path`` (created, with its folder, if missing) for the ``with`` block; another
+    process asking for it waits until the block ends, or until the holder dies (the kernel drops its lock).
+    ``waiting()`` is called once, before blocking, when another process holds it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting is not None:
+                waiting()
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _tmp(path: Path) -> Path:

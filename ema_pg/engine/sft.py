@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from ..config import SFT_SCHEDULES, SFTConfig
+from .files import file_lock
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ..rollout import HFSampler
 from ..tasks.base import Prompt
@@ -157,12 +158,23 @@ def check_finite_weights(model, where) -> None:
 
 def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int = 16, stop: tuple = (),
                progress: bool = True):
-    """(model, tokenizer, model_dir) of the cached base policy, built on first use (``progress``: its SFT bar)."""
-    from ..prompts import PromptEncoder
+    """(model, tokenizer, model_dir) of the cached base policy, built on first use (``progress``: its SFT bar).
 
+    Built once: a process that asks for a base policy another is building (the workers of a sweep on a fresh
+    machine) waits for it and reuses it. A run that reuses a cold start equals one that built it (the run reseeds
+    after), so waiting changes no result."""
     key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop),
                          task_format=task.format_version)
     d = Path(sft_cfg.cache_dir).expanduser() / f"{task.name}-{key}"
+    with file_lock(d.parent / ".locks" / f"{d.name}.lock",
+                   waiting=lambda: log.info("cold start: another process is building %s; waiting to reuse it", d)):
+        return _cold_start(d, model_cfg, task_cfg, sft_cfg, task, seed, max_new_tokens, stop, progress)
+
+
+def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int, stop: tuple,
+                progress: bool):
+    from ..prompts import PromptEncoder
+
     if (d / "config.json").is_file():
         try:
             model, tok = load_model_dir(d)

@@ -24,8 +24,6 @@ worker killed outright stops sending heartbeats and its trial is re-queued the s
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -42,6 +40,7 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
 from ..cli import command_parser
+from ..engine.files import file_lock
 from ..engine.module import EvalCallback
 
 log = logging.getLogger("ema_pg.hpo")
@@ -209,17 +208,6 @@ class OptunaPruning(EvalCallback):
             log.info("trial %d pruned at iteration %d (avg %.3f)", self.trial.number, step, result["avg"])
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def _heartbeat(storage, trial_id: int, interval: int):
     stop = threading.Event()
 
@@ -245,7 +233,7 @@ def open_study(spec: StudySpec, worker_index: int = 0) -> optuna.Study:
     name = s.pop("name")
     pruner = PRUNERS[p.pop("name")](**p)
     # workers starting together must not race to create the tables (SQLAlchemy: "alembic_version already exists")
-    with _file_lock(spec.trials_dir / ".create.lock"):
+    with file_lock(spec.trials_dir / ".create.lock"):
         storage = optuna.storages.RDBStorage(
             url, heartbeat_interval=spec.heartbeat_interval, grace_period=spec.grace_period,
             heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=3),
@@ -296,7 +284,7 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
     old = signal.signal(signal.SIGTERM, on_term)
     try:
         while True:
-            with _file_lock(lock):
+            with file_lock(lock):
                 optuna.storages.fail_stale_trials(study)  # a killed worker's trial -> FAIL + re-queued
                 counted = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED,
                                                                    TrialState.RUNNING))

@@ -202,6 +202,7 @@ def test_a_kill_between_a_periods_checkpoint_and_its_link_resumes_from_that_chec
 
 
 # ---------------------------------------------------------------------- Optuna
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed:UserWarning")  # this test asks and tells itself
 def test_a_restarted_worker_does_not_propose_a_point_already_run(tmp_path):
     import optuna
 

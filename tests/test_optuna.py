@@ -99,6 +99,7 @@ def test_pruner_stops_a_trial_from_its_intermediate_evaluations(tmp_path):
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed:UserWarning")  # this test asks and tells itself
 def test_an_interrupted_trial_is_requeued_with_its_params_and_run_folder(tmp_path):
     spec = load_study_spec(study_file(tmp_path))
     study = open_study(spec)

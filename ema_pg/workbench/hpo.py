@@ -24,6 +24,7 @@ worker killed outright stops sending heartbeats and its trial is re-queued the s
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -44,9 +45,21 @@ from ..engine.files import file_lock
 from ..engine.module import EvalCallback
 
 log = logging.getLogger("ema_pg.hpo")
-# heartbeats are driven here (ask/tell under a lock), not by Study.optimize: Optuna's notes about that are expected
-warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+
+
+def _expected_optuna_notes(fn):
+    """Run ``fn`` with Optuna's expected notes silenced: the heartbeat storage is experimental, and heartbeats are
+    driven here (ask/tell under a lock), not by Study.optimize. Held around the calls, not set at import, so that
+    they stay silent whoever reset the warning filters (a test runner does, per test)."""
+
+    @functools.wraps(fn)
+    def quiet(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+            warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used with Study.optimize")
+            return fn(*args, **kwargs)
+
+    return quiet
 ROOT = Path(__file__).resolve().parents[2]
 PARAM_TYPES = ("float", "int", "categorical")
 SAMPLERS = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler,
@@ -221,6 +234,7 @@ def _heartbeat(storage, trial_id: int, interval: int):
     return stop
 
 
+@_expected_optuna_notes
 def open_study(spec: StudySpec, worker_index: int = 0) -> optuna.Study:
     """Create or load the study. The sampler's seed is offset by ``worker_index`` and by the number
     of trials already in storage, so neither two workers sharing a study nor a worker restarted on
@@ -266,6 +280,7 @@ class _Interrupted(Exception):
     pass
 
 
+@_expected_optuna_notes
 def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = None, worker_index: int = 0) -> list[int]:
     """Run trials until the study holds ``n_trials`` finished or running ones; returns their numbers."""
     from ..config import ConfigError

@@ -60,6 +60,8 @@ def _expected_optuna_notes(fn):
             return fn(*args, **kwargs)
 
     return quiet
+
+
 ROOT = Path(__file__).resolve().parents[2]
 PARAM_TYPES = ("float", "int", "categorical")
 SAMPLERS = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler,

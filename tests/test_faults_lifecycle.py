@@ -63,8 +63,10 @@ def test_a_resume_writes_the_rows_before_its_checkpoint_as_they_were(tmp_path):
     back as 0.0 where the run had written 0 (same numbers, other bytes)."""
     from omegaconf import OmegaConf
 
+    from ema_pg.engine.console import quiet_third_party
     from ema_pg.engine.runs import make_loggers
 
+    quiet_third_party()  # as a run's console is: Lightning's note on a resumed folder is expected
     rows = "eval/avg/em,step,train/kl_k1,train/skipped\n,1,2.56387622243892e-08,0\n0.5,2,0.125,3\n,3,0.25,0\n"  # as
     # Lightning's CSV logger writes them: columns sorted
     _csv(tmp_path / "metrics.csv", rows)

@@ -116,12 +116,13 @@ def test_a_damaged_cold_start_cache_is_rebuilt_and_nan_weights_are_refused(tmp_p
     from safetensors.torch import load_file, save_file
 
     from ema_pg.engine.policy import build_policy
+    from ema_pg.engine.sft import LOCKS
     from ema_pg.tasks import build_task
 
     cfg = compose_cfg(["sft.steps=5", f"sft.cache_dir={tmp_path / 'cache'}"], tmp_path)  # its own: one base in it
     task = build_task(cfg.task)
     model, _ = build_policy(cfg, task)
-    cache, = (p for p in Path(cfg.sft.cache_dir).iterdir() if p.name != ".locks")
+    cache, = (p for p in Path(cfg.sft.cache_dir).iterdir() if p.name != LOCKS)
     (cache / "model.safetensors").write_bytes(b"garbage")
     again, _ = build_policy(cfg, task)
     assert "is damaged" in caplog.text and "building it again" in caplog.text

@@ -106,8 +106,9 @@ def _cold_start_child(cache, err, tmp_path):
     from pathlib import Path
 
     code = _COLD_START.format(tests=str(Path(__file__).parent))
-    return subprocess.Popen([sys.executable, "-c", code, str(cache)], stdout=subprocess.PIPE, text=True,
-                            stderr=open(err, "w"), cwd=tmp_path)
+    with open(err, "w") as fh:  # the child keeps its own copy of the handle
+        return subprocess.Popen([sys.executable, "-c", code, str(cache)], stdout=subprocess.PIPE, text=True,
+                                stderr=fh, cwd=tmp_path)
 
 
 def test_processes_that_ask_for_one_cold_start_together_build_it_once(tmp_path):
@@ -116,12 +117,13 @@ def test_processes_that_ask_for_one_cold_start_together_build_it_once(tmp_path):
     import time
 
     from ema_pg.engine.files import file_lock
+    from ema_pg.engine.sft import LOCKS, cold_start_lock
 
     first = _cold_start_child(tmp_path / "elsewhere", tmp_path / "elsewhere.err", tmp_path)
     name, digest = first.communicate(timeout=300)[0].split()
     cache = tmp_path / "cache"
     errs = [tmp_path / f"child{i}.err" for i in range(2)]
-    with file_lock(cache / ".locks" / f"{name}.lock"):  # the lock a builder holds: both children find it taken
+    with file_lock(cold_start_lock(cache / name)):  # the lock a builder holds: both children find it taken
         kids = [_cold_start_child(cache, e, tmp_path) for e in errs]
         deadline = time.monotonic() + 300
         while not all("waiting to reuse it" in e.read_text() for e in errs):
@@ -132,7 +134,7 @@ def test_processes_that_ask_for_one_cold_start_together_build_it_once(tmp_path):
     assert all(k.returncode == 0 for k in kids) and outs == [[name, digest]] * 2
     logs = [e.read_text() for e in errs]
     assert sum("SFT steps" in t for t in logs) == 1 and sum("cold start: reusing" in t for t in logs) == 1, logs
-    assert sorted(p.name for p in cache.iterdir()) == [".locks", name]
+    assert sorted(p.name for p in cache.iterdir()) == sorted([LOCKS, name])
 
 
 @pytest.mark.slow
@@ -311,7 +313,9 @@ def test_sft_seed_gives_every_run_seed_the_same_base_policy(tmp_path):
         return build_policy(cfg, build_task(cfg.task))[0].state_dict()
 
     own3, shared, own0 = base("seed=3"), base("seed=0", "sft.seed=3"), base("seed=0")
-    bases = [p for p in tmp_path.iterdir() if p.name != ".locks"]  # the cache's entries, its lock folder aside
+    from ema_pg.engine.sft import LOCKS
+
+    bases = [p for p in tmp_path.iterdir() if p.name != LOCKS]  # the cache's entries, its lock folder aside
     assert len(bases) == 2  # seed 3's entry served the run of seed 0 with sft.seed=3
     assert all(torch.equal(own3[k], shared[k]) for k in own3)
     assert not all(torch.equal(own3[k], own0[k]) for k in own3)

@@ -156,6 +156,14 @@ def check_finite_weights(model, where) -> None:
         raise ValueError(f"the weights at {where} hold NaN or inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
 
 
+LOCKS = ".locks"  #: the cache's folder of per-base lock files, hidden so that a listing shows the bases only
+
+
+def cold_start_lock(d: Path) -> Path:
+    """The lock file a process holds while it builds (or checks) the cached base policy ``d``."""
+    return d.parent / LOCKS / f"{d.name}.lock"
+
+
 def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int = 16, stop: tuple = (),
                progress: bool = True):
     """(model, tokenizer, model_dir) of the cached base policy, built on first use (``progress``: its SFT bar).
@@ -166,7 +174,7 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
     key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop),
                          task_format=task.format_version)
     d = Path(sft_cfg.cache_dir).expanduser() / f"{task.name}-{key}"
-    with file_lock(d.parent / ".locks" / f"{d.name}.lock",
+    with file_lock(cold_start_lock(d),
                    waiting=lambda: log.info("cold start: another process is building %s; waiting to reuse it", d)):
         return _cold_start(d, model_cfg, task_cfg, sft_cfg, task, seed, max_new_tokens, stop, progress)
 
@@ -218,7 +226,7 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
     save_model_dir(model, tok, tmp)
-    if d.exists():  # another run finished the same cold start first: keep its copy
+    if d.exists():  # built meanwhile where the lock does not reach (a file system without flock): keep that copy
         shutil.rmtree(tmp)
     else:
         tmp.replace(d)

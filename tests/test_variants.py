@@ -99,8 +99,8 @@ def test_k5_clamp_bounds_log_w_as_the_authors_do():
     inp, _ = enumeration_inputs(est, th, ref)
     lw = float((inp.logp_ref - inp.logp)[0, 0].detach())
     assert lw > 40
-    assert float(est(inp)[0, 0]) == pytest.approx(math.exp(20.0) * 20.0, rel=1e-12)
-    assert float(plain(inp)[0, 0]) == pytest.approx(math.exp(lw) * lw, rel=1e-9)
+    assert float(est(inp)[0, 0].detach()) == pytest.approx(math.exp(20.0) * 20.0, rel=1e-12)
+    assert float(plain(inp)[0, 0].detach()) == pytest.approx(math.exp(lw) * lw, rel=1e-9)
     (g0,) = torch.autograd.grad(est(inp)[0, 0], th)
     (score,) = torch.autograd.grad(torch.log_softmax(th, -1)[0], th)
     assert close(g0, score)  # the clamped log w is constant: only log r's score is left
@@ -142,9 +142,9 @@ def test_dual_clip_bounds_negative_advantage_tokens_at_c_times_a():
     assert g[0].tolist() == pytest.approx([0.0, -1.0, -2.5, 0.0])  # d(rA)/dlog r = rA where unclipped
     assert info["clipped_dual"].tolist() == [[False, False, False, True]]
     J0, _ = ppo_surrogate(logp, logp_old, adv, 0.2, 0.28, 0.0)
-    assert float(J0[0, 3]) == pytest.approx(-4.0)  # off: plain PPO
+    assert float(J0[0, 3].detach()) == pytest.approx(-4.0)  # off: plain PPO
     Jp, _ = ppo_surrogate(logp, logp_old, -adv, 0.2, 0.28, 3.0)  # positive advantages are untouched
-    assert float(Jp[0, 3]) == pytest.approx(1.28)
+    assert float(Jp[0, 3].detach()) == pytest.approx(1.28)
 
 
 def test_gspo_equals_the_sequence_level_objective_in_value_and_gradient():
@@ -208,7 +208,7 @@ def test_the_entropy_bonus_adds_the_exact_entropy_gradient():
     want = -0.1 * (-(lp.exp() * lp).sum(-1)).mean()
     (wg,) = torch.autograd.grad(want, h)
     assert close(loss.detach(), want.detach()) and close(g, wg)
-    assert float(m["entropy_cur"]) == pytest.approx(float(-want / 0.1))
+    assert float(m["entropy_cur"]) == pytest.approx(float(-want.detach() / 0.1))
     with pytest.raises(ValueError, match="entropy"):
         grpo_loss(logp.view(2, 3), logp.detach().view(2, 3), adv, mask, None, beta=0.0, entropy_coef=0.1, **common)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pandas as pd
 
 from ema_pg.workbench.claims import PAGE, REPRO, all_verdicts, render, table_verdicts
@@ -80,3 +81,24 @@ def test_plans_that_ran_side_by_side_are_each_a_latest_verdict_and_a_newer_one_s
         and any("(table2/claims_base660/looks.csv)" in ln for ln in p1), p1
     assert "table2/decide_episode/results.md" in history and "claims_base660" not in history
     assert "side by side (`table2/claims` and `table2/claims_base660`)" in page  # the reader is told why two rows
+
+
+def test_a_claim_stopped_at_the_cap_says_what_a_decision_would_take(tmp_path, monkeypatch):
+    """A sequential claim that ended undecided gets the seeds a fixed design would need at the effect and sd its
+    seeds show (the rule of ``seeds_to_detect``); a decided one gets none, an open one its outlook."""
+    import shutil
+
+    import ema_pg.workbench.claims as claims
+
+    monkeypatch.setattr(claims, "REPRO", tmp_path)
+    d = tmp_path / "table2" / "claims"
+    d.mkdir(parents=True)
+    src = REPRO / "table2" / "claims"
+    shutil.copy(src / "plan.yaml", d / "plan.yaml")
+    looks = pd.read_csv(src / "looks.csv")
+    last = looks["look"] == looks["look"].max()
+    looks.loc[last, "verdict"] = ["holds", "stopped at the cap", "stopped at the cap"]
+    looks.loc[last, "mean_diff"], looks.loc[last, "sd_diff"] = [0.01, -0.1, 0.2], [0.01, 0.1, np.sqrt(0.02)]
+    looks.to_csv(d / "looks.csv", index=False)
+    by = {v.key: v.to_decide for v in claims.look_verdicts(d / "looks.csv")}
+    assert by["P1"] == "" and by["P2"].startswith("8 (a fixed design") and by["P3"].startswith("4 (a fixed design")

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from ema_pg.workbench import table2
 from ema_pg.config import fill_defaults
 from ema_pg.workbench.results import (ablation_report, derived_columns, format_seeds, load_curves, load_runs, method_label,
-                            min_detectable, paired_differences, paired_sd, seed_tally, seeds_to_detect, sign_flip_p, summarize,
+                            min_detectable, paired_differences, paired_sd, seed_tally, seeds_for, seeds_to_detect, sign_flip_p, summarize,
                             unpaired_seeds)
 from ema_pg.engine.runs import machine
 
@@ -148,6 +148,9 @@ def test_seeds_to_detect_is_the_count_where_the_observed_difference_becomes_dete
     assert seeds_to_detect([0.2, 0.2]) == 2  # no spread: the fewest seeds a paired std needs
     assert seeds_to_detect([0.1, -0.1]) == np.inf and format_seeds(np.inf) == "> 1000"
     assert np.isnan(seeds_to_detect([0.1])) and format_seeds(float("nan")) == "—" and format_seeds(37.0) == "37"
+    # from a look's mean and sd, the same rule: (2.8 x 0.1 / 0.1)^2 = 7.84 -> 8, either direction
+    assert seeds_for(0.1, 0.1) == seeds_for(-0.1, 0.1) == 8 and seeds_for(0.2, np.sqrt(0.02)) == 4
+    assert np.isnan(seeds_for(0.1, float("nan"))) and seeds_for(0.0, 0.1) == np.inf
 
 
 def test_one_seed_has_no_paired_sd_and_says_so_without_a_numpy_warning():

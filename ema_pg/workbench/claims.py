@@ -119,6 +119,7 @@ def look_verdicts(path: Path) -> list[Verdict]:
     import pandas as pd
 
     from .decide import load_plan, outlooks
+    from .results import format_seeds, seeds_for
 
     looks = pd.read_csv(path)
     rel = str(path.relative_to(REPRO))
@@ -127,10 +128,13 @@ def look_verdicts(path: Path) -> list[Verdict]:
     out = []
     for cid, g in looks.groupby("claim", sort=False):
         r = g.iloc[-1]
-        to_decide = ""
+        to_decide, seq = "", f"[sequential.md]({Path(rel).parent / 'sequential.md'})"
         if (o := ahead.get(str(cid), {}).get("predictive")) is not None:
             to_decide = (f"next look at {o['next_look']}; by the cap ({o['cap']}): holds {o['holds']:.0%}, fails "
-                         f"{o['fails']:.0%} (predictive, [sequential.md]({Path(rel).parent / 'sequential.md'}))")
+                         f"{o['fails']:.0%} (predictive, {seq})")
+        elif r["verdict"] == "stopped at the cap":
+            to_decide = (f"{format_seeds(seeds_for(r['mean_diff'], r['sd_diff']))} (a fixed design, if the effect "
+                         f"and sd were what the {int(r['seeds'])} seeds show; 80% power, two-sided 5%)")
         out.append(Verdict(rel, str(cid), str(r["text"]), str(r["verdict"]), f"{r['mean_diff']:+.4f}",
                            f"[{r['lo']:+.4f}, {r['hi']:+.4f}]", str(int(r["seeds"])), to_decide))
     return out

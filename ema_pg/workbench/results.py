@@ -248,9 +248,14 @@ def seeds_to_detect(deltas) -> float:
     ceil((2.8 x std / |mean|)^2). It is what an undecided verdict would need to be decided either way; inf
     when the mean difference is 0, nan below two seeds."""
     d = np.asarray(list(deltas), dtype=float)
-    if len(d) < 2:
+    return seeds_for(float(d.mean()), paired_sd(d)) if len(d) > 1 else float("nan")
+
+
+def seeds_for(mean: float, sd: float) -> float:
+    """``seeds_to_detect`` from a mean paired difference and its paired std (as a sequential look reports them)."""
+    m = abs(mean)
+    if np.isnan(m) or np.isnan(sd):
         return float("nan")
-    m, sd = abs(float(d.mean())), paired_sd(d)
     if m == 0:
         return float("inf") if sd > 0 else float("nan")
     return float(max(2, int(np.ceil((DETECT_Z * sd / m) ** 2))))

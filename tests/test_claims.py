@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from ema_pg.workbench.claims import PAGE, REPRO, all_verdicts, render, table_verdicts
 
@@ -102,3 +103,28 @@ def test_a_claim_stopped_at_the_cap_says_what_a_decision_would_take(tmp_path, mo
     looks.to_csv(d / "looks.csv", index=False)
     by = {v.key: v.to_decide for v in claims.look_verdicts(d / "looks.csv")}
     assert by["P1"] == "" and by["P2"].startswith("8 (a fixed design") and by["P3"].startswith("4 (a fixed design")
+
+
+def test_the_split_table_agrees_with_the_looks_and_its_variance_shares_add_up(tmp_path):
+    """analysis/claims_splits.py on the committed ledger: its average row is the last look's mean paired difference
+    (decide computes that from the same cells), each split's Δ is the hand-computed paired mean, and the splits'
+    shares of the average's paired variance add to 1 (the average is the splits' mean). The committed splits.md is
+    the one the script writes."""
+    import json
+
+    from analysis.claims_splits import AVG, markdown, split_table
+
+    plan = REPRO / "table2" / "claims" / "plan.yaml"
+    t = split_table(plan)
+    looks = pd.read_csv(plan.parent / "looks.csv")
+    last = looks[looks["look"] == looks["look"].max()].set_index("claim")
+    for cid, g in t.groupby("claim"):
+        g = g.set_index("split")
+        assert g.loc[AVG, "delta"] == pytest.approx(last.loc[cid, "mean_diff"], abs=1e-12)
+        assert g.loc[AVG, "seeds"] == last.loc[cid, "seeds"]
+        assert g.drop(AVG)["share"].sum() == pytest.approx(1.0, abs=1e-9)
+    cells = pd.read_csv(plan.parent / "cells.csv")
+    s = {(m, k): json.loads(v) for m, k, v in zip(cells["method"], cells["seed"], cells["scores"])}
+    hand = np.mean([s[("ema", k)]["hotpotqa"] - s[("grpo", k)]["hotpotqa"] for k in range(101, 161)])
+    assert t.set_index(["claim", "split"]).loc[("P1", "hotpotqa"), "delta"] == pytest.approx(hand, abs=1e-12)
+    assert (plan.parent / "splits.md").read_text() == markdown(t, plan.relative_to(REPRO.parent))

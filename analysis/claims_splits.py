@@ -72,7 +72,7 @@ def markdown(t: pd.DataFrame, plan_path: Path) -> str:
     for r in t.itertuples():
         split = f"**{r.split}**" if r.split == AVG else r.split
         lines.append(f"| {r.claim}: {r.text} | {split} | {r.seeds} | {r.better:.3f} | {r.worse:.3f} | {r.delta:+.4f} "
-                     f"| {r.sd:.4f} | {'' if np.isnan(r.share) else f'{r.share:.0%}'} | [{r.lo:+.4f}, {r.hi:+.4f}] "
+                     f"| {r.sd:.4f} | {'' if np.isnan(r.share) else f'{round(r.share, 2) + 0.0:.0%}'} | [{r.lo:+.4f}, {r.hi:+.4f}] "
                      f"| {r.tally} |")
     return "\n".join(lines + ["", "![per split](splits.png)", ""])
 

@@ -306,6 +306,7 @@ def test_sft_seed_gives_every_run_seed_the_same_base_policy(tmp_path):
     import torch
 
     from ema_pg.engine.policy import build_policy
+    from ema_pg.engine.sft import LOCKS
     from ema_pg.tasks import build_task
 
     def base(*over):
@@ -313,8 +314,6 @@ def test_sft_seed_gives_every_run_seed_the_same_base_policy(tmp_path):
         return build_policy(cfg, build_task(cfg.task))[0].state_dict()
 
     own3, shared, own0 = base("seed=3"), base("seed=0", "sft.seed=3"), base("seed=0")
-    from ema_pg.engine.sft import LOCKS
-
     bases = [p for p in tmp_path.iterdir() if p.name != LOCKS]  # the cache's entries, its lock folder aside
     assert len(bases) == 2  # seed 3's entry served the run of seed 0 with sft.seed=3
     assert all(torch.equal(own3[k], shared[k]) for k in own3)

@@ -37,22 +37,20 @@ def split_table(plan_path: Path) -> pd.DataFrame:
         seeds = [s for s in plan.seeds(plan.design.looks[-1]) if (c.better, s) in cells and (c.worse, s) in cells]
         if not seeds:
             continue
-        scores = sorted(k for k in cells[(c.better, seeds[0])]["scores"] if k != AVG) + [AVG]
-        def diffs(k: str, c=c, seeds=seeds) -> np.ndarray:
-            return paired_differences([cells[(c.better, s)]["scores"][k] for s in seeds],
-                                      [cells[(c.worse, s)]["scores"][k] for s in seeds])
-
-        for k in scores:
-            b = [cells[(c.better, s)]["scores"][k] for s in seeds]
-            w = [cells[(c.worse, s)]["scores"][k] for s in seeds]
-            d = diffs(k)
-            lo, hi = bootstrap_ci(d)
-            share = float("nan")
-            if k != AVG and np.allclose(dv := diffs(AVG), np.mean([diffs(j) for j in scores[:-1]], axis=0)):
-                share = float(np.cov(d, dv)[0, 1] / (len(scores) - 1) / np.var(dv, ddof=1))  # its part of var(avg's Δ)
-            rows.append(dict(claim=c.id, text=c.text, split=k, seeds=len(seeds), better=float(np.mean(b)),
-                             worse=float(np.mean(w)), delta=float(d.mean()), sd=paired_sd(d), share=share, lo=lo, hi=hi,
-                             tally=seed_tally(d)))
+        splits = sorted(k for k in cells[(c.better, seeds[0])]["scores"] if k != AVG)
+        score = {m: {k: np.array([cells[(m, s)]["scores"][k] for s in seeds]) for k in [*splits, AVG]}
+                 for m in (c.better, c.worse)}
+        d = {k: paired_differences(score[c.better][k], score[c.worse][k]) for k in [*splits, AVG]}
+        is_mean = np.allclose(d[AVG], np.mean([d[k] for k in splits], axis=0))  # the average is the splits' mean
+        for k in [*splits, AVG]:
+            lo, hi = bootstrap_ci(d[k])
+            # its part of var(avg's Δ): cov(Δ_k / n, Δ_avg) / var(Δ_avg), summing to 1 over the splits
+            share = (float(np.cov(d[k], d[AVG])[0, 1] / len(splits) / np.var(d[AVG], ddof=1))
+                     if is_mean and k != AVG else float("nan"))
+            rows.append(dict(claim=c.id, text=c.text, split=k, seeds=len(seeds),
+                             better=float(score[c.better][k].mean()), worse=float(score[c.worse][k].mean()),
+                             delta=float(d[k].mean()), sd=paired_sd(d[k]), share=share, lo=lo, hi=hi,
+                             tally=seed_tally(d[k])))
     return pd.DataFrame(rows)
 
 
@@ -72,8 +70,8 @@ def markdown(t: pd.DataFrame, plan_path: Path) -> str:
     for r in t.itertuples():
         split = f"**{r.split}**" if r.split == AVG else r.split
         lines.append(f"| {r.claim}: {r.text} | {split} | {r.seeds} | {r.better:.3f} | {r.worse:.3f} | {r.delta:+.4f} "
-                     f"| {r.sd:.4f} | {'' if np.isnan(r.share) else f'{round(r.share, 2) + 0.0:.0%}'} | [{r.lo:+.4f}, {r.hi:+.4f}] "
-                     f"| {r.tally} |")
+                     f"| {r.sd:.4f} | {'' if np.isnan(r.share) else f'{round(r.share, 2) + 0.0:.0%}'} "
+                     f"| [{r.lo:+.4f}, {r.hi:+.4f}] | {r.tally} |")
     return "\n".join(lines + ["", "![per split](splits.png)", ""])
 
 

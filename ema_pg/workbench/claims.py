@@ -128,10 +128,10 @@ def look_verdicts(path: Path) -> list[Verdict]:
     out = []
     for cid, g in looks.groupby("claim", sort=False):
         r = g.iloc[-1]
-        to_decide, seq = "", f"[sequential.md]({Path(rel).parent / 'sequential.md'})"
+        to_decide = ""
         if (o := ahead.get(str(cid), {}).get("predictive")) is not None:
             to_decide = (f"next look at {o['next_look']}; by the cap ({o['cap']}): holds {o['holds']:.0%}, fails "
-                         f"{o['fails']:.0%} (predictive, {seq})")
+                         f"{o['fails']:.0%} (predictive, [sequential.md]({Path(rel).parent / 'sequential.md'}))")
         elif r["verdict"] == "stopped at the cap":
             to_decide = (f"{format_seeds(seeds_for(r['mean_diff'], r['sd_diff']))} (a fixed design, if the effect "
                          f"and sd were what the {int(r['seeds'])} seeds show; 80% power, two-sided 5%)")

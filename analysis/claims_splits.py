@@ -4,8 +4,8 @@
 
 Reads the plan's ledger (``cells.csv``: every finished cell's scores per split) and, for each claim of the plan,
 the paired difference better - worse on each evaluation split and on the average over the seeds of the plan's
-last look that both methods have: mean, a percentile bootstrap 95% interval over seeds, and the seeds on which
-the better method scored higher. The plan's verdicts come from its looks alone (``sequential.md``); these
+last look that both methods have: mean, paired sd, each split's share of the average's paired variance, a
+percentile bootstrap 95% interval over seeds, and the seeds on which the better method scored higher. The plan's verdicts come from its looks alone (``sequential.md``); these
 intervals are many, not pre-registered and not corrected for their number, so some exclude 0 by chance.
 """
 

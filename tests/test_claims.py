@@ -86,7 +86,7 @@ def test_plans_that_ran_side_by_side_are_each_a_latest_verdict_and_a_newer_one_s
 
 def test_a_claim_stopped_at_the_cap_says_what_a_decision_would_take(tmp_path, monkeypatch):
     """A sequential claim that ended undecided gets the seeds a fixed design would need at the effect and sd its
-    seeds show (the rule of ``seeds_to_detect``); a decided one gets none, an open one its outlook."""
+    seeds show (the rule of ``seeds_to_detect``); a decided one gets none."""
     import shutil
 
     import ema_pg.workbench.claims as claims
@@ -105,7 +105,7 @@ def test_a_claim_stopped_at_the_cap_says_what_a_decision_would_take(tmp_path, mo
     assert by["P1"] == "" and by["P2"].startswith("8 (a fixed design") and by["P3"].startswith("4 (a fixed design")
 
 
-def test_the_split_table_agrees_with_the_looks_and_its_variance_shares_add_up(tmp_path):
+def test_the_split_table_agrees_with_the_looks_and_its_variance_shares_add_up():
     """analysis/claims_splits.py on the committed ledger: its average row is the last look's mean paired difference
     (decide computes that from the same cells), each split's Δ is the hand-computed paired mean, and the splits'
     shares of the average's paired variance add to 1 (the average is the splits' mean). The committed splits.md is

@@ -2,11 +2,13 @@
 
     python analysis/claims_splits.py reproductions/table2/claims/plan.yaml   # writes splits.md and splits.png beside it
 
-Reads the plan's ledger (``cells.csv``: every finished cell's scores per split) and, for each claim of the plan,
-the paired difference better - worse on each evaluation split and on the average over the seeds of the plan's
-last look that both methods have: mean, paired sd, each split's share of the average's paired variance, a
-percentile bootstrap 95% interval over seeds, and the seeds on which the better method scored higher. The plan's verdicts come from its looks alone (``sequential.md``); these
-intervals are many, not pre-registered and not corrected for their number, so some exclude 0 by chance.
+For a plan whose every claim has ended (decided, or stopped at the cap), reads its ledger (``cells.csv``: every
+finished cell's scores per split) and, for each claim, the paired difference better - worse on each evaluation
+split and on the average, over the seeds of the claim's last look (``looks.csv``: its planned seeds less any left
+out): mean, paired sd, each split's share of the average's paired variance, a percentile bootstrap 95% interval
+over seeds, and the seeds on which the better method scored higher. The plan's verdicts come from its looks alone
+(``sequential.md``); these intervals are many, not pre-registered and not corrected for their number, so some
+exclude 0 by chance.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ema_pg.workbench.decide import load_plan, read_cells  # noqa: E402
+from ema_pg.workbench.decide import load_plan, read_cells, read_looks, state  # noqa: E402
 from ema_pg.workbench.results import bootstrap_ci, paired_differences, paired_sd, seed_tally, set_style  # noqa: E402
 
 AVG = "avg"  # eval.json's average over the splits
@@ -31,12 +33,12 @@ def split_table(plan_path: Path) -> pd.DataFrame:
     """One row per claim x score (each split, then the average): seeds, means, Δ, paired sd, variance share,
     bootstrap interval, tally."""
     plan = load_plan(plan_path)
-    cells = read_cells(plan)
+    cells, looks = read_cells(plan), read_looks(plan)
     rows = []
     for c in plan.claims:
-        seeds = [s for s in plan.seeds(plan.design.looks[-1]) if (c.better, s) in cells and (c.worse, s) in cells]
-        if not seeds:
-            continue
+        last = looks[looks["claim"] == c.id].iloc[-1]
+        left_out = {int(s) for s in str(last["left_out"]).split()} if isinstance(last["left_out"], str) else set()
+        seeds = [s for s in plan.seeds(int(last["planned_seeds"])) if s not in left_out]
         splits = sorted(k for k in cells[(c.better, seeds[0])]["scores"] if k != AVG)
         score = {m: {k: np.array([cells[(m, s)]["scores"][k] for s in seeds]) for k in [*splits, AVG]}
                  for m in (c.better, c.worse)}
@@ -98,9 +100,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("plan", type=Path, help="a sequential plan's plan.yaml")
     a = ap.parse_args(argv)
+    still = [cid for cid, v in state(load_plan(a.plan))[0].items() if v == "open"]
+    if still:
+        raise SystemExit(f"{a.plan}: claim {', '.join(still)} still open; the split table is written once every claim "
+                         "has ended (its looks alone speak until then)")
     t = split_table(a.plan)
-    if t.empty:
-        raise SystemExit(f"{a.plan.parent / 'cells.csv'}: no paired cells yet; run the plan first")
     (a.plan.parent / "splits.md").write_text(markdown(t, a.plan))
     plot(t, a.plan.parent / "splits.png")
     print(f"wrote {a.plan.parent / 'splits.md'} and splits.png ({len(t)} rows)")

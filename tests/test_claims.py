@@ -128,3 +128,26 @@ def test_the_split_table_agrees_with_the_looks_and_its_variance_shares_add_up():
     hand = np.mean([s[("ema", k)]["hotpotqa"] - s[("grpo", k)]["hotpotqa"] for k in range(101, 161)])
     assert t.set_index(["claim", "split"]).loc[("P1", "hotpotqa"), "delta"] == pytest.approx(hand, abs=1e-12)
     assert (plan.parent / "splits.md").read_text() == markdown(t, plan.relative_to(REPRO.parent))
+
+
+def test_the_split_table_uses_each_claims_last_look_and_waits_for_the_plan_to_end(tmp_path):
+    """With the ledger as it stood at look 4 (every claim continuing; P2 and P3 with a seed left out) the table's
+    average rows are look 4's, over look 4's seeds, never the cells beyond it; and the command refuses to write a
+    table while a claim is open."""
+    import shutil
+
+    from analysis.claims_splits import AVG, main, split_table
+
+    src = REPRO / "table2" / "claims"
+    for f in ("plan.yaml", "cells.csv"):
+        shutil.copy(src / f, tmp_path / f)
+    looks = pd.read_csv(src / "looks.csv", dtype={"left_out": str})
+    looks[looks["look"] <= 4].to_csv(tmp_path / "looks.csv", index=False)
+    at4 = looks[looks["look"] == 4].set_index("claim")
+    t = split_table(tmp_path / "plan.yaml").set_index(["claim", "split"])
+    for cid in ("P1", "P2", "P3"):
+        assert t.loc[(cid, AVG), "seeds"] == at4.loc[cid, "seeds"]
+        assert t.loc[(cid, AVG), "delta"] == pytest.approx(at4.loc[cid, "mean_diff"], abs=1e-12)
+    with pytest.raises(SystemExit, match="P1, P2, P3 still open"):
+        main([str(tmp_path / "plan.yaml")])
+    assert not (tmp_path / "splits.md").exists()

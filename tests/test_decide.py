@@ -110,6 +110,7 @@ def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_n
     assert list(looks["look"]) == [1, 1, 2] and state(plan) == ({"A": "holds", "B": "stopped at the cap"}, 2)
     md = report(plan).read_text()
     assert "**holds**" in md and "stopped at the cap" in md and (plan.folder / "sequential.png").is_file()
+    assert "| B: Top-k reverse > K3 | 2 | 4 (left out: 103) |" in md  # a lone seed left out, read back from looks.csv
     assert "Where the open claims may end" not in md  # every claim decided or capped: nothing is ahead
 
 

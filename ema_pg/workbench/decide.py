@@ -261,8 +261,9 @@ def commit_of(plan: Plan, method: str, seed: int, cells: dict) -> str:
 
 
 def read_looks(plan: Plan) -> pd.DataFrame:
+    """looks.csv; ``left_out`` as text (seeds joined by spaces: a lone one would otherwise read back as a float)."""
     f = plan.folder / LOOKS
-    return pd.read_csv(f) if f.is_file() else pd.DataFrame()
+    return pd.read_csv(f, dtype={"left_out": str}) if f.is_file() else pd.DataFrame()
 
 
 def state(plan: Plan) -> tuple[dict[str, str], int]:

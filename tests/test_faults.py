@@ -201,6 +201,63 @@ def test_a_kill_between_a_periods_checkpoint_and_its_link_resumes_from_that_chec
     assert "unreadable" not in caplog.text
 
 
+class _Counter(__import__("lightning").LightningModule):
+    """A Lightning module with a run's iteration bookkeeping (an epoch is an evaluation period of 4 iterations)."""
+
+    def __init__(self):
+        from omegaconf import OmegaConf
+
+        super().__init__()
+        self.layer, self.iteration = torch.nn.Linear(2, 1), 0
+        self.cfg = OmegaConf.create({"algo": {"eval_every": 4, "iterations": 8}})
+
+    def training_step(self, batch, batch_idx):
+        self.iteration += 1
+        return self.layer(batch).pow(2).mean()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["ema_pg"] = {"iteration": self.iteration}
+
+
+@pytest.mark.parametrize("at, saved", [(2, 3), (4, 4)])
+def test_a_sigterm_just_after_an_iterations_save_point_is_held_so_the_run_still_stops_saved(tmp_path, at, saved):
+    """A SIGTERM sent at the end of iteration ``at``, after the save point's look (a callback after it sends it):
+    Lightning alone would stop at that iteration's end with nothing saved. Held, it stops after the next iteration,
+    saved (2 -> 3), or, at a period's end, after the period's checkpoint (4 -> 4)."""
+    import signal
+
+    import lightning as L
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from ema_pg.engine.console import quiet_third_party
+    from ema_pg.engine.fit import _CheckpointOnSigterm, _PeriodCheckpoint, interrupted_line
+    from ema_pg.engine.policy import checkpoint_iteration
+
+    class Sender(L.Callback):
+        def on_train_batch_end(self, trainer, module, *_):
+            if module.iteration == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    quiet_third_party()  # as a run does: Lightning's own deprecated LeafSpec use
+    folder = tmp_path / "checkpoints"
+    trainer = L.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[_PeriodCheckpoint(folder), _CheckpointOnSigterm(folder / "last.ckpt"), Sender()],
+                        default_root_dir=tmp_path)
+    module = _Counter()
+    with pytest.raises(SIGTERMException):
+        trainer.fit(module)
+    assert module.iteration == saved and checkpoint_iteration(tmp_path) == saved
+    assert (folder / "last.ckpt").is_symlink() == (saved % 4 == 0)  # mid-period: its own file, the period's link kept
+    assert interrupted_line(module.iteration, 8, tmp_path).endswith(f"resumes from its checkpoint of iteration {saved}")
+    assert signal.getsignal(signal.SIGTERM) is not trainer._signal_connector._sigterm_notifier_fn  # restored
+
+
 # ---------------------------------------------------------------------- Optuna
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed:UserWarning")  # this test asks and tells itself
 def test_a_restarted_worker_does_not_propose_a_point_already_run(tmp_path):

@@ -292,7 +292,7 @@ def test_sigterm_saves_the_iteration_exits_75_and_the_resume_repeats_the_uninter
     assert p.returncode == 75, out[-2000:]
     it = checkpoint_iteration(run)
     assert 0 < it < 600 and it % 300 and not (run / "eval.json").exists()  # inside an evaluation period
-    assert f"stopped by SIGTERM after iteration {it} of 600" in out
+    assert f"stopped by SIGTERM after iteration {it} of 600; it resumes from its checkpoint of iteration {it}" in out
     again = _run(args + [f"run_dir={run}", f"hydra.run.dir={run}"])
     assert again.returncode == 0, again.stderr[-2000:]
     for which in ("policy", "anchor"):

@@ -233,22 +233,29 @@ def test_zero3_sigterm_inside_a_period_keeps_that_periods_checkpoint_and_resumes
     the period's checkpoint, the fallback. The resume ends where the uninterrupted run does."""
     from ema_pg.engine.policy import checkpoint_iteration, checkpoint_state
 
-    one = ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "trainer.devices=1", "algo.iterations=8",
-           "algo.eval_every=4"]
+    one = ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "trainer.devices=1", "algo.iterations=24",
+           "algo.eval_every=12"]
     ref = run(tmp_path / "ref", one, cache=cache)
     killed = tmp_path / "run"
-    proc = run(killed, one, cache=cache, background=True)
-    marker = killed / "checkpoints" / "last.ckpt" / "latest"  # the link to the first period's checkpoint is made
+    bar = tmp_path / "bar.txt"  # the run's iteration bar, redrawn at every iteration: the signal goes after 13 of 24,
+    with open(bar, "w") as err:  # 10 iterations before the run's end (sent at the period's checkpoint, it stops at 12)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ema_pg.train", *ARGS, *one, "trainer.progress_bar=true", f"run_dir={killed}",
+             f"sft.cache_dir={cache}"], cwd=ROOT, stdout=err, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TQDM_MININTERVAL": "0", "TQDM_MINITERS": "1"})
     t0 = time.time()
-    while not marker.is_file() and proc.poll() is None and time.time() - t0 < 300:
+    while "13/24" not in bar.read_text() and proc.poll() is None and time.time() - t0 < 300:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(300) == 75
     it = checkpoint_iteration(killed)
-    assert 4 < it < 8 and not (killed / "eval.json").exists()
+    assert 12 < it < 24 and not (killed / "eval.json").exists()
+    said = bar.read_text()  # its last line names the checkpoint's iteration; no Lightning notice at the save
+    assert f"after iteration {it} of 24; it resumes from its checkpoint of iteration {it}" in said, said[-2000:]
+    assert "weights_only" not in said, said[-2000:]
     last = killed / "checkpoints" / "last.ckpt"
     (period,) = [p for p in last.parent.glob("*.ckpt") if p.name != "last.ckpt"]
-    assert not last.is_symlink() and checkpoint_state(period)["ema_pg"]["iteration"] == 4
+    assert not last.is_symlink() and checkpoint_state(period)["ema_pg"]["iteration"] == 12
     out = subprocess.run([sys.executable, "-m", "ema_pg.train", f"resume={killed}"], cwd=ROOT, capture_output=True,
                          text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -12,6 +12,8 @@ import json
 import logging
 import math
 import os
+import signal
+import threading
 from pathlib import Path
 
 import lightning as L
@@ -132,8 +134,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
     try:
         trainer.fit(module, ckpt_path=opened.ckpt_path, weights_only=False)  # the run's own checkpoint
     except SIGTERMException:
-        raise RunInterrupted(f"stopped by SIGTERM after iteration {module.iteration} of {cfg.algo.iterations}; "
-                             "its checkpoint is saved") from None
+        raise RunInterrupted(interrupted_line(module.iteration, cfg.algo.iterations, run_dir)) from None
     finally:
         module.teardown("fit")  # the rollout worker ends with its run, whatever ended the run (Lightning skips it on errors)
         for lg in trainer.loggers:
@@ -234,6 +235,17 @@ class RunInterrupted(RuntimeError):
     """A run stopped by a signal after saving its checkpoint: unfinished, and resumable as it was."""
 
 
+def interrupted_line(iteration: int, iterations: int, run_dir: Path) -> str:
+    """The line a SIGTERM'd run ends with, naming the iteration its checkpoint holds (read back, not assumed)."""
+    from .policy import checkpoint_iteration
+
+    saved = checkpoint_iteration(run_dir)
+    line = f"stopped by SIGTERM after iteration {iteration} of {iterations}; "
+    if saved is None:
+        return line + "it had written no checkpoint: the same command starts it again"
+    return line + f"it resumes from its checkpoint of iteration {saved}"
+
+
 class _PeriodCheckpoint(ModelCheckpoint):
     """Lightning's checkpoint callback, once per evaluation period: ``iter<N>.ckpt`` for the RL iteration N it
     holds, written once, and ``last.ckpt`` a link to it (at a paper size a copy is tens of GB); the previous
@@ -252,12 +264,45 @@ class _CheckpointOnSigterm(L.Callback):
     """On SIGTERM (a scheduler's preemption) Lightning stops after the current iteration without a checkpoint, or
     after the evaluation period when the iteration ends one: save the iteration's state first, so a resume loses
     nothing. At a period's end the period's own checkpoint (after its evaluation) follows and replaces it. The save
-    replaces the link ``last.ckpt`` is after a period, never the period's checkpoint it points to."""
+    replaces the link ``last.ckpt`` is after a period, never the period's checkpoint it points to.
+
+    A SIGTERM that comes after an iteration's save point is held (Lightning's handler, wrapped, is called later):
+    Lightning would otherwise stop at the end of that iteration unsaved. It is passed on when the next iteration
+    starts (which is then saved) or at the period's end (the period's checkpoint is the save)."""
 
     def __init__(self, last: Path):
         self.last = last
+        self.lightning = None  #: Lightning's SIGTERM handler, wrapped
+        self.held = False  #: between this iteration's save point and the next iteration (or the period's end)
+        self.pending = None  #: a SIGTERM that came while held
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        handler = signal.getsignal(signal.SIGTERM)
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            self.lightning = handler
+            signal.signal(signal.SIGTERM, self._on_sigterm)  # Lightning's teardown restores the handler before it
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.held:
+            self.pending = (signum, frame)
+        else:
+            self.lightning(signum, frame)
+
+    def _release(self, *_) -> None:
+        self.held = False
+        if self.pending is not None:
+            (signum, frame), self.pending = self.pending, None
+            self.lightning(signum, frame)
+
+    on_train_batch_start = on_train_epoch_end = _release  # the period's end: before its checkpoint and Lightning's look
+
+    def on_train_end(self, *_) -> None:  # past the loop's last look: Lightning would have ignored it there too
+        self.held, self.pending = False, None
+
+    on_exception = on_train_end
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.held = self.lightning is not None  # before the look: a SIGTERM from here on waits for the next one
         a = pl_module.cfg.algo
         stop = trainer.received_sigterm
         if trainer.world_size > 1:  # the save is collective: every rank decides alike (Lightning stops them all)
@@ -266,7 +311,7 @@ class _CheckpointOnSigterm(L.Callback):
             if trainer.is_global_zero and self.last.is_symlink():  # a DeepSpeed folder would be written through the
                 self.last.unlink()  # link, into the period's checkpoint: that one stays whole, the fallback
             trainer.strategy.barrier()
-            trainer.save_checkpoint(self.last)
+            trainer.save_checkpoint(self.last, weights_only=False)  # the whole state (Lightning logs a line when unsaid)
             log.warning("SIGTERM: checkpoint of iteration %d saved in %s", pl_module.iteration, self.last.parent)
 
 

@@ -280,7 +280,7 @@ class _CheckpointOnSigterm(L.Callback):
         handler = signal.getsignal(signal.SIGTERM)
         if callable(handler) and threading.current_thread() is threading.main_thread():
             self.lightning = handler
-            signal.signal(signal.SIGTERM, self._on_sigterm)  # Lightning's teardown restores the handler before it
+            signal.signal(signal.SIGTERM, self._on_sigterm)  # Lightning's teardown restores the one it replaced
 
     def _on_sigterm(self, signum, frame) -> None:
         if self.held:

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ema_pg.workbench.decide import load_plan, read_cells, read_looks, state  # noqa: E402
+from ema_pg.workbench.decide import load_plan, look_seeds, read_cells, read_looks, state  # noqa: E402
 from ema_pg.workbench.results import bootstrap_ci, paired_differences, paired_sd, seed_tally, set_style  # noqa: E402
 
 AVG = "avg"  # eval.json's average over the splits
@@ -36,9 +36,7 @@ def split_table(plan_path: Path) -> pd.DataFrame:
     cells, looks = read_cells(plan), read_looks(plan)
     rows = []
     for c in plan.claims:
-        last = looks[looks["claim"] == c.id].iloc[-1]
-        left_out = {int(s) for s in str(last["left_out"]).split()} if isinstance(last["left_out"], str) else set()
-        seeds = [s for s in plan.seeds(int(last["planned_seeds"])) if s not in left_out]
+        seeds = look_seeds(plan, looks[looks["claim"] == c.id].iloc[-1])
         splits = sorted(k for k in cells[(c.better, seeds[0])]["scores"] if k != AVG)
         score = {m: {k: np.array([cells[(m, s)]["scores"][k] for s in seeds]) for k in [*splits, AVG]}
                  for m in (c.better, c.worse)}

@@ -10,6 +10,7 @@ import math
 import os
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from helpers import compose_cfg
@@ -201,7 +202,7 @@ def test_a_kill_between_a_periods_checkpoint_and_its_link_resumes_from_that_chec
     assert "unreadable" not in caplog.text
 
 
-class _Counter(__import__("lightning").LightningModule):
+class _Counter(L.LightningModule):
     """A Lightning module with a run's iteration bookkeeping (an epoch is an evaluation period of 4 iterations)."""
 
     def __init__(self):
@@ -232,7 +233,6 @@ def test_a_sigterm_just_after_an_iterations_save_point_is_held_so_the_run_still_
     saved (2 -> 3), or, at a period's end, after the period's checkpoint (4 -> 4)."""
     import signal
 
-    import lightning as L
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from ema_pg.engine.console import quiet_third_party

@@ -266,6 +266,12 @@ def read_looks(plan: Plan) -> pd.DataFrame:
     return pd.read_csv(f, dtype={"left_out": str}) if f.is_file() else pd.DataFrame()
 
 
+def look_seeds(plan: Plan, row) -> list[int]:
+    """The seeds a look of ``looks.csv`` took: its planned seeds less the ones it left out."""
+    left_out = {int(s) for s in row["left_out"].split()} if isinstance(row["left_out"], str) else set()
+    return [s for s in plan.seeds(int(row["planned_seeds"])) if s not in left_out]
+
+
 def state(plan: Plan) -> tuple[dict[str, str], int]:
     """(the verdict of each claim so far: decided ones as decided, open ones 'open'; the number of looks taken)."""
     looks = read_looks(plan)

@@ -1,5 +1,6 @@
 """task.world=episode: a world of its own for every question, so only searching and reading earns a reward."""
 
+import os
 import re
 import subprocess
 import sys
@@ -155,19 +156,39 @@ def test_episode_world_refuses_what_it_cannot_do_with_one_line(over, match):
     assert "\n" not in str(e.value)
 
 
-def test_the_fixed_world_is_unchanged():
-    """task.world=fixed draws the same questions and demonstrations as before episode worlds existed."""
-    import hashlib
+FIXED_WORLD = """
+import hashlib
+from ema_pg.tasks import build_task
+t = build_task({"name": "search_qa", "n_people": 60, "n_orgs": 12, "per_split": 5, "multihop_demos": 0.2,
+                "comparison_demos": 0.2, "demo_people": 0.5})
+rows = repr([(p.text, p.meta) for p in t.train_set + [p for v in t.eval_splits().values() for p in v]]
+            + t.demonstrations(40, seed=1))
+print(hashlib.md5(rows.encode()).hexdigest())
+"""
+#: numpy's CPU dispatch turned off down to a kernel level (``NPY_DISABLE_CPU_FEATURES``); each setting is one that
+#: some machine runs: AVX-512 (none off), AVX2 (an AMD EPYC of CI's kind), SSE only
+NUMPY_KERNELS = {"native": "", "avx2": "AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR",
+                 "sse": "AVX2 FMA3 AVX512F AVX512CD AVX512_SKX AVX512_CLX AVX512_CNL AVX512_ICL AVX512_SPR"}
 
-    t = build_task({"name": "search_qa", "n_people": 60, "n_orgs": 12, "per_split": 5, "multihop_demos": 0.2,
-                    "comparison_demos": 0.2, "demo_people": 0.5})
-    rows = repr([(p.text, p.meta) for p in t.train_set + [p for v in t.eval_splits().values() for p in v]]
-                + t.demonstrations(40, seed=1))
-    assert hashlib.md5(rows.encode()).hexdigest() == FIXED_WORLD_MD5
+
+def test_the_fixed_world_is_the_same_under_every_cpu_kernel():
+    """task.world=fixed draws the same questions and demonstrations on every CPU: a fresh interpreter under each of
+    numpy's kernel levels (and torch's and MKL's AVX2 setting) computes the same digest, the pinned one. Before BM25
+    ranked ties by document (retriever.rank), numpy's AVX-512 and AVX2 top-k ordered tied passages differently and
+    the demonstrations differed between an Intel Xeon and an AMD EPYC (md5 bf522a3a... against 00dc54a7...)."""
+    out = {}
+    for kernel, off in NUMPY_KERNELS.items():
+        env = {**os.environ, "NPY_DISABLE_CPU_FEATURES": off, "ATEN_CPU_CAPABILITY": "avx2" if off else "default",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX2" if off else os.environ.get("MKL_ENABLE_INSTRUCTIONS", "")}
+        run = subprocess.run([sys.executable, "-W", "ignore", "-c", FIXED_WORLD], capture_output=True, text=True,
+                             env={k: v for k, v in env.items() if v}, check=True)
+        out[kernel] = run.stdout.split()[-1]
+    assert out == dict.fromkeys(NUMPY_KERNELS, FIXED_WORLD_MD5)
 
 
-#: computed by the code before task.world existed (commit 0acc27d): the fixed world must not move
-FIXED_WORLD_MD5 = "bf522a3a10d62f5a5a16c4a6a4906099"
+#: the fixed world since BM25 ranks ties by document (the first digest that every CPU computes; the world before,
+#: bf522a3a... on AVX-512, had the same questions and differed in the order of tied passages)
+FIXED_WORLD_MD5 = "b7f2bb01d20e041eea89357dd2d5479a"
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """The search-agent world, retrievers, Search-R1 environment, SFT masks and the parquet path."""
 
+import numpy as np
 import pytest
 
 from ema_pg.tasks import build_task
@@ -428,3 +429,17 @@ def test_a_run_never_imports_jax(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.split()[-1] == "Rome"
     assert not marker.exists(), "a module of the run imported jax"
+
+
+def test_bm25_ranks_ties_by_document_and_ignores_float_noise():
+    """retriever.rank: highest score first; equal scores, and scores equal past SCORE_DECIMALS (a last-bit
+    difference of float32 sums between CPU kernels), are ordered by document index, so every CPU ranks alike."""
+    from ema_pg.tasks.search.retriever import BM25Retriever, rank
+
+    noisy = np.array([1.5, 2.0, 2.0 + 3e-7, 0.0, 2.0 - 2e-7, 1.5], dtype=np.float32)
+    assert rank(noisy, 6)[0] == [1, 2, 4, 0, 5, 3]
+    assert rank(noisy[::-1], 3)[0] == [1, 3, 4]  # the same three, by their new indices
+    # two documents that BM25 scores exactly alike come back in corpus order whatever the query's other words
+    r = BM25Retriever([("Zed", "alpha beta"), ("Amy", "alpha beta"), ("Bob", "gamma delta")])
+    assert [d["contents"].split()[0] for d in r.retrieve(["alpha beta"], 2)[0]] == ["Zed", "Amy"]
+    assert r.retrieve([""], 1)[0][0]["score"] == 0.0  # a query of no words scores every document 0

@@ -26,6 +26,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
+
 from ..base import ServiceError
 
 logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)  # each retry's warning: the final error says it
@@ -58,6 +60,19 @@ def bm25s_module():
     return bm25s
 
 
+SCORE_DECIMALS = 4  #: BM25 scores are ranked at this many decimals: past float32 noise (about 1e-6 at their size)
+
+
+def rank(scores, k: int) -> tuple[list[int], np.ndarray]:
+    """(the indices of the ``k`` best ``scores``, the scores rounded to SCORE_DECIMALS): highest first, a tie
+    broken by the lower index. bm25s's own top-k (``np.argpartition``) orders tied documents by whichever sort
+    kernel numpy dispatches (AVX-512 and AVX2 order them differently), and its float32 sums can differ in the last
+    bit between kernels; both made the search world's demonstrations differ between CPUs."""
+    rounded = np.round(np.asarray(scores, dtype=np.float64), SCORE_DECIMALS)
+    order = np.lexsort((np.arange(len(rounded)), -rounded))[:k]
+    return [int(i) for i in order], rounded
+
+
 class BM25Retriever:
     def __init__(self, docs: list[tuple[str, str]]):
         self.bm25s = bm25s_module()
@@ -66,14 +81,17 @@ class BM25Retriever:
         self.index.index(self.bm25s.tokenize(self.contents, show_progress=False), show_progress=False)
 
     def retrieve(self, queries: list[str], topk: int = 3) -> list[list[dict]]:
-        """Per query, the top-k documents as ``{"contents": "title\\ntext", "score": float}``."""
+        """Per query, the top-k documents as ``{"contents": "title\\ntext", "score": float}``, the same on every
+        CPU: :func:`rank` orders them."""
         if not queries:
             return []
         k = min(topk, len(self.contents))
-        idx, scores = self.index.retrieve(self.bm25s.tokenize(list(queries), show_progress=False), k=k,
-                                          show_progress=False)
-        return [[{"contents": self.contents[int(i)], "score": float(s)} for i, s in zip(row, srow)]
-                for row, srow in zip(idx, scores)]
+        out = []
+        for tokens in self.bm25s.tokenize(list(queries), show_progress=False, return_ids=False):
+            scores = self.index.get_scores(tokens) if tokens else np.zeros(len(self.contents))
+            order, rounded = rank(scores, k)
+            out.append([{"contents": self.contents[i], "score": float(rounded[i])} for i in order])
+        return out
 
     def check(self) -> None:
         pass

@@ -122,7 +122,7 @@ class SearchQATask(Task):
     fresh one for every question, each with its own BM25 corpus), Search-R1 parquet files with ``data_dir``."""
 
     name = "search_qa"
-    format_version = 2  #: the observation layout of its demonstrations (2: Search-R1's); part of the cold-start key
+    format_version = 3  #: its demonstrations' layout (3: BM25 ties ranked by document); part of the cold-start key
 
     def __init__(self, *, seed: int, topk: int, max_turns: int, per_split: int, retriever: str,
                  retriever_url: str | None, retriever_timeout: float, retriever_retries: int, data_dir: str | None,

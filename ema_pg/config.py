@@ -424,8 +424,20 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def register_configs() -> None:
+    """The schema, and an option of the task group for each installed package's task (entry points of
+    ``ema_pg.tasks``): ``task=NAME`` composes its class's keyword defaults as if they were ``conf/task/NAME.yaml``."""
+    from .tasks import TASKS, TaskError, task_defaults
+    from .tasks.plugins import entry_point_tasks
+
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
+    for name in entry_point_tasks():
+        if name in TASKS or (CONF_DIR / "task" / f"{name}.yaml").is_file():
+            continue  # a package cannot replace a task of ema-pg's own (build_task takes ours)
+        try:
+            cs.store(group="task", name=name, node=task_defaults(name))
+        except TaskError:
+            continue  # a broken entry point is named when it is chosen (build_task), not when another task runs
 
 
 def compose(overrides: list[str] | tuple = (), config_name: str = "config", config_dir: str | Path | None = None):
@@ -580,7 +592,7 @@ def _check_known_keys(cfg) -> None:
     groups = {f.name: {g.name for g in fields(f.default_factory)} for f in fields(Config)
               if callable(f.default_factory) and is_dataclass(f.default_factory)}
     try:
-        groups["task"] = set(task_defaults(cfg.task.name)) | {"name"}
+        groups["task"] = set(task_defaults(cfg.task.name, cfg.task.get("target"))) | {"name"}
     except (ValueError, KeyError, AttributeError, FileNotFoundError):
         pass  # an unknown task is reported by build_task with the list of tasks
     for k in cfg:

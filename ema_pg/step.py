@@ -47,6 +47,7 @@ from .packing import Packing, packer
 from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
 from .scores import ScoreRequest, TokenScores
+from .tasks.base import checked_reward
 
 
 def step_seed(seed: int, iteration: int) -> int:
@@ -294,7 +295,7 @@ def _sample_round(round_seed: int, *, policy, task, sampler, algo, rollout, scor
         policy, sampler_prompts(prompts, encode), algo.group_size, temperature=rollout.temperature, top_p=rollout.top_p,
         max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop), on_stop=task.on_stop_fn(prompts, algo.group_size),
         seed=prompt_seeds(round_seed, len(all_prompts))[mine], score=score)
-    rewards = torch.tensor([task.reward(prompts[i], text) for i, text in zip(ro.prompt_index, ro.responses)],
+    rewards = torch.tensor([checked_reward(task, prompts[i], text) for i, text in zip(ro.prompt_index, ro.responses)],
                            dtype=torch.float32, device=device)  # (N,)
     ro.prompt_index = [i + offset for i in ro.prompt_index]
     return ro, list(prompts), rewards

@@ -6,6 +6,8 @@ fails here."""
 from __future__ import annotations
 
 import importlib.util
+import sys
+import tomllib
 import re
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 
 from ema_pg.config import Config
 from ema_pg.tasks import task_defaults
+from ema_pg.tasks.plugins import class_knobs, load_target
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -32,6 +35,16 @@ def known() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
             if callable(f.default_factory) and is_dataclass(f.default_factory)}
     keys["task"] = set().union(*(task_defaults(p.stem) for p in (ROOT / "conf" / "task").glob("[!_]*.yaml"))) | {"name"}
     options = {d.name: {p.stem for p in d.glob("*.yaml")} for d in (ROOT / "conf").iterdir() if d.is_dir()}
+    # the docs' own task package (tests/fixtures/byo_task): its entry points are task options once it is installed
+    fixture = ROOT / "tests" / "fixtures" / "byo_task"
+    sys.path.insert(0, str(fixture))
+    try:
+        for name, target in tomllib.loads((fixture / "pyproject.toml").read_text())["project"]["entry-points"][
+                "ema_pg.tasks"].items():
+            options["task"].add(name)
+            keys["task"] |= set(class_knobs(load_target(target)))
+    finally:
+        sys.path.remove(str(fixture))
     return keys, options
 
 

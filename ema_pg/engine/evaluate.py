@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from ..config import pass_ks  # noqa: F401 - pass_ks is this module's too
 from ..dist import World
 from ..prompts import sampler_prompts
-from ..tasks.base import Task
+from ..tasks.base import Task, checked_reward
 
 log = logging.getLogger("ema_pg")
 
@@ -110,7 +110,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
             ks_ = [[] for _ in chunk]
             ds_ = [[] for _ in chunk]
             for j, text in zip(ro.prompt_index, ro.responses):
-                rs[j].append(task.reward(chunk[j], text))
+                rs[j].append(checked_reward(task, chunk[j], text))
                 ks_[j].append(task.answer_key(chunk[j], text) if n_samples > 1 else None)
                 ds_[j].append(task.diagnostics(chunk[j], text))
             rewards += rs
@@ -119,7 +119,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
             kept = samples.setdefault(name, []) if show else []
             for j, text in list(zip(ro.prompt_index, ro.responses))[:show - len(kept)]:
                 kept.append({"prompt": chunk[j].text if encode is None else encode.render(chunk[j]), "index": idx[j],
-                             "gold": chunk[j].answer, "response": text, "reward": task.reward(chunk[j], text)})
+                             "gold": chunk[j].answer, "response": text, "reward": checked_reward(task, chunk[j], text)})
             bar.update(1)
         if world.size > 1:  # back in the prompts' own order: rank r scored prompts r, r + size, ...
             parts = world.gather_objects((rewards[:n_mine], keys[:n_mine], diags[:n_mine]))

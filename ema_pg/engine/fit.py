@@ -27,6 +27,7 @@ from ..heads import check_head
 from ..packing import pack_problem
 from ..prompts import PromptEncoder
 from ..tasks import ServiceError, build_task, task_metric
+from ..tasks.plugins import check_task
 from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
 from .console import IterationBar, quiet_third_party
@@ -70,6 +71,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
 
     try:
         task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
+        check_task(task, cold_start=not cfg.model.path, sft=cfg.sft.steps > 0)  # (a class from outside, above all)
         policy, tok = build_policy(cfg, task)
         check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step
         if cfg.algo.padding_free and (problem := pack_problem(policy)):
@@ -153,7 +155,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
             final["wall_s"] = module.elapsed_s()  # the run's wall time, its resumes summed (workbench.results)
             atomic_write(run_dir / "eval.json", json.dumps(final, indent=2))
         plot = plot_run(run_dir)
-    metric = task_metric(cfg.task.name)
+    metric = task_metric(cfg.task.name, cfg.task.get("target"))
     metrics = {f"eval/avg/{metric}": final.get("avg", float("nan")), "iteration": module.iteration,
                "base/avg": base,
                **module.last_metrics}

@@ -247,7 +247,7 @@ def upgraded(saved: DictConfig) -> DictConfig:
         if "anchor" in saved:  # saved before the scheme registry: fixed and reset were the EMA at eta 1 and 0
             merged.anchor.name = scheme_of(OmegaConf.to_container(saved.anchor))
         if "task" in saved and saved.task.get("name"):  # task knobs added later, at their defaults
-            merged.task = OmegaConf.merge(task_defaults(saved.task.name), saved.task)
+            merged.task = OmegaConf.merge(task_defaults(saved.task.name, saved.task.get("target")), saved.task)
         return fill_defaults(merged)
     except Exception:  # noqa: BLE001 - a config the schema cannot read is compared as it was saved
         return saved
@@ -456,7 +456,7 @@ def open_run(cfg: DictConfig) -> OpenedRun:
         if failed is not None and failed.get("kind") == "diverged":  # deterministic: it would diverge again
             from ..tasks import task_metric  # (math's is acc: a skipped math run once reported eval/avg/em)
 
-            metric = f"eval/avg/{task_metric(cfg.task.name)}"
+            metric = f"eval/avg/{task_metric(cfg.task.name, cfg.task.get('target'))}"
             return OpenedRun(cfg, run_dir, skipped={metric: float("nan"), "iteration": failed.get("checkpoint_iteration"),
                                                     "base/avg": float("nan"), "failed": failed["error"]})
         if checkpoint_file(run_dir) is not None:

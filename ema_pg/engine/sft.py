@@ -26,7 +26,7 @@ from ..config import SFT_SCHEDULES, SFTConfig
 from .files import file_lock
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ..rollout import HFSampler
-from ..tasks.base import Prompt
+from ..tasks.base import Prompt, checked_reward
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
             def stop_fn() -> bool:
                 ro = sampler.generate(model, encode(probe), 1, temperature=0.0, max_new_tokens=max_new_tokens,
                                       stop=list(stop), on_stop=task.on_stop_fn(probe, 1))
-                r = sum(task.reward(probe[i], t) for i, t in zip(ro.prompt_index, ro.responses)) / len(probe)
+                r = sum(checked_reward(task, probe[i], t) for i, t in zip(ro.prompt_index, ro.responses)) / len(probe)
                 return r >= sft_cfg.stop_at_reward
 
         losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed, progress=progress,

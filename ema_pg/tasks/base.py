@@ -8,6 +8,8 @@ NotImplementedError; the optional ones have defaults that mean "this task does n
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -58,6 +60,31 @@ def say_copies(train: list[Prompt], where: str) -> None:
 
 class ServiceError(RuntimeError):
     """A service a task depends on (a retrieval server) failed; the message is one line naming it."""
+
+
+class TaskError(ValueError, ServiceError):
+    """A task class that cannot serve the run (not importable, a method missing, a reward not a number); one line.
+    At start-up it is a refusal (a ValueError); during a run a failing environment stops it as a failing service
+    does (a ServiceError: the run keeps its last checkpoint)."""
+
+
+def checked_reward(task: Task, prompt: Prompt, response: str) -> float:
+    """``task.reward(prompt, response)`` as a float; a TaskError naming the task class and the episode when the
+    reward raises or is not a finite number (every reward the workbench uses goes through here)."""
+    cls = type(task).__name__
+    episode = f"prompt {prompt.text[:60]!r} and response {response[:60]!r}"
+    try:
+        value = task.reward(prompt, response)
+    except TaskError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a reward "never raises on malformed text" (Task.reward)
+        raise TaskError(f"task {task.name or cls} ({cls}.reward) raised {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''} on {episode}; a reward never raises on "
+                        "malformed text: return 0.0 for it") from None
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+        return float(value)
+    raise TaskError(f"task {task.name or cls} ({cls}.reward) returned {value!r} ({type(value).__name__}) for "
+                    f"{episode}; a reward is a finite float: fix {cls}.reward")
 
 
 class Task:

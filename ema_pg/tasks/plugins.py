@@ -1,0 +1,121 @@
+"""Tasks from outside this package: a class by import path, or an installed package's entry point.
+
+Two ways to bring a task class without editing ema-pg (docs/byo.md, "Your own task"):
+
+- ``task=custom task.target=my_pkg.envs:MyTask +task.size=3``: the class at an import path, its knobs after ``+``
+  (Hydra's rule for keys that no option file declares);
+- an entry point in the group ``ema_pg.tasks`` of an installed package (``[project.entry-points."ema_pg.tasks"]``,
+  ``my_task = "my_pkg.envs:MyTask"``): then ``task=my_task task.size=3``, with the class's keyword defaults as its
+  option file (:func:`ema_pg.config.register_configs` puts one in Hydra's store for each).
+
+A task class subclasses :class:`ema_pg.tasks.Task` and takes its knobs as keyword arguments. :func:`check_task`
+checks at start-up, before any model is built, that it has what the run needs (:func:`required_methods`) and that
+its reward is a number; each problem is one line naming the class and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from importlib.metadata import entry_points
+
+from .base import Prompt, Task, TaskError, checked_reward
+
+GROUP = "ema_pg.tasks"  #: the entry-point group an installed package lists its tasks in
+CUSTOM = "custom"  #: ``task=custom``: the class at ``task.target``
+#: what every task has; what a tiny policy trained from scratch needs besides (its tokenizer's text; its SFT data)
+ALWAYS = ("sample", "eval_splits", "reward")
+COLD_START = ("corpus",)
+SFT = ("demonstrations",)
+
+
+def entry_point_tasks() -> dict:
+    """The installed packages' tasks by name: {name: EntryPoint} of the group ``ema_pg.tasks``."""
+    return {ep.name: ep for ep in entry_points(group=GROUP)}
+
+
+def load_target(target: str, where: str = "task.target") -> type[Task]:
+    """The task class at ``target`` (``module:Class`` or ``module.Class``); one line if it cannot be had."""
+    if not isinstance(target, str) or not target.strip() or target == "???":
+        raise TaskError(f"{where} is not set; give the class as {where}=my_pkg.envs:MyTask")
+    module, sep, attr = target.partition(":")
+    if not sep:
+        module, _, attr = target.rpartition(".")
+    if not module or not attr:
+        raise TaskError(f"{where}={target!r} is not an import path; write it as my_pkg.envs:MyTask")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise TaskError(f"{where}={target}: cannot import {module} ({e}); install its package (pip install -e "
+                        "PATH) or put its folder on PYTHONPATH") from None
+    except Exception as e:  # noqa: BLE001 - the user's module fails on import: name it and its error, in one line
+        raise TaskError(f"{where}={target}: importing {module} raised {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}; fix that module") from None
+    cls = getattr(mod, attr, None)
+    if cls is None:
+        near = [n for n in dir(mod) if isinstance(getattr(mod, n), type) and issubclass(getattr(mod, n), Task)
+                and getattr(mod, n) is not Task]
+        raise TaskError(f"{where}={target}: {module} has no {attr}"
+                        + (f"; its task classes: {', '.join(near)}" if near else ""))
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TaskError(f"{where}={target} is not a task class; subclass ema_pg.tasks.Task "
+                        f"(class {attr}(Task): ...)")
+    return cls
+
+
+def plugin_class(name: str, target: str | None = None) -> type[Task]:
+    """The class of task ``name`` from outside the package: ``custom`` with its ``target``, or an entry point."""
+    if name == CUSTOM:
+        return load_target(target)
+    eps = entry_point_tasks()
+    if name not in eps:
+        raise KeyError(name)
+    return load_target(eps[name].value, where=f"the entry point {name} ({GROUP})")
+
+
+def class_knobs(cls: type) -> dict:
+    """A task class's knobs with their defaults (its ``__init__``'s keyword parameters; ``???`` where required)."""
+    out = {}
+    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        out[p.name] = "???" if p.default is p.empty else p.default
+    return out
+
+
+def required_methods(cold_start: bool, sft: bool) -> tuple[str, ...]:
+    """The methods a run needs of its task: ``sample``, ``eval_splits`` and ``reward`` always; ``corpus`` when a
+    tiny policy is built from scratch (no ``model.path``: its tokenizer is trained on that text); and
+    ``demonstrations`` when that policy gets a cold start (``sft.steps`` > 0)."""
+    return ALWAYS + (COLD_START if cold_start else ()) + (SFT if cold_start and sft else ())
+
+
+def check_task(task: Task, cold_start: bool, sft: bool) -> None:
+    """What a run needs of its task, checked before any model is built: each required method written by the class
+    (not :class:`Task`'s placeholder), prompts to train and evaluate on, and a float reward on a few of them."""
+    cls = type(task)
+    missing = [m for m in required_methods(cold_start, sft) if getattr(cls, m) is getattr(Task, m)]
+    if missing:
+        why = ("" if set(missing) <= set(ALWAYS) else
+               "; corpus and demonstrations serve a tiny policy trained from scratch: with your own model and tokenizer "
+               "(model.path=DIR) the task needs neither, and sft.steps=0 needs no demonstrations")
+        raise TaskError(f"task {task.name or cls.__name__} ({cls.__module__}.{cls.__name__}) does not define "
+                        f"{', '.join(missing)}; write {'them' if len(missing) > 1 else 'it'} in the class{why}")
+    try:
+        probe = task.sample(2, seed=0)
+        evals = task.eval_splits()
+    except TaskError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code: one line naming the method and its error
+        raise TaskError(f"task {task.name or cls.__name__}: {cls.__name__}.sample or .eval_splits raised "
+                        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not probe or not all(isinstance(p, Prompt) for p in probe):
+        raise TaskError(f"task {task.name or cls.__name__}: {cls.__name__}.sample(2, seed=0) returned "
+                        f"{type(probe).__name__} {str(probe)[:60]}; return a list of ema_pg.tasks.Prompt")
+    if not isinstance(evals, dict) or not evals or not all(v and all(isinstance(p, Prompt) for p in v)
+                                                           for v in evals.values()):
+        raise TaskError(f"task {task.name or cls.__name__}: {cls.__name__}.eval_splits() must return "
+                        "{split name: [Prompt, ...]} with at least one prompt in each split")
+    for p in probe:
+        for response in ("", p.answer if isinstance(p.answer, str) else ""):
+            checked_reward(task, p, response)

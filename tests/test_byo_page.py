@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,21 +37,27 @@ def free_port() -> int:
 def test_every_command_on_the_page_runs(tmp_path):
     cmds = page_commands()
     trains = [c for c in cmds if "ema_pg.train " in c]
-    assert len(trains) == 6 and any("ema_pg.tasks.search.serve" in c for c in cmds)  # every format has its command
+    assert len(trains) == 9 and any("ema_pg.tasks.search.serve" in c for c in cmds)  # every format has its command
     port = str(free_port())
     py = sys.executable
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "tests" / "fixtures" / "byo_task", tmp_path / "tests" / "fixtures" / "byo_task")
+    site = tmp_path / "site"  # `pip install -e` goes here instead: the test's environment is left as it was
+    env = {**os.environ, "PYTHONPATH": f"{site}:{root}"}
     server = None
     try:
         for c in cmds:
             if c.startswith("make "):
                 continue  # the set-up this test already runs in
             c = c.replace(".venv/bin/python", py).replace("8000", port)
+            c = c.replace("pip install -q --no-build-isolation -e ",
+                          f"pip install -q --no-build-isolation --no-deps --no-index --target {site} ")
             if c.endswith("&"):
                 server = subprocess.Popen(c.rstrip("&").split(), cwd=tmp_path, stdout=subprocess.PIPE, text=True)
                 assert "serving" in server.stdout.readline()
                 continue
             out = subprocess.run(["bash", "-c", c + " trainer.progress_bar=false" * ("ema_pg.train" in c)], cwd=tmp_path,
-                                 capture_output=True, text=True, timeout=600)
+                                 capture_output=True, text=True, timeout=600, env=env)
             assert out.returncode == 0, (c, out.stdout[-2000:], out.stderr[-3000:])
             if "ema_pg.train" in c:
                 assert "final eval/avg/" in out.stdout, c

@@ -88,11 +88,17 @@ def _other_host(owner: list[str]) -> bool:
 
 def _try_claim(folder: Path) -> list[str] | None:
     """Claim ``folder`` for this process (None), or return the claim's live owner."""
+    return try_claim(folder, CLAIM)
+
+
+def try_claim(folder: Path, name: str) -> list[str] | None:
+    """Claim ``folder`` for this process by its claim file ``name`` (a run's, a decision plan's): None, or the
+    claim's live owner ([host, pid])."""
     import fcntl
 
     folder.mkdir(parents=True, exist_ok=True)
-    key = str(folder.resolve())
-    claim = folder / CLAIM
+    key = str(folder.resolve()) if name == CLAIM else str((folder / name).resolve())
+    claim = folder / name
     if key in _HELD:  # this process holds it already (a run started again in-process)
         return None
     fd = os.open(claim, os.O_RDWR | os.O_CREAT, 0o644)

@@ -52,9 +52,12 @@ import pandas as pd
 
 from ..cli import command_parser
 from ..engine.evaluate import result_metric
+from ..engine.files import NoRoom
 from ..engine.runs import EXIT_INTERRUPTED, machine
 from ..engine.sweeps import failed_record
-from .sequential import OUTLOOKS, Design, look, outlook
+from .contract import check as check_contract, deviation_lines, parse_deviations, register
+from .ledger import finite, read_cells_file, read_looks_file
+from .sequential import OUTLOOKS, Design, look_at, outlook
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOKS = "looks.csv"  #: every look's numbers, beside the plan
@@ -62,6 +65,7 @@ CELLS = "cells.csv"  #: every finished cell's scores, beside the plan
 #: cells that can count in no look (their base policy was not the plan's), with cells.csv's columns, the cold start
 #: their train.log showed, and why they were set aside
 SET_ASIDE = "set_aside.csv"
+DECIDE_CLAIM = ".ema_pg_decide"  #: the lock file of the plan's one live decide (its host and pid)
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Plan:
     runs: Path
     overrides: list[str] = field(default_factory=list)
     base: str | None = None  #: the base policy every cell must start from (``run_base``'s digest), when pinned
+    deviations: list[dict] = field(default_factory=list)  #: changes made on purpose (:mod:`.contract`)
 
     @property
     def folder(self) -> Path:
@@ -100,24 +105,51 @@ class Plan:
         return self.runs / f"{method}_s{seed}"  # the table sweeps' subdir: ${hydra.runtime.choices.method}_s${seed}
 
 
+PLAN_KEYS = ("sweep", "scale", "seed0", "looks", "alpha", "spending", "runs", "base", "claims", "overrides",
+             "deviations")  #: a plan file's keys; the first five are required (but alpha and spending)
+CLAIM_KEYS = ("better", "worse", "text", "score")
+
+
 def load_plan(path: Path) -> Plan:
-    """The plan file, checked: every method a Hydra option of ``conf/method``, looks increasing, claims distinct."""
+    """The plan file, checked before anything runs, each problem in one line: its keys (a misspelt one with the
+    nearest), every method a Hydra option of ``conf/method``, a claim's two arms different, claims distinct and at
+    least one, seeds from 0 up, looks increasing, the deviations each complete."""
+    import difflib
+
     from omegaconf import OmegaConf
 
-    raw = OmegaConf.to_container(OmegaConf.load(path))
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path))
+    except Exception as e:  # noqa: BLE001 - YAML's own report (a claim id given twice, a bad indent) as one line
+        raise SystemExit(f"{path}: not a plan's YAML: {' '.join(str(e).split())[:300]}") from None
+    if not isinstance(raw, dict):
+        raise SystemExit(f"{path}: a plan is a YAML mapping of {', '.join(PLAN_KEYS)}")
+    for k in raw:
+        if k not in PLAN_KEYS:
+            near = difflib.get_close_matches(str(k), PLAN_KEYS, n=1)
+            raise SystemExit(f"{path}: unknown key {k!r}: {f'did you mean {near[0]}? ' if near else ''}remove it "
+                             f"(a plan's keys: {', '.join(PLAN_KEYS)})")
     need = ("sweep", "scale", "seed0", "looks", "claims")
     missing = [k for k in need if k not in raw]
     if missing:
         raise SystemExit(f"{path}: the plan needs {', '.join(missing)} (see ema_pg/workbench/decide.py)")
+    if not isinstance(raw["seed0"], int) or isinstance(raw["seed0"], bool) or raw["seed0"] < 0:
+        raise SystemExit(f"{path}: seed0={raw['seed0']!r}; the first seed is a whole number >= 0")
     try:
         design = Design(looks=tuple(raw["looks"]), alpha=float(raw.get("alpha", 0.05)),
                         spending=str(raw.get("spending", "obrien_fleming")))
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise SystemExit(f"{path}: {e}") from None
+    if not isinstance(raw["claims"], dict) or not raw["claims"]:
+        raise SystemExit(f"{path}: claims is empty; a plan decides at least one claim (ID: {{better, worse, text}})")
     claims = []
     for cid, c in raw["claims"].items():
         if not isinstance(c, dict) or not {"better", "worse", "text"} <= set(c):
             raise SystemExit(f"{path}: claim {cid} needs better, worse and text")
+        if extra := [k for k in c if k not in CLAIM_KEYS]:
+            raise SystemExit(f"{path}: claim {cid} has unknown key {extra[0]!r} (a claim's keys: {', '.join(CLAIM_KEYS)})")
+        if c["better"] == c["worse"]:
+            raise SystemExit(f"{path}: claim {cid} compares {c['better']} with itself; name two different methods")
         claims.append(Claim(str(cid), str(c["better"]), str(c["worse"]), str(c["text"]), str(c.get("score", "avg"))))
     known = {p.stem for p in (ROOT / "conf" / "method").glob("*.yaml")}
     bad = sorted({m for c in claims for m in (c.better, c.worse)} - known)
@@ -127,8 +159,38 @@ def load_plan(path: Path) -> Plan:
         raise SystemExit(f"{path}: sweep {raw['sweep']!r} is not sweeps/{raw['sweep']}.yaml")
     runs = Path(raw.get("runs") or ROOT / "runs" / "reproduce" / f"{raw['sweep']}-{raw['scale']}")
     return Plan(Path(path), str(raw["sweep"]), str(raw["scale"]), int(raw["seed0"]), design, claims,
-                runs if runs.is_absolute() else ROOT / runs, [str(o) for o in raw.get("overrides", [])],
-                str(raw["base"]) if raw.get("base") else None)
+                runs if runs.is_absolute() else ROOT / runs, [str(o) for o in raw.get("overrides") or []],
+                str(raw["base"]) if raw.get("base") else None, parse_deviations(raw.get("deviations"), Path(path)))
+
+
+def check_cells(plan: Plan, code: Path = ROOT) -> None:
+    """What the plan's cells will run, checked before the first of them starts (each in one line): their config
+    composes; their seeds share one cold start (``sft.seed`` set, or a model of their own): otherwise every seed
+    builds its own base policy and the ledger refuses all but the first; every claim's score is ``avg`` or one of
+    the task's evaluation splits."""
+    from ..config import CONF_DIR, compose
+    from ..tasks import build_task
+    from .reproduce import overlay_choices, scale_file
+
+    overlay, sweeps = scale_file(plan.sweep, plan.scale), Path(code) / "sweeps"
+    m = plan.claims[0].better
+    overrides = [f"hydra.searchpath=[file://{CONF_DIR}]", *overlay_choices(overlay, sweeps), f"+scale={overlay}",
+                 f"method={m}", f"seed={plan.seed0}", *plan.overrides]  # as the cell's --config-dir sweeps composes
+    try:
+        cfg = compose(overrides, config_name=plan.sweep, config_dir=sweeps)
+    except Exception as e:  # noqa: BLE001 - Hydra's report, as one line
+        raise SystemExit(f"{plan.path}: its cells' config does not compose ({' '.join(str(e).split())[:300]}); fix "
+                         f"the plan's overrides or sweeps/{plan.sweep}.yaml") from None
+    if not cfg.model.path and cfg.sft.seed is None:
+        raise SystemExit(f"{plan.path}: its cells leave sft.seed unset, so each seed builds a cold start of its own "
+                         f"(seed {plan.seed0}'s, seed {plan.seed0 + 1}'s, ...) and a plan's pairs need one base policy "
+                         "for every seed: add sft.seed=0 to the plan's overrides (or use a scale that sets it)")
+    scores = sorted({c.score for c in plan.claims} - {"avg"})
+    if scores:
+        splits = list(build_task(cfg.task).eval_splits())
+        if bad := [x for x in scores if x not in splits]:
+            raise SystemExit(f"{plan.path}: score {bad[0]!r} is neither avg nor a split of task {cfg.task.name} "
+                             f"({', '.join(splits)}); give one of those")
 
 
 def cell_command(plan: Plan, method: str, seed: int, code: Path = ROOT) -> list[str]:
@@ -161,14 +223,8 @@ class OtherBase(SystemExit):
 
 def read_cells(plan: Plan) -> dict[tuple[str, int], dict]:
     """{(method, seed): {"scores": {...}, "commit": ..., "base": ..., "machine": ...}} from cells.csv (``base`` and
-    ``machine`` are empty for rows recorded before cells.csv carried them)."""
-    f = plan.folder / CELLS
-    if not f.is_file():
-        return {}
-    df = pd.read_csv(f, dtype=str, keep_default_na=False)
-    return {(r["method"], int(r["seed"])): {"scores": json.loads(r["scores"]), "commit": r["commit"],
-                                            "base": r.get("base", ""), "machine": r.get("machine", "")}
-            for r in df.to_dict("records")}
+    ``machine`` are empty for rows recorded before cells.csv carried them), checked (:mod:`.ledger`)."""
+    return read_cells_file(plan.folder / CELLS)
 
 
 def plan_base(plan: Plan, cells: dict) -> tuple[str | None, str]:
@@ -261,14 +317,13 @@ def commit_of(plan: Plan, method: str, seed: int, cells: dict) -> str:
 
 
 def read_looks(plan: Plan) -> pd.DataFrame:
-    """looks.csv; ``left_out`` as text (seeds joined by spaces: a lone one would otherwise read back as a float)."""
-    f = plan.folder / LOOKS
-    return pd.read_csv(f, dtype={"left_out": str}) if f.is_file() else pd.DataFrame()
+    """looks.csv, checked (:mod:`.ledger`); ``left_out`` as text (seeds joined by spaces)."""
+    return read_looks_file(plan.folder / LOOKS)
 
 
 def look_seeds(plan: Plan, row) -> list[int]:
     """The seeds a look of ``looks.csv`` took: its planned seeds less the ones it left out."""
-    left_out = {int(s) for s in row["left_out"].split()} if isinstance(row["left_out"], str) else set()
+    left_out = {int(s) for s in str(row["left_out"]).split()}
     return [s for s in plan.seeds(int(row["planned_seeds"])) if s not in left_out]
 
 
@@ -312,8 +367,12 @@ def needed(plan: Plan, k: int, verdicts: dict[str, str]) -> list[tuple[str, int]
             if not done(plan, m, s, cells) and failed_record(plan.run_dir(m, s)) is None]
 
 
-def take_look(plan: Plan, k: int, verdicts: dict[str, str]) -> list[dict]:
-    """Look ``k`` at every open claim; rows for looks.csv."""
+def take_look(plan: Plan, k: int, verdicts: dict[str, str], fingerprint: str = "") -> list[dict]:
+    """Look ``k`` at every open claim; rows for looks.csv (``fingerprint``: the plan's contract in force, its
+    ``plan`` column). Each claim's boundary is spent at the seeds its earlier looks had when they were taken, as
+    looks.csv records them (a cell re-run since does not move them). A seed is left out of a claim's pairs when
+    either cell failed (its failed.json), has not finished, or scored NaN (a failed cell too). A look is taken
+    once: a claim that looks.csv already holds at look ``k`` is not looked at again."""
     record_cells(plan)
     cells = read_cells(plan)
     looks = read_looks(plan)
@@ -321,30 +380,45 @@ def take_look(plan: Plan, k: int, verdicts: dict[str, str]) -> list[dict]:
     for c in plan.claims:
         if verdicts[c.id] != "open":
             continue
-        diffs, left_out = [], []
-        for j in range(k):
-            seeds = plan.seeds(plan.design.looks[j])
-            ok = [s for s in seeds if done(plan, c.better, s, cells) and done(plan, c.worse, s, cells)]
-            diffs.append([score(plan, c.better, s, c.score, cells) - score(plan, c.worse, s, c.score, cells)
-                          for s in ok])
-            if j == k - 1:
-                left_out = [s for s in seeds if s not in ok]
-        result = look(plan.design, diffs, final=k == len(plan.design.looks))[-1]
-        if result.look != k:  # an earlier look decided it: state() would have closed it
-            raise RuntimeError(f"claim {c.id}: decided at look {result.look}, but looks.csv says it was open")
-        ok_seeds = [s for s in plan.seeds(plan.design.looks[k - 1]) if s not in left_out]
-        commits = sorted({commit_of(plan, m, s, cells) for s in ok_seeds for m in (c.better, c.worse)})
+        mine = looks[looks["claim"] == c.id].sort_values("look") if len(looks) else looks
+        if len(mine) and (mine["look"] == k).any():
+            continue  # taken already (looks.csv is the record): never a second row
+        before = [int(n) for n in mine["seeds"]] if len(mine) else []
+        if len(before) != k - 1:
+            raise SystemExit(f"{plan.folder / LOOKS}: claim {c.id} has {len(before)} looks before look {k}, not "
+                             f"{k - 1}; restore the file from git")
+        seeds = plan.seeds(plan.design.looks[k - 1])
+        ok, nan = [], []
+        for s in seeds:
+            if done(plan, c.better, s, cells) and done(plan, c.worse, s, cells):
+                pair = (score(plan, c.better, s, c.score, cells), score(plan, c.worse, s, c.score, cells))
+                (ok if all(finite(x) for x in pair) else nan).append(s)
+        left_out = [s for s in seeds if s not in ok]
+        if len(ok) < 3:
+            failed = [f"{m}:{s}" for s in left_out for m in (c.better, c.worse)
+                      if failed_record(plan.run_dir(m, s)) is not None or s in nan]
+            raise SystemExit(f"look {k} of claim {c.id} has {len(ok)} paired seeds, and a look needs 3: "
+                             f"{', '.join(failed) or 'cells'} failed or scored NaN; run them again (delete their "
+                             f"failed.json in {plan.runs}, or their run folders, and run the same command)")
+        diffs = [score(plan, c.better, s, c.score, cells) - score(plan, c.worse, s, c.score, cells) for s in ok]
+        result = look_at(plan.design, before, diffs, final=k == len(plan.design.looks))
+        commits = sorted({commit_of(plan, m, s, cells) for s in ok for m in (c.better, c.worse)})
         rows.append({"look": k, "claim": c.id, "text": c.text, "better": c.better, "worse": c.worse, "score": c.score,
                      "planned_seeds": plan.design.looks[k - 1], "seeds": result.n, "left_out": " ".join(map(str, left_out)),
-                     "mean_better": _mean(plan, c.better, ok_seeds, c.score, cells),
-                     "mean_worse": _mean(plan, c.worse, ok_seeds, c.score, cells),
+                     "mean_better": _mean(plan, c.better, ok, c.score, cells),
+                     "mean_worse": _mean(plan, c.worse, ok, c.score, cells),
                      "mean_diff": result.mean, "sd_diff": result.sd, "t": result.t, "z_bound": result.z_bound,
                      "t_bound": result.bound, "lo": result.lo, "hi": result.hi, "verdict": result.verdict,
-                     "taken": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commits": " ".join(commits)})
-    out = pd.concat([looks, pd.DataFrame(rows)], ignore_index=True) if len(looks) else pd.DataFrame(rows)
-    from ..engine.files import atomic_write
+                     "taken": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commits": " ".join(commits),
+                     "plan": fingerprint})
+        if nan:
+            print(f"  look {k}, {c.id}: seeds {' '.join(map(str, nan))} left out: a cell scored NaN (a failed cell)",
+                  flush=True)
+    if rows:
+        out = pd.concat([looks, pd.DataFrame(rows)], ignore_index=True) if len(looks) else pd.DataFrame(rows)
+        from ..engine.files import atomic_write
 
-    atomic_write(plan.folder / LOOKS, out.to_csv(index=False))
+        atomic_write(plan.folder / LOOKS, out.to_csv(index=False))
     return rows
 
 
@@ -366,6 +440,10 @@ def report(plan: Plan) -> Path:
              "seeds; **stopped at the cap**: no boundary crossed by the last look (undecided). The interval is the "
              "repeated 95% confidence interval of the mean paired difference at that look (valid whenever the design "
              "stops).", ""]
+    if devs := deviation_lines(plan, state(plan)[1]):
+        lines += ["## Deviations from the registered plan", "",
+                  "Changes made on purpose, each recorded before the look it applies from (`contract.json` beside the "
+                  "plan holds the registered fields and each deviation's value):", "", *devs, ""]
     if not len(looks):
         lines += ["No look taken yet."]
     else:
@@ -465,8 +543,14 @@ def _plot(plan: Plan, looks: pd.DataFrame, ahead: dict | None = None) -> None:
         ax.set_title("Where the open claims may end")
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     fig.tight_layout()
-    fig.savefig(plan.folder / "sequential.png", dpi=150)
+    import io
+
+    from ..engine.files import atomic_write
+
+    buf = io.BytesIO()  # drawn in memory, then written whole or not at all (a full disk leaves no half a PNG)
+    fig.savefig(buf, format="png", dpi=150)
     plt.close(fig)
+    atomic_write(plan.folder / "sequential.png", buf.getvalue())
 
 
 class Workers:
@@ -532,6 +616,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="cells run at a time (default 2)")
     ap.add_argument("--status", action="store_true", help="say where the plan stands and what the next look needs; run nothing")
     ap.add_argument("--report-only", action="store_true", help="write sequential.md / .png from looks.csv; run nothing")
+    ap.add_argument("--respend", action="store_true",
+                    help="recompute every look's boundary at the seeds its claim's earlier looks had when taken (as "
+                         "looks.csv records them) and correct the rows that were spent otherwise; run nothing")
     ap.add_argument("--code", type=Path, default=None,
                     help="run the cells from the code in this checkout (say a worktree of the commit the plan was "
                          "registered at), in this checkout's environment; the ledger, its checks and the looks stay "
@@ -540,16 +627,84 @@ def main(argv=None) -> int:
                     help="run cells on a machine other than the one cells.csv's cells ran on (where the cold start "
                          "comes out the same, or its cache is carried here); each cell's base policy is still checked")
     a = ap.parse_args(argv)
+    if a.workers < 1:
+        raise SystemExit(f"--workers {a.workers}: give 1 or more (cells run at a time)")
     if not a.plan.is_file():
         raise SystemExit(f"{a.plan}: no such plan file")
     plan = load_plan(a.plan)
-    if a.report_only:
-        print(f"wrote {report(plan)}")
-        return 0
     code = (a.code or ROOT).resolve()
     if not (code / "ema_pg" / "train.py").is_file():
         raise SystemExit(f"--code {a.code}: not a checkout of ema-pg (no ema_pg/train.py); make one with "
                          f"git worktree add --detach DIR COMMIT")
+    if not a.status:  # one writer per plan: a second decide would run the same cells and take the same look
+        claim_plan(plan)
+    read_cells(plan), read_looks(plan)  # a damaged ledger is refused now, before anything runs or is written
+    if a.respend:
+        return respend(plan)
+    runs = not (a.status or a.report_only)  # the contract is checked where cells may run and looks be taken
+    fingerprint = check_contract(plan, code, state(plan)[1])[0] if runs else ""
+    try:
+        return _run(plan, a, code, fingerprint)
+    except NoRoom as e:  # a full disk under the plan's folder: named in one line; every file is whole or absent
+        raise SystemExit(f"stopped: {e}; free some space and run the same command") from None
+
+
+def respend(plan: Plan) -> int:
+    """``--respend``: each looks.csv row's boundary spent again at the seeds its claim's looks had when taken, the
+    rows that differ corrected (z and t boundary, the repeated interval) and said; a verdict that would change is
+    refused (that is no correction but a new decision: say so in the plan's README first). Before looks were spent
+    at their recorded seeds, a look re-counted earlier looks' seeds from the ledger of its day, where a left-out
+    cell run since counted."""
+    import math
+
+    from ..engine.files import atomic_write
+    from .sequential import t_boundary
+
+    looks = read_looks(plan)
+    changed = []
+    for cid, g in (looks.groupby("claim", sort=False) if len(looks) else ()):
+        g = g.sort_values("look")
+        zb = plan.design.boundaries([int(n) for n in g["seeds"]])
+        for (i, r), z in zip(g.iterrows(), zb):
+            if abs(z - r["z_bound"]) <= 1e-9:
+                continue
+            n, b = int(r["seeds"]), t_boundary(z, int(r["seeds"]))
+            se = r["sd_diff"] / math.sqrt(n)
+            verdict = r["verdict"]
+            if math.isfinite(r["t"]):
+                decided = "holds" if r["t"] >= b else "fails" if r["t"] <= -b else None
+                if decided and decided != verdict or not decided and verdict in ("holds", "fails"):
+                    raise SystemExit(f"{plan.folder / LOOKS}: look {r['look']} of {cid} spent at the recorded seeds "
+                                     f"would change its verdict ({verdict} -> {decided or 'not decided'}); that is a "
+                                     "new decision, not a correction: nothing was written")
+            changed.append(f"look {r['look']} of {cid}: z boundary {r['z_bound']:.5f} -> {z:.5f}, t boundary "
+                           f"{r['t_bound']:.4f} -> {b:.4f}; verdict {verdict}")
+            looks.loc[i, ["z_bound", "t_bound", "lo", "hi"]] = [z, b, r["mean_diff"] - b * se, r["mean_diff"] + b * se]
+    if not changed:
+        print(f"{plan.folder / LOOKS}: every look is spent at its recorded seeds; nothing to correct")
+        return 0
+    atomic_write(plan.folder / LOOKS, looks.to_csv(index=False))
+    report(plan)
+    print(f"{plan.folder / LOOKS}: corrected " + "; ".join(changed))
+    return 0
+
+
+def claim_plan(plan: Plan) -> None:
+    """Make this process the plan's one writer, or refuse in one line naming the live one (as a second trainer on
+    a run folder is refused): the lock is the kernel's, released however the holder ends."""
+    from ..engine.owner import try_claim
+
+    owner = try_claim(plan.folder, DECIDE_CLAIM)
+    if owner is not None:
+        who = f"process {owner[1]} on {owner[0]}" if len(owner) == 2 else "another process"
+        raise SystemExit(f"{plan.path}: another decide ({who}) is running this plan; wait for it to end or stop it "
+                         "(its cells save their checkpoints), then run this command again")
+
+
+def _run(plan: Plan, a, code: Path, fingerprint: str) -> int:
+    if a.report_only:
+        print(f"wrote {report(plan)}")
+        return 0
     workers = Workers(max(1, a.workers), plan.runs / "logs", code)
     signal.signal(signal.SIGTERM, workers.stop)
     signal.signal(signal.SIGINT, workers.stop)
@@ -565,6 +720,8 @@ def main(argv=None) -> int:
                              f"were set aside (their cold start: {gone[0].get('cold_start') or 'not recorded'}): one "
                              f"built here would be refused too. Run where the plan's base policy comes from, or pass "
                              f"--any-machine (each cell's base is still checked as it lands)")
+    if not a.status and state(plan)[1] == 0 and needed(plan, 1, state(plan)[0]):
+        check_cells(plan, code)  # before the first cell: what they will run is a plan's promise too
     while True:
         verdicts, taken = state(plan)
         open_claims = [c for c in plan.claims if verdicts[c.id] == "open"]
@@ -611,7 +768,10 @@ def main(argv=None) -> int:
                 print(f"look {k}: {len(left)} cells did not finish ({', '.join(f'{m}:{s}' for m, s in left[:6])}); "
                       f"see {plan.runs / 'logs'}; run the same command again", file=sys.stderr)
                 return 1
-        rows = take_look(plan, k, verdicts)
+        if k == 1:
+            register(plan, code)
+            fingerprint, _ = check_contract(plan, code, 0)
+        rows = take_look(plan, k, verdicts, fingerprint)
         for r in rows:
             print(f"  look {k}, {r['claim']} ({r['text']}): {r['seeds']} seeds, Δ {r['mean_diff']:+.4f} "
                   f"[{r['lo']:+.4f}, {r['hi']:+.4f}], t {r['t']:+.2f} vs ±{r['t_bound']:.2f}: {r['verdict']}", flush=True)

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from ema_pg.workbench import table2
 from ema_pg.config import fill_defaults
-from ema_pg.workbench.results import (ablation_report, derived_columns, format_seeds, load_curves, load_runs, method_label,
-                            min_detectable, paired_differences, paired_sd, seed_tally, seeds_for, seeds_to_detect, sign_flip_p, summarize,
+from ema_pg.workbench.results import (DETECT_Z, ablation_report, derived_columns, format_seeds, load_curves, load_runs, method_label,
+                            min_detectable, paired_differences, paired_sd, seed_tally, seeds_for, seeds_for_t, seeds_to_detect, sign_flip_p, summarize,
                             unpaired_seeds)
 from ema_pg.engine.runs import machine
 
@@ -142,14 +142,23 @@ def test_seeds_to_detect_is_the_count_where_the_observed_difference_becomes_dete
         assert mde_at(n) <= abs(d.mean()) + 1e-12
         if n > 2:
             assert mde_at(n - 1) > abs(d.mean())
-    # known value: deltas 0.1, 0.3 (mean 0.2, std 0.1414): (2.8 x 0.1414 / 0.2)^2 = 3.92 -> 4 seeds
+    # known value: deltas 0.1, 0.3 (mean 0.2, std 0.1414): (2.8016 x 0.1414 / 0.2)^2 = 3.92 -> 4 seeds
     assert seeds_to_detect([0.1, 0.3]) == 4
     assert seeds_to_detect([-0.1, -0.3]) == 4  # either direction
     assert seeds_to_detect([0.2, 0.2]) == 2  # no spread: the fewest seeds a paired std needs
     assert seeds_to_detect([0.1, -0.1]) == np.inf and format_seeds(np.inf) == "> 1000"
     assert np.isnan(seeds_to_detect([0.1])) and format_seeds(float("nan")) == "—" and format_seeds(37.0) == "37"
-    # from a look's mean and sd, the same rule: (2.8 x 0.1 / 0.1)^2 = 7.84 -> 8, either direction
+    # from a look's mean and sd, the same rule: (2.8016 x 0.1 / 0.1)^2 = 7.85 -> 8, either direction
     assert seeds_for(0.1, 0.1) == seeds_for(-0.1, 0.1) == 8 and seeds_for(0.2, np.sqrt(0.02)) == 4
+    # exact quantiles: 1.959964 + 0.841621; the claims plan's P2 at look 5 needs 466 (465.6), 468 by the t test
+    assert DETECT_Z == pytest.approx(2.801585, abs=1e-6)
+    assert seeds_for(-0.0022142857142857094, 0.017052921878277883) == 466
+    assert seeds_for_t(-0.0022142857142857094, 0.017052921878277883) == 468
+    # the t count is the fewest seeds whose noncentral-t power reaches 80%: one fewer falls short
+    from scipy.stats import nct
+    from scipy.stats import t as student_t
+    power = lambda n: nct.sf(student_t.isf(0.025, n - 1), n - 1, 0.1 / 0.1 * np.sqrt(n))
+    assert power(seeds_for_t(0.1, 0.1)) >= 0.8 > power(seeds_for_t(0.1, 0.1) - 1)
     assert np.isnan(seeds_for(0.1, float("nan"))) and seeds_for(0.0, 0.1) == np.inf
 
 
@@ -234,8 +243,8 @@ def test_table2_orderings_and_missing_rows(tmp_path):
     # paired verdicts: EMA - GRPO is +0.05 / +0.07 on the two seeds (interval above 0), forward - EMA below 0
     ema = checks["EMA anchor > GRPO (avg)"]
     assert ema["verdict"] == "holds" and ema["ci"] == "[+0.033, +0.041]"
-    # deltas 0.23/7 and 0.29/7: paired sd (0.06/7)/sqrt(2), over sqrt(2 seeds), times 2.8
-    assert ema["mde"] == pytest.approx(2.8 * (0.06 / 7) / 2 ** 0.5 / 2 ** 0.5, rel=1e-9)
+    # deltas 0.23/7 and 0.29/7: paired sd (0.06/7)/sqrt(2), over sqrt(2 seeds), times z(0.975) + z(0.8)
+    assert ema["mde"] == pytest.approx(2.801585 * (0.06 / 7) / 2 ** 0.5 / 2 ** 0.5, rel=1e-6)
     # (2.8 x 0.0424 / 0.26)^2 = 0.21: already detectable, so the floor of 2 seeds
     assert ema["n_detect"] == 2
     assert checks["Top-k forward > K3, both with the EMA anchor (avg)"]["verdict"] == "fails"

@@ -119,7 +119,7 @@ def look_verdicts(path: Path) -> list[Verdict]:
     import pandas as pd
 
     from .decide import load_plan, outlooks
-    from .results import format_seeds, seeds_for
+    from .results import format_seeds, seeds_for, seeds_for_t
 
     looks = pd.read_csv(path)
     rel = str(path.relative_to(REPRO))
@@ -133,7 +133,8 @@ def look_verdicts(path: Path) -> list[Verdict]:
             to_decide = (f"next look at {o['next_look']}; by the cap ({o['cap']}): holds {o['holds']:.0%}, fails "
                          f"{o['fails']:.0%} (predictive, [sequential.md]({Path(rel).parent / 'sequential.md'}))")
         elif r["verdict"] == "stopped at the cap":
-            to_decide = (f"{format_seeds(seeds_for(r['mean_diff'], r['sd_diff']))} (a fixed design, if the effect "
+            to_decide = (f"{format_seeds(seeds_for(r['mean_diff'], r['sd_diff']))} (noncentral t: "
+                         f"{format_seeds(seeds_for_t(r['mean_diff'], r['sd_diff']))}; a fixed design, if the effect "
                          f"and sd were what the {int(r['seeds'])} seeds show; 80% power, two-sided 5%)")
         out.append(Verdict(rel, str(cid), str(r["text"]), str(r["verdict"]), f"{r['mean_diff']:+.4f}",
                            f"[{r['lo']:+.4f}, {r['hi']:+.4f}]", str(int(r["seeds"])), to_decide))
@@ -347,12 +348,29 @@ def render(verdicts: list[Verdict]) -> str:
         for v in rows:
             if _order(v) != latest:
                 lines.append(f"| {c.id}: {v.text} | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} |")
+    if devs := plan_deviations():
+        lines += ["", "## Deviations from the registered plans", "",
+                  "Each sequential plan's changes made on purpose, as its `sequential.md` lists them (recorded before "
+                  "the look each applies from; `docs/workbench.md`, \"A plan is a contract\"):", "", *devs]
     lines += ["", "## Our own claims and the comparisons beside the paper's", "",
               "| claim | verdict | effect | interval | seeds | from |", "|---|---|---|---|---|---|"]
     for v in sorted(rest, key=lambda v: (_order(v), v.file)):
         key = f"{v.key}: {v.text}" if v.key != v.text else v.text
         lines.append(f"| {key} | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} |")
     return "\n".join(lines) + "\n"
+
+
+def plan_deviations() -> list[str]:
+    """Every sequential plan's deviations (:func:`ema_pg.workbench.contract.deviation_lines`), each under its plan."""
+    from .contract import deviation_lines
+    from .decide import load_plan, state
+
+    out = []
+    for f in sorted(REPRO.glob("**/plan.yaml")):
+        plan = load_plan(f)
+        out += [f"- [{f.parent.relative_to(REPRO)}]({f.parent.relative_to(REPRO)}/sequential.md) " + ln[2:]
+                for ln in deviation_lines(plan, state(plan)[1])]
+    return out
 
 
 def main(argv=None) -> int:

@@ -711,7 +711,7 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     for group in CHECKED_GROUPS:
         types[group].check(cfg[group])  # the dataclass's method on the composed node (same fields)
     a, an, ro, strategy = cfg.algo, cfg.anchor, cfg.rollout, str(cfg.trainer.strategy)
-    _at_least(("seed", cfg.seed, 0))
+    _at_least(("seed", cfg.seed, 0), ("trainer.num_threads", cfg.trainer.num_threads, 0))  # 0: torch's own choice
     name = str(cfg.get("name", ""))
     if not name or "/" in name or "\\" in name or name.startswith("."):
         _bad(f"name={name!r} names the run's folder under runs/: use letters, digits, - and _ (no / and no leading .)")

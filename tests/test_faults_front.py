@@ -290,3 +290,22 @@ def test_in_process_train_of_a_refused_config_leaves_no_run_folder(tmp_path):
         command(cfg)
     assert not (tmp_path / "refused").exists()
     assert OmegaConf.select(cfg, "name")
+
+
+@pytest.mark.parametrize("args, line", [
+    (["trainer.num_threads=-2"], "config error: trainer.num_threads must be >= 0; got -2"),
+    (["task=custom", "task.target=no_such_pkg:Task"],
+     "config error: task.target=no_such_pkg:Task: cannot import no_such_pkg (No module named 'no_such_pkg'); install "
+     "its package (pip install -e PATH) or put its folder on PYTHONPATH"),
+])
+def test_a_refusal_is_printed_once_and_leaves_no_run_folder(tmp_path, args, line):
+    """A refused run says its one line once, as its last (not once by the log and once by its exit), and writes
+    nothing: a bad trainer.num_threads once ended in torch's traceback with a train.log left behind."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "ema_pg.train", *args, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and out.count(line) == 1 and out.strip().splitlines()[-1] == line, out[-2000:]
+    assert "Traceback" not in out and not (tmp_path / "run").exists()

@@ -71,6 +71,15 @@ def quiet_third_party() -> None:
             os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+def log_file_only(logger: logging.Logger, level: int, msg: str, *args) -> None:
+    """A line for the run's log file alone (the root logger's file handlers, Hydra's ``train.log``): a command that
+    ends on the same line prints it once, as its last, instead of once by the log and once by its exit."""
+    record = logger.makeRecord(logger.name, level, "(command)", 0, msg, args, None)
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.FileHandler) and record.levelno >= h.level:
+            h.handle(record)
+
+
 class IterationBar(L.Callback):
     """One bar over the run's RL iterations (``k/N``, with the batch's reward and KL), in place of Lightning's
     epoch bar (an epoch here is an evaluation period, and Lightning counted them out of -1)."""

@@ -30,7 +30,7 @@ from ..tasks import ServiceError, build_task, task_metric
 from ..tasks.plugins import check_task
 from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
-from .console import IterationBar, quiet_third_party
+from .console import IterationBar, log_file_only, quiet_third_party
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
 from .models import ModelPathError, head_dim
 from .module import GRPOModule
@@ -199,8 +199,8 @@ def command(cfg: DictConfig) -> float:
     try:
         metrics, objs = train(cfg)
     except (ConfigError, ModelPathError) as e:
-        log.error("config error: %s", e)
         if in_multirun():  # one job's refusal (say, its model's context): recorded, and the sweep goes on
+            log.error("config error: %s", e)
             record_failure(os.environ.get(RUN_DIR_ENV) or job_folder(), e)
             return float("nan")
         discard_hydra_output(os.environ.get(RUN_DIR_ENV))  # a refused run leaves no folder behind
@@ -214,10 +214,11 @@ def command(cfg: DictConfig) -> float:
                 raise
             e = NoRoom(Path(e.filename or "?"), None, e)
         run = os.environ.get(RUN_DIR_ENV, "<run folder>")
-        log.error("stopped: %s", e)
         record_failure(run, e)
         if in_multirun():  # recorded in the run's folder; the sweep goes on and names it at its end
+            log.error("stopped: %s", e)
             return float("nan")
+        log_file_only(log, logging.ERROR, "stopped: %s", e)  # the console gets it once, as the last line below
         raise SystemExit(f"stopped: {e}; the run folder keeps its last checkpoint: continue with "
                          f"python -m ema_pg.train resume={run}") from None
     metric_key = next(k for k in metrics if k.startswith("eval/avg/"))

@@ -20,11 +20,13 @@ from omegaconf import OmegaConf
 from .base import Prompt, ServiceError, Task
 from .math import MathTask
 from .reasoning_gym import ReasoningGymTask
+from .text_env import TextEnvTask
 from .plugins import CUSTOM, TaskError, class_knobs, plugin_class
 from .search import SearchQATask
 from .toy import AdditionTask
 
-TASKS = {"toy_add": AdditionTask, "search_qa": SearchQATask, "math": MathTask, "reasoning_gym": ReasoningGymTask}
+TASKS = {"toy_add": AdditionTask, "search_qa": SearchQATask, "math": MathTask, "reasoning_gym": ReasoningGymTask,
+         "text_env": TextEnvTask}
 TASK_CONF = Path(__file__).resolve().parent.parent.parent / "conf" / "task"
 
 

@@ -11,6 +11,8 @@ writes, laid out as the original projects' scripts lay them out (columns, nestin
 - ``deepscaler_verl/``: ``deepscaler_train.parquet``, ``aime.parquet``, ``amc.parquet`` (rLLM's ``deepscaler_dataset.py``);
 - ``gsm8k_verl/`` and ``math_verl/``: ``train.parquet``, ``test.parquet`` and the ``*_example.json`` previews (verl's
   ``examples/data_preprocess/gsm8k.py`` and ``math_dataset.py``);
+- ``skyrl_gsm8k/``: ``train.parquet`` and ``validation.parquet`` (SkyRL's ``examples/gsm8k/gsm8k_dataset.py``, its
+  ``gsm8k_multi_turn`` variant: prompt, env_class, reward_spec, extra_info);
 - ``rllm_registry/``: ``deepscaler_math/train.parquet``, ``aime2024/test.parquet``, ``math500/test.parquet`` (the
   authors' ``prepare_all_math_data.py``);
 - ``model/``: a tiny random Qwen2 model with a chat template and a tokenizer trained on the examples' text, a
@@ -86,6 +88,16 @@ def verl_math_row(problem: str, gold, source: str, suffix: str, split: str, idx:
             "reward_model": {"style": "rule", "ground_truth": gold}, "extra_info": {"split": split, "index": idx, **extra}}
 
 
+def skyrl_row(question: str, solution: str, split: str, idx: int, max_turns: int = 3) -> dict:
+    """A row as SkyRL's GSM8K dataset script writes it for ``gsm8k_multi_turn``: the question with GSM8K's
+    instruction as one user message, the environment's id, the reward spec, and the raw row in ``extra_info``."""
+    return {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{question} {HASHES}"}],
+            "env_class": "gsm8k_multi_turn",
+            "reward_spec": {"method": "rule", "ground_truth": solution.split("#### ")[1].replace(",", "")},
+            "extra_info": {"max_turns": max_turns, "split": split, "index": idx, "answer": solution,
+                           "question": question}}
+
+
 def write_examples(out: str | Path) -> Path:
     out = Path(out)
     s = out / "search_r1"
@@ -117,6 +129,9 @@ def write_examples(out: str | Path) -> Path:
                 "type": "Algebra"} for i, (p, a) in enumerate(MATH)]
         _parquet(rows, mth / f"{split}.parquet")
         _json(rows[0], mth / f"{split}_example.json")
+    sky = out / "skyrl_gsm8k"  # SkyRL's examples/gsm8k dataset script, its multi-turn variant
+    for split, f in (("train", "train.parquet"), ("test", "validation.parquet")):
+        _parquet([skyrl_row(q, sol, split, i) for i, (q, sol) in enumerate(GSM8K)], sky / f)
     reg = out / "rllm_registry"
     for name, split in (("deepscaler_math", "train"), ("aime2024", "test"), ("math500", "test")):
         _parquet([{"question": p, "ground_truth": a, "data_source": name} for p, a in MATH], reg / name / f"{split}.parquet")

@@ -309,3 +309,49 @@ def test_a_refusal_is_printed_once_and_leaves_no_run_folder(tmp_path, args, line
     out = r.stdout + r.stderr
     assert r.returncode == 1 and out.count(line) == 1 and out.strip().splitlines()[-1] == line, out[-2000:]
     assert "Traceback" not in out and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("target", ["run", "run/model", "run/checkpoints", "."])
+def test_export_never_writes_into_a_run_folder_whatever_overwrite_says(finished_run, tmp_path, target):
+    """The fourth fault probe's three ways to destroy a run with one export: into the run folder itself, into its
+    model/ (the run's base policy: --initial and decide's base check read it), into its checkpoints/; and a folder
+    that holds a run. Each is refused in one line, --overwrite or not, and the run is left as it was."""
+    import shutil
+
+    from ema_pg.workbench.export import main as export
+
+    run = tmp_path / "parent" / "run"
+    shutil.copytree(finished_run, run, symlinks=True)
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    out = tmp_path / "parent" / target
+    with pytest.raises(SystemExit) as e:
+        export([str(run), str(out), "--overwrite"])
+    said = str(e.value)
+    assert "\n" not in said and ("is a run folder" in said or "lies inside" in said or "holds the run folder" in said)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+
+
+def test_export_and_evaluate_take_the_newest_intact_checkpoint_and_say_so(finished_run, tmp_path, caplog):
+    """A truncated last.ckpt beside an intact earlier checkpoint: export and evaluate read the intact one, as resume
+    does, and say which in one line (they ended in a PytorchStreamReader traceback)."""
+    import logging
+    import shutil
+
+    from ema_pg.engine.policy import checkpoint_iteration
+    from ema_pg.workbench.export import main as export
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, symlinks=False)  # last.ckpt a copy of iter4.ckpt, not a link to it
+    last = run / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in last.parent.glob("*.ckpt")) == ["iter4.ckpt", "last.ckpt"]
+    last.write_bytes(last.read_bytes()[:4096])  # cut short by a full disk or a kill mid-copy
+    with caplog.at_level(logging.WARNING):
+        export([str(run), str(tmp_path / "x")])
+    assert json.loads((tmp_path / "x" / "ema_pg_source.json").read_text())["iteration"] == 4 == checkpoint_iteration(run)
+    said = [r.message for r in caplog.records if "unreadable" in r.message]
+    assert len(said) == 1 and said[0].startswith("last.ckpt is unreadable (") and \
+        said[0].endswith("using iter4.ckpt (iteration 4) instead")
+    from ema_pg.workbench.evaluate import main as evaluate
+
+    evaluate([str(run), "--out", str(tmp_path / "e.json")])
+    assert json.loads((tmp_path / "e.json").read_text())["iteration"] == 4

@@ -11,6 +11,7 @@ directory the run was started from.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ from .attention import use_fast_attention
 from .files import atomic_dir, nbytes
 from .models import load_model_dir, model_shell, save_model_dir, unfilled
 from .sft import check_finite_weights, cold_start
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WHICH = ("policy", "anchor", "initial")  #: what load_run_model can rebuild
@@ -123,10 +126,26 @@ class NoCheckpoint(ValueError):
     """A run folder without a checkpoint, asked for its trained policy or anchor."""
 
 
+def newest_readable(run_dir: str | Path, mmap: bool = False) -> tuple[Path, dict, list[tuple[str, str]]] | None:
+    """(the newest checkpoint of ``run_dir`` that can be read, its state, the newer ones that could not: [(name,
+    why)]); None when the run wrote no checkpoint. A truncated or damaged checkpoint is passed over, as resume, export
+    and evaluate all do; a ValueError when none can be read."""
+    errors = []
+    for ckpt in run_checkpoints(Path(run_dir)):
+        try:
+            return ckpt, checkpoint_state(ckpt, mmap=mmap), errors
+        except Exception as e:  # noqa: BLE001 - a truncated or corrupted file: try the next one
+            errors.append((ckpt.name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+    if errors:
+        raise ValueError(f"no readable checkpoint in {Path(run_dir) / 'checkpoints'} ("
+                         + "; ".join(f"{n}: {w}" for n, w in errors) + ")")
+    return None
+
+
 def checkpoint_iteration(run_dir: str | Path) -> int | None:
-    """The RL iteration of a run folder's last checkpoint (None: no checkpoint)."""
-    ckpt = checkpoint_file(Path(run_dir))
-    return None if ckpt is None else int(checkpoint_state(ckpt, mmap=True)["ema_pg"]["iteration"])
+    """The RL iteration of a run folder's newest readable checkpoint (None: no checkpoint)."""
+    found = newest_readable(run_dir, mmap=True)
+    return None if found is None else int(found[1]["ema_pg"]["iteration"])
 
 
 def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtype = torch.float32):
@@ -144,7 +163,8 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
     if not (mdir / "config.json").is_file():
         raise FileNotFoundError(f"{run_dir} has no model/config.json: it is not a run folder, or it was written "
                                 "before run folders carried their model (train it again with this version)")
-    ckpt = checkpoint_file(run_dir)
+    found = None if which == "initial" else newest_readable(run_dir)
+    ckpt = None if found is None else found[0]
     if ckpt is None and which != "initial":
         raise NoCheckpoint(f"{run_dir} has no checkpoint yet (it was stopped, or is still training, before its first "
                            "evaluation period ended); ask for the initial policy (--initial) or wait for a checkpoint")
@@ -158,7 +178,10 @@ def load_run_model(run_dir: str | Path, which: str = "policy", dtype: torch.dtyp
     # built in the asked dtype, every weight loaded below: a shell of the config's dtype (bf16 for a bf16 run) would
     # round the anchor's fp32 master to bf16 before the export's float32 (at lr 1e-6 the anchor then equals the policy)
     model = model_shell(AutoConfig.from_pretrained(str(mdir), local_files_only=True), dtype=dtype)
-    state = checkpoint_state(ckpt)
+    _, state, unreadable = found
+    if unreadable:  # one line: the newer checkpoint passed over, and the one used
+        log.warning("%s is unreadable (%s); using %s (iteration %d) instead", *unreadable[0], ckpt.name,
+                    state["ema_pg"]["iteration"])
     cfg_file = run_dir / "config.yaml"
     lora = OmegaConf.load(cfg_file).model if cfg_file.is_file() else None
     if lora is not None and lora.get("lora_rank", 0):  # base + the checkpoint's adapters, merged into a plain model

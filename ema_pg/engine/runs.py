@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from ..config import ConfigError, fill_defaults, flatten, validate
 from .files import atomic_write
 from .owner import CLAIM, claim_run_dir, own_run_dir
-from .policy import checkpoint_file, checkpoint_iteration, checkpoint_state, run_checkpoints, save_run_model
+from .policy import checkpoint_file, checkpoint_iteration, save_run_model
 from .sweeps import FAILED, failed_record
 
 log = logging.getLogger("ema_pg")
@@ -371,22 +371,22 @@ def record_failure(run_dir: str | os.PathLike, e: BaseException) -> None:
 
 
 def readable_checkpoint(run_dir: Path) -> tuple[Path, dict]:
-    """The newest checkpoint of ``run_dir`` that can be read, and its state; says so when a newer one could not be
-    read."""
-    folder = run_dir / "checkpoints"
-    errors = []  # (checkpoint, why it could not be read)
-    for ckpt in run_checkpoints(run_dir):
-        try:
-            state = checkpoint_state(ckpt)
-        except Exception as e:  # noqa: BLE001 - a truncated or corrupted file: try the next one
-            errors.append((ckpt.name, f"{type(e).__name__}: {e}"))
-            continue
-        if errors:
-            log.warning("resume: %s is unreadable (%s); resuming from %s (iteration %d) instead", *errors[0],
-                        ckpt.name, state["ema_pg"]["iteration"])
-        return ckpt, state
-    why = "; ".join(f"{name}: {e}" for name, e in errors) or "none there"
-    raise ConfigError(f"resume: no readable checkpoint in {folder} ({why}); start the run again")
+    """The newest checkpoint of ``run_dir`` that can be read, and its state (:func:`~.policy.newest_readable`); says
+    so when a newer one could not be read."""
+    from .policy import newest_readable
+
+    try:
+        found = newest_readable(run_dir)
+    except ValueError as e:
+        raise ConfigError(f"resume: {e}; start the run again") from None
+    if found is None:
+        raise ConfigError(f"resume: no readable checkpoint in {run_dir / 'checkpoints'} (none there); start the run "
+                          "again")
+    ckpt, state, errors = found
+    if errors:
+        log.warning("resume: %s is unreadable (%s); resuming from %s (iteration %d) instead", *errors[0],
+                    ckpt.name, state["ema_pg"]["iteration"])
+    return ckpt, state
 
 
 #: what a stage (init_from) must share with the run it continues: the same network, tokenizer and task

@@ -11,6 +11,7 @@ The folder is what ``save_pretrained`` writes (config, weights, tokenizer), so
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..cli import command_parser
@@ -21,11 +22,37 @@ from ..engine.policy import DTYPES, checkpoint_iteration, load_run_model
 SOURCE = "ema_pg_source.json"  #: what an exported folder was exported from: run, which, iteration
 
 
+def is_run_folder(p: Path) -> bool:
+    """A training run's folder: its config.yaml beside its model/, checkpoints/ or metrics.csv."""
+    return p.is_dir() and (p / "config.yaml").is_file() and any((p / x).exists() for x in
+                                                                ("model", "checkpoints", "metrics.csv"))
+
+
+def guarded(out: Path, run: Path) -> str | None:
+    """Why ``out`` may not be exported into, whatever --overwrite says: it is a run folder (the source's or another),
+    lies inside one (its model/ is the run's base policy, its checkpoints/ its state), or holds one (replacing it
+    would delete the run); None when it may."""
+    o = out.resolve()
+    for p in (o, *o.parents):
+        if is_run_folder(p):
+            where = "is" if p == o else f"lies inside {p}, which is"
+            return (f"{out} {where} a run folder{' (the one exported)' if p == run.resolve() else ''}: its model/, "
+                    f"checkpoints/ and records would be replaced; export into a folder of its own")
+    if o.is_dir():
+        for root, dirs, _ in os.walk(o):
+            if is_run_folder(Path(root)):
+                return f"{out} holds the run folder {root}: replacing it would delete that run; export elsewhere"
+            dirs[:] = [d for d in dirs if d not in ("checkpoints", "model")]
+    return None
+
+
 def export(run_dir: str | Path, out_dir: str | Path, which: str = "policy", dtype: str = "float32",
            overwrite: bool = False) -> Path:
     """Write the run's model as a Hugging Face folder, whole or not at all; a non-empty ``out_dir`` is refused
     unless ``overwrite`` (then it is replaced, never mixed with the files it held)."""
     out = Path(out_dir)
+    if problem := guarded(out, Path(run_dir)):
+        raise ValueError(problem)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; give a folder to export into")
     if out.is_dir() and any(out.iterdir()) and not overwrite:

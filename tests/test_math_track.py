@@ -382,3 +382,19 @@ def test_a_process_records_the_commit_its_code_was_loaded_from(monkeypatch):
 
     monkeypatch.setattr(subprocess, "run", moved)
     assert git_commit() == first
+
+
+def test_a_run_reads_its_commit_when_it_opens_before_any_cold_start(tmp_path):
+    """git.txt once named the commit the repository had moved to by the end of a minutes-long cold start (a run
+    started at 846e25f recorded 5e8c0e3); the commit is now read when the run opens, before any model is built."""
+    from helpers import compose_cfg
+
+    from ema_pg.engine.owner import release_run_dir
+    from ema_pg.engine.runs import git_commit, open_run
+
+    git_commit.cache_clear()
+    opened = open_run(compose_cfg([], tmp_path))
+    try:
+        assert git_commit.cache_info().currsize == 1  # read by open_run itself
+    finally:
+        release_run_dir(opened.run_dir)

@@ -118,3 +118,18 @@ def test_a_mixture_trains_and_reports_its_held_out_score_per_dataset(tmp_path):
     assert list(ev["splits"]) == ["chain_sum", "syllogism"] and all(v["n"] == 8 for v in ev["splits"].values())
     assert ev["avg"] == pytest.approx(sum(v["score"] for v in ev["splits"].values()) / 2)
     assert "eval/avg/score" in metrics
+
+
+def test_the_split_table_reads_base_from_iteration_0_and_trained_from_eval_json(finished_run):
+    """analysis/split_scores.py (the docs row of a task's run): before RL is the iteration-0 evaluation in
+    metrics.csv, after RL the final eval.json, split by split, and the average row is eval.json's."""
+    import pandas as pd
+
+    from analysis.split_scores import split_scores
+
+    df = split_scores(finished_run).set_index("split")
+    ev = json.loads((finished_run / "eval.json").read_text())
+    m = pd.read_csv(finished_run / "metrics.csv")
+    assert df.loc["heldout", "base"] == m.loc[m["step"] == 0, "eval/heldout/em"].iloc[0]
+    assert df.loc["heldout", "trained"] == ev["splits"]["heldout"]["em"]
+    assert df.loc["avg", "trained"] == ev["avg"] and df.loc["avg", "base"] == ev["base_avg"]

@@ -440,6 +440,8 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     and its defaults filled in here; rank 0 claims the folder (another process that started into the
     same folder at the same moment gets a fresh one) and tells the processes it launches.
     """
+    git_commit()  # read now, before a cold start of minutes: git.txt names the code this process loaded, not
+    # the commit the repository had moved on to by the time the run wrote its folder
     composed = False  # True: this command composed the run's own config (a sweep continuing a killed run)
     if not cfg.get("resume") and cfg.get("if_exists", "error") == "resume":
         run_dir = Path(cfg.run_dir)

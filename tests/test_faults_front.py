@@ -34,7 +34,7 @@ def test_bad_knobs_are_one_line_naming_the_knob(overrides, match):
     (["algo.iterationz=3", "hydra.run.dir=/tmp/x"], "unknown key algo.iterationz: did you mean algo.iterations? remove it"),
     (["experiment=search", "task.per_splt=3"], "unknown key task.per_splt: did you mean task.per_split? remove it"),
     (["algoo.iterations=3"], "unknown key algoo: did you mean algo? remove it"),
-    (["experiment=nosuch"], "experiment=nosuch: no such option; choose one of: demo, math, math_deepscaler, search,"),
+    (["experiment=nosuch"], "experiment=nosuch: no such option; choose one of: demo, math, math_deepscaler, reasoning_gym, search,"),
     (["algo.iterations=abc"], "algo.iterations: Value 'abc' of type 'str' could not be converted to Integer"),
     (["experiment=search", "task.per_split=3", "kl=k3"], None),  # they compose: Hydra takes them as they are
     (["-m", "seed=1,2"], None),  # a sweep: Hydra's

@@ -11,4 +11,13 @@ import os
 # so it works as long as nothing has multiplied matrices before ema_pg is imported.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
+# A CPU run beside other work (a sweep's second worker, decide --workers 2, a laptop's other programs): torch's
+# OpenMP threads spin at every barrier before they sleep, and on a loaded machine the spinning takes the cores the
+# work needs (the demo's SFT step: about 10x slower beside one busy process per core). Threads that sleep at once
+# cost nothing measurable idle (benchmarks/cpu_load.py; benchmarks/results/cpu_load_cpu.json). OpenMP reads the
+# setting when torch loads it, so it holds where ema_pg is imported before torch (every ema-pg command, and the
+# processes they start); your own OMP_WAIT_POLICY wins, and EMA_PG_THREADS=torch leaves OpenMP's default.
+if os.environ.get("EMA_PG_THREADS") != "torch":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 __version__ = "0.1.0"

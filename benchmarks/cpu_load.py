@@ -1,0 +1,126 @@
+"""CPU runs beside other work: a cold start's SFT steps and the demo's RL steps, idle and beside a controlled load
+(one busy process per core, started and stopped here), under each thread setting. Writes JSON.
+
+    python benchmarks/cpu_load.py --out benchmarks/results/cpu_load_cpu.json [--demo]
+
+Settings (each measured in a fresh process, the environment set before torch starts its threads):
+- ``torch default``: torch's own choice (one thread per core) with OpenMP's default waiting (GNU OpenMP spins
+  a while at every barrier before it sleeps);
+- ``1 thread``: ``torch.set_num_threads(1)``;
+- ``passive``: one thread per core with ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once);
+- ``ema-pg default``: what a run gets now without a setting of the user's (:mod:`ema_pg.engine.threads`).
+
+Each cell is the median seconds per step of ``--steps`` steps after one warm-up step. ``--demo`` also times the
+whole of ``python -m ema_pg.train experiment=demo`` (its cold start included, in a cache of its own) idle and
+loaded, with the ema-pg default: the issue's bar is loaded <= 2x idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {"torch default": {"EMA_PG_THREADS": "torch"},
+            "1 thread": {"EMA_PG_THREADS": "torch", "OMP_NUM_THREADS": "1"},
+            "passive": {"EMA_PG_THREADS": "torch", "OMP_WAIT_POLICY": "PASSIVE"},
+            "ema-pg default": {}}
+#: what a timing process does: SFT steps of the demo's cold start (batch 64, 1.1M parameters), then RL iterations
+#: of the demo (16 prompts x 8 samples); prints JSON {"sft": [s...], "rl": [s...]}
+CHILD = r"""
+import json, sys, time
+steps = int(sys.argv[1])
+import ema_pg  # noqa: F401 - its thread default is set before torch starts its threads (as in a run)
+import torch
+from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.engine.sft import sft_train
+from ema_pg.tasks import build_task
+task = build_task({"name": "toy_add"})
+tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
+model = build_tiny_model(len(tok), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, seed=0,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+demos = task.demonstrations(2000, seed=0)
+sft = []
+for i in range(steps + 1):
+    t = time.perf_counter()
+    sft_train(model, tok, demos, 1, 64, 2e-3, i, progress=False)
+    sft.append(time.perf_counter() - t)
+print(json.dumps({"sft": sft[1:], "threads": torch.get_num_threads()}))
+"""
+
+
+def busy(n: int) -> list[subprocess.Popen]:
+    """``n`` processes that each keep one core busy until stopped."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def stop(ps: list[subprocess.Popen]) -> None:
+    for p in ps:
+        p.kill()
+        p.wait()
+
+
+def child_env(extra: dict) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "EMA_PG_THREADS")}
+    return {**env, **extra, "PYTHONPATH": str(ROOT)}
+
+
+def measure(setting: str, loaded: bool, steps: int) -> dict:
+    load = busy(os.cpu_count() or 1) if loaded else []
+    try:
+        r = subprocess.run([sys.executable, "-c", CHILD, str(steps)], env=child_env(SETTINGS[setting]),
+                           capture_output=True, text=True, timeout=3600, check=True)
+    finally:
+        stop(load)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"setting": setting, "load": "one busy process per core" if loaded else "idle",
+            "sft_s_per_step": statistics.median(out["sft"]), "sft_steps": len(out["sft"]),
+            "torch_threads": out["threads"], "env": SETTINGS[setting]}
+
+
+def demo(loaded: bool) -> dict:
+    load = busy(os.cpu_count() or 1) if loaded else []
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        try:
+            subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", f"run_dir={tmp}/run",
+                            f"sft.cache_dir={tmp}/cache", "trainer.progress_bar=false"], cwd=ROOT,
+                           env=child_env({}), capture_output=True, text=True, timeout=7200, check=True)
+        finally:
+            stop(load)
+        return {"load": "one busy process per core" if loaded else "idle", "wall_s": time.perf_counter() - t}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_load_cpu.json")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--demo", action="store_true", help="also time the whole demo, idle and loaded")
+    a = ap.parse_args()
+    from tqdm.auto import tqdm
+
+    cells = [(s, loaded) for s in SETTINGS for loaded in (False, True)]
+    rows = [measure(s, loaded, a.steps) for s, loaded in tqdm(cells, desc="settings x load")]
+    demos = [demo(False), demo(True)] if a.demo else []
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = {"what": "seconds per cold-start SFT step (batch 64, the demo's 1.1M-parameter model), median",
+           "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "commit": commit,
+           "python": platform.python_version(), "rows": rows, "demo": demos}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=2) + "\n")
+    for r in rows:
+        print(f"{r['setting']:>15} {r['load']:>28}: {r['sft_s_per_step']:.3f} s/step ({r['torch_threads']} threads)")
+    for d in demos:
+        print(f"demo {d['load']}: {d['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,7 +10,8 @@ Settings (each measured in a fresh process, the environment set before torch sta
 - ``passive``: one thread per core with ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once);
 - ``ema-pg default``: what a run gets now without a setting of the user's (:mod:`ema_pg.engine.threads`).
 
-Each cell is the median seconds per step of ``--steps`` steps after one warm-up step. ``--demo`` also times the
+Each cell is the median over ``--repeats`` rounds (interleaved) of the median seconds per step of ``--steps``
+steps after one warm-up step, each round in a fresh process. ``--demo`` also times the
 whole of ``python -m ema_pg.train experiment=demo`` (its cold start included, in a cache of its own) idle and
 loaded, with the ema-pg default: the issue's bar is loaded <= 2x idle.
 """
@@ -73,7 +74,8 @@ def child_env(extra: dict) -> dict:
     return {**env, **extra, "PYTHONPATH": str(ROOT)}
 
 
-def measure(setting: str, loaded: bool, steps: int) -> dict:
+def measure(setting: str, loaded: bool, steps: int) -> tuple[float, int]:
+    """(median seconds per SFT step, torch's thread count) of one timing process."""
     load = busy(os.cpu_count() or 1) if loaded else []
     try:
         r = subprocess.run([sys.executable, "-c", CHILD, str(steps)], env=child_env(SETTINGS[setting]),
@@ -81,9 +83,7 @@ def measure(setting: str, loaded: bool, steps: int) -> dict:
     finally:
         stop(load)
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"setting": setting, "load": "one busy process per core" if loaded else "idle",
-            "sft_s_per_step": statistics.median(out["sft"]), "sft_steps": len(out["sft"]),
-            "torch_threads": out["threads"], "env": SETTINGS[setting]}
+    return statistics.median(out["sft"]), out["threads"]
 
 
 def demo(loaded: bool) -> dict:
@@ -103,15 +103,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_load_cpu.json")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every cell, interleaved; the median is reported")
     ap.add_argument("--demo", action="store_true", help="also time the whole demo, idle and loaded")
     a = ap.parse_args()
     from tqdm.auto import tqdm
 
     cells = [(s, loaded) for s in SETTINGS for loaded in (False, True)]
-    rows = [measure(s, loaded, a.steps) for s, loaded in tqdm(cells, desc="settings x load")]
+    got: dict = {c: [] for c in cells}
+    for _ in tqdm(range(a.repeats), desc="rounds (every setting x load, interleaved)"):
+        for c in cells:  # interleaved: a slow minute of the machine falls on every setting alike
+            got[c].append(measure(*c, a.steps))
+    rows = [{"setting": s, "load": "one busy process per core" if loaded else "idle",
+             "sft_s_per_step": statistics.median(t for t, _ in got[(s, loaded)]),
+             "rounds": [t for t, _ in got[(s, loaded)]], "sft_steps": a.steps,
+             "torch_threads": got[(s, loaded)][0][1], "env": SETTINGS[s]} for s, loaded in cells]
     demos = [demo(False), demo(True)] if a.demo else []
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    out = {"what": "seconds per cold-start SFT step (batch 64, the demo's 1.1M-parameter model), median",
+    out = {"what": "seconds per cold-start SFT step (batch 64, the demo's 1.1M-parameter model), median of rounds",
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "commit": commit,
            "python": platform.python_version(), "rows": rows, "demo": demos}
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -391,3 +391,21 @@ def test_a_collapsed_policy_is_warned_once(caplog):
     GRPOModule._warn_collapse(me, {"train/entropy": 0.99 * math.log(300), "train/reward_mean": 0.0})
     GRPOModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.0})
     assert caplog.text.count("policy collapse at iteration 7") == 1 and "optim.lr=1000" in caplog.text
+
+
+def test_a_run_that_diverges_before_its_first_checkpoint_says_there_is_none_to_resume(tmp_path):
+    """A run whose first update is non-finite (algo.beta=1e308: the KL term overflows; the probe's optim.lr=1e6 on
+    the default model did the same): the last line says the run wrote no checkpoint (it once said 'continue with
+    resume=', which then found none) and, in a float32 run, does not blame float16."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "algo.beta=1e308", "algo.iterations=4",
+                        "algo.eval_every=4", "algo.max_bad_steps=1", f"run_dir={run}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("stopped: ") and "non-finite" in last, r.stderr[-2000:]
+    assert last.endswith("it had written no checkpoint: fix the cause and run the same command again (a new run)")
+    assert "algo.beta=1e+308 too large" in last and "float16" not in last and "resume=" not in last
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("*.ckpt"))

@@ -219,8 +219,7 @@ def command(cfg: DictConfig) -> float:
             log.error("stopped: %s", e)
             return float("nan")
         log_file_only(log, logging.ERROR, "stopped: %s", e)  # the console gets it once, as the last line below
-        raise SystemExit(f"stopped: {e}; the run folder keeps its last checkpoint: continue with "
-                         f"python -m ema_pg.train resume={run}") from None
+        raise SystemExit(f"stopped: {e}; {kept(run)}") from None
     metric_key = next(k for k in metrics if k.startswith("eval/avg/"))
     if objs.get("failed"):
         log.warning("%s failed earlier (%s): skipped; delete its failed.json to run it again", objs["run_dir"],
@@ -232,6 +231,19 @@ def command(cfg: DictConfig) -> float:
     base = metrics["base/avg"]
     print(f"final {metric_key} = {metrics[metric_key]:.3f}" + ("" if math.isnan(base) else f" (base policy: {base:.3f})"))
     return float(metrics[metric_key])
+
+
+def kept(run: str) -> str:
+    """What a stopped run leaves to go on from, read from its folder: its checkpoint's iteration, or none."""
+    from .policy import checkpoint_iteration
+
+    try:
+        saved = checkpoint_iteration(run)
+    except (ValueError, OSError):
+        saved = None
+    if saved is None:
+        return "it had written no checkpoint: fix the cause and run the same command again (a new run)"
+    return f"the run folder keeps its checkpoint of iteration {saved}: continue with python -m ema_pg.train resume={run}"
 
 
 class RunInterrupted(RuntimeError):

@@ -150,10 +150,12 @@ class GRPOModule(L.LightningModule):
             res = self._rl_step(iteration)
         except NonFiniteUpdates as e:
             c = self.cfg
-            raise NonFiniteUpdates(
-                f"{e} at iteration {iteration}; the last checkpoint is kept. Likely causes: model.dtype={c.model.dtype} (float16 "
-                f"overflows: use bfloat16 or float32), optim.lr={c.optim.lr} too large, algo.beta={c.algo.beta} too "
-                f"large; algo.max_bad_steps={c.algo.max_bad_steps} sets how many bad updates in a row end the run") from None
+            causes = ([f"model.dtype={c.model.dtype} (float16 overflows: use bfloat16 or float32)"]
+                      if c.model.dtype == "float16" else []) + [f"optim.lr={c.optim.lr} too large",
+                                                                 f"algo.beta={c.algo.beta} too large"]
+            raise NonFiniteUpdates(  # what the run keeps is said where it stops (fit.command), from its folder
+                f"{e} at iteration {iteration}. Likely causes: {', '.join(causes)}; algo.max_bad_steps="
+                f"{c.algo.max_bad_steps} sets how many bad updates in a row end the run") from None
         self.iteration += 1
         metrics = res.metrics
         if self.anchor is not None:

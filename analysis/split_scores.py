@@ -43,9 +43,12 @@ def main() -> None:
     machine = (a.run / "machine.txt").read_text().strip() if (a.run / "machine.txt").is_file() else "not recorded"
     a.out.mkdir(parents=True, exist_ok=True)
     df.to_csv(a.out / "splits.csv", index=False, float_format="%.4f")
-    metric = json.loads((a.run / "eval.json").read_text())["metric"]
+    ev = json.loads((a.run / "eval.json").read_text())
+    metric, wall = ev["metric"], ev.get("wall_s")
     lines = [f"# {cfg.get('name', a.run.name)}: held-out {metric} per split, before and after RL", "",
-             f"One run (seed {cfg['seed']}), commit `{commit}`, machine `{machine}`; written by "
+             f"One run (seed {cfg['seed']}), commit `{commit}`, machine `{machine}`"
+             + (f", RL wall time {wall:.0f} s (eval.json's wall_s; the cold start before it not counted)" if wall else "")
+             + "; written by "
              f"`python analysis/split_scores.py {a.run} --out {a.out}`. Before RL = the cold-start policy's "
              "evaluation at iteration 0; after = its final evaluation (greedy). One seed shows what the setting "
              "learns; it decides no claim.", "",

@@ -14,7 +14,8 @@ then each policy turn is ``env.step(turn text)``, which answers ``observations``
   end-of-sequence token, at ``done``, or at the response budget);
 - **the observations** go into the sequence as text, each message by ``task.observation_format`` (``{role}``,
   ``{content}``), with loss mask 0, as the search task's passages do; one longer than
-  ``rollout.max_obs_tokens`` stops the run with the episode and the environment named;
+  ``rollout.max_obs_tokens`` is cut by the sampler, and the replay then stops the run with the episode and
+  the environment named (after the episode ran, where a later turn follows the cut observation);
 - **the reward** is the episode's return, the sum of its turns' rewards (SkyRL puts each turn's reward on that
   turn's last token; a scalar per episode is what GRPO's group advantage takes). :meth:`TextEnvTask.reward`
   replays the episode from its text in a fresh environment (turns split at ``turn_end``, the final turn being
@@ -76,6 +77,7 @@ class TextEnvTask(Task):
             raise ValueError(f"task.observation_format={observation_format!r}: {e}; use {{role}} and {{content}}") \
                 from None
         self.turn_end, self.observation_format, self.seed = turn_end, observation_format, seed
+        self._last: tuple = (None, None)  # the last episode replayed: (key, turns)
         self.env_class, self.env_config, self.max_turns = env_class, dict(env_config or {}), max_turns
         self.train_set = self._load(d / FILES[0], "train")
         evals: dict[str, list[Prompt]] = {}
@@ -192,11 +194,18 @@ class TextEnvTask(Task):
                 turns.append((rest, r, done, obs))
                 return turns
 
+    def _episode(self, prompt: Prompt, response: str) -> list[tuple[str, float, bool, str]]:
+        """:meth:`replay`, once per (row, response): evaluation asks the reward and the diagnostics of one text."""
+        key = (prompt.meta["split"], prompt.meta["row"], response)
+        if self._last[0] != key:
+            self._last = (key, self.replay(prompt, response))
+        return self._last[1]
+
     def reward(self, prompt: Prompt, response: str) -> float:
-        return sum(r for _, r, _, _ in self.replay(prompt, response))
+        return sum(r for _, r, _, _ in self._episode(prompt, response))
 
     def diagnostics(self, prompt: Prompt, response: str) -> dict[str, float]:
-        return {"turns": float(len(self.replay(prompt, response)))}
+        return {"turns": float(len(self._episode(prompt, response)))}
 
 
 def _occurrences(text: str, sub: str):

@@ -720,7 +720,8 @@ def _run(plan: Plan, a, code: Path, fingerprint: str) -> int:
                              f"were set aside (their cold start: {gone[0].get('cold_start') or 'not recorded'}): one "
                              f"built here would be refused too. Run where the plan's base policy comes from, or pass "
                              f"--any-machine (each cell's base is still checked as it lands)")
-    if not a.status and state(plan)[1] == 0 and needed(plan, 1, state(plan)[0]):
+    verdicts, taken = state(plan)
+    if not a.status and taken == 0 and needed(plan, 1, verdicts):
         check_cells(plan, code)  # before the first cell: what they will run is a plan's promise too
     while True:
         verdicts, taken = state(plan)

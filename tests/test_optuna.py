@@ -50,6 +50,12 @@ def test_shipped_study_files_load():
     ({"params": {"kl.k": {"type": "categorical"}}}, "needs choices"),
     ({"sampler": {"name": "grid"}}, "sampler.name='grid'"),
     ({"n_trials": 0}, "n_trials must be >= 1"),
+    # a non-whole end of an int knob: it used to be refused as "params.algo.group_size is not a config key"
+    ({"params": {"algo.group_size": {"type": "int", "low": 2.7, "high": 8}}},
+     r"params.algo.group_size \(int\): low \(2.7\) and high \(8\) must be whole numbers"),
+    # the study's own overrides refused: it used to be blamed on the first parameter's range (params.anchor.eta)
+    ({"overrides": ["experiment=demo", *TINY_RUN, "algo.group_size=1"]},
+     r"the study's overrides are refused by the config: algo.group_size"),
 ])
 def test_bad_study_files_say_what_to_change(tmp_path, change, msg):
     with pytest.raises(StudyFileError, match=msg):
@@ -188,3 +194,39 @@ def test_the_earlier_command_name_still_runs_the_search(tmp_path):
         r = subprocess.run([sys.executable, "-m", name, str(tmp_path / "none.yaml")], cwd=ROOT, capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 1 and "none.yaml does not exist" in r.stderr, (name, r.stderr[-500:])
+
+
+@pytest.mark.slow  # a worker process trained and stopped, then the study finished: about a minute
+def test_a_sigtermed_worker_saves_its_trials_iteration_exits_75_and_the_same_command_finishes_from_it(tmp_path):
+    """A scheduler's SIGTERM inside a trial's evaluation period: the worker used to exit 130 with nothing saved (its
+    trial at iteration 12 resumed from 10). Now the trial's run saves the iteration it reached, the worker exits 75,
+    and the same command resumes that trial from that checkpoint and finishes the study."""
+    import signal
+    import time
+
+    from ema_pg.engine.policy import checkpoint_iteration
+
+    f = study_file(tmp_path, n_trials=1, overrides=["experiment=demo", *TINY_RUN, "algo.iterations=600",
+                                                     "algo.eval_every=300", f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "ema_pg.hpo", str(f)]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run, deadline = load_study_spec(f).trials_dir / "trial_0000", time.time() + 300
+    while not (run / "model" / "config.json").is_file():  # written just before training starts
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.2)
+    time.sleep(2.0)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 75, out[-3000:]
+    it = checkpoint_iteration(run)
+    assert 0 < it < 600 and it % 300, it  # the iteration it reached, inside an evaluation period
+    assert f"stopped by SIGTERM after iteration {it} of 600" in out and "run the same command again" in out
+    study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/t.db")
+    assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.WAITING]  # re-queued, same point
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming {run} from iteration {it}" in again.stdout + again.stderr and (run / "eval.json").is_file()
+    trials = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/t.db").get_trials()
+    assert trials[1].state == TrialState.COMPLETE and trials[1].params == trials[0].params
+    assert trials[1].user_attrs["run_dir"] == str(run)

@@ -17,7 +17,10 @@ Workers: any number of processes (on one machine or sharing a file system) may r
 command on the same storage. A lock beside the database makes "count the trials, then start
 one" atomic, so together they run exactly ``n_trials`` trials, none twice. Resuming: run the
 same command again. Finished trials are kept; a trial interrupted by Ctrl-C / SIGTERM is put
-back in the queue with its parameters and resumes its run folder from the last checkpoint; a
+back in the queue with its parameters and resumes its run folder from the last checkpoint. On
+SIGTERM (a scheduler's preemption; ``--workers N`` passes it to every worker) the trial's run
+first saves a checkpoint of its current iteration, as ``python -m ema_pg.train`` does, and the
+worker exits 75; Ctrl-C exits 130 and resumes from the last periodic checkpoint. A
 worker killed outright stops sending heartbeats and its trial is re-queued the same way once
 ``grace_period`` seconds have passed.
 """
@@ -42,7 +45,9 @@ from optuna.trial import TrialState
 
 from ..cli import command_parser
 from ..engine.files import file_lock
+from ..engine.fit import RunInterrupted
 from ..engine.module import EvalCallback
+from ..engine.runs import EXIT_INTERRUPTED
 
 log = logging.getLogger("ema_pg.hpo")
 
@@ -132,6 +137,9 @@ def load_study_spec(path: str | Path) -> StudySpec:
         missing = [k for k in need if k not in p]
         if missing:
             raise StudyFileError(f"{path}: params.{key} ({p['type']}) needs {', '.join(missing)}")
+        if p["type"] == "int" and not all(float(p[k]).is_integer() for k in ("low", "high")):
+            raise StudyFileError(f"{path}: params.{key} (int): low ({p['low']}) and high ({p['high']}) must be whole "
+                                 "numbers; round them, or make it type: float")
         if p["type"] != "categorical" and not p["low"] < p["high"]:
             raise StudyFileError(f"{path}: params.{key}: low ({p['low']}) must be < high ({p['high']})")
         try:  # what Optuna itself refuses (log with low <= 0, an empty choices list, a bad step) is refused here
@@ -153,9 +161,18 @@ def check_ranges(spec: StudySpec, path: Path) -> None:
     would be: a range wider than the knob's valid one is refused at load, not when a worker draws a bad value."""
     from ..config import ConfigError, validate
 
+    runs = ROOT / "runs" / "optuna" / spec.study_name
+    base = compose_trial_cfg(spec, {}, runs)  # the study's own overrides first, so no parameter takes their blame
+    try:
+        validate(base)
+    except ConfigError as e:
+        raise StudyFileError(f"{path}: the study's overrides are refused by the config: {e}") from None
+    for key in spec.params:
+        if OmegaConf.select(base, key, default="__missing__") == "__missing__":
+            raise StudyFileError(f"{path}: params.{key} is not a config key; see `python -m ema_pg.train --cfg job`")
     for key, p in spec.params.items():
         for v in (p["choices"] if p["type"] == "categorical" else (p["low"], p["high"])):
-            cfg = compose_trial_cfg(spec, {key: v}, ROOT / "runs" / "optuna" / spec.study_name)
+            cfg = compose_trial_cfg(spec, {key: v}, runs)
             try:
                 validate(cfg)
             except ConfigError as e:
@@ -190,6 +207,23 @@ def _value(v) -> str:
     return "null" if v is None else str(v)
 
 
+def _config_keys(spec: StudySpec, extra, run_dir: Path) -> set[str]:
+    """The dotted keys of the study's config without the trial's values (empty when even that does not compose)."""
+    from ..config import compose
+
+    try:
+        cfg = compose(list(spec.overrides) + list(extra) + [f"run_dir={run_dir}", "if_exists=resume"])
+    except Exception:  # noqa: BLE001 - the caller reports the composition error itself
+        return set()
+
+    def walk(node, prefix=""):
+        for k, v in node.items():
+            yield f"{prefix}{k}"
+            if OmegaConf.is_dict(v):
+                yield from walk(v, f"{prefix}{k}.")
+    return set(walk(cfg))
+
+
 def compose_trial_cfg(spec: StudySpec, params: dict, run_dir: Path, extra: list[str] = ()):
     """The run config of a trial: the study's overrides, the command line's, then the trial's values."""
     from ..config import compose
@@ -199,8 +233,12 @@ def compose_trial_cfg(spec: StudySpec, params: dict, run_dir: Path, extra: list[
     try:
         cfg = compose(overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's composition errors
-        unknown = [k for k in params if k.split(".")[-1] in str(e)]
-        hint = f"params.{unknown[0]} is not a config key" if unknown else "the study's overrides do not compose"
+        if not params:
+            hint = "the study's overrides do not compose"
+        elif unknown := [k for k in params if k not in _config_keys(spec, extra, run_dir)]:
+            hint = f"params.{unknown[0]} is not a config key"
+        else:  # the keys exist: the trial's values are what is refused (an int knob given 2.7)
+            hint = "the trial's values " + " ".join(f"params.{k}={_value(v)}" for k, v in params.items()) + " do not compose"
         raise StudyFileError(f"{hint}: {e}".splitlines()[0] + "; see `python -m ema_pg.train --cfg job`") from None
     for key in params:
         if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
@@ -296,7 +334,11 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
     done = []
 
     def on_term(signum, frame):
-        raise _Interrupted(f"signal {signum}")
+        # Inside a trial's training Lightning's SIGTERM handler is installed and calls this one: the run saves its
+        # checkpoint and ends in RunInterrupted, handled below. Anywhere else (between trials, before the run's
+        # training loop starts) the worker stops here; nothing of the trial is lost, as it is re-queued.
+        if signal.getsignal(signal.SIGTERM) is on_term:
+            raise _Interrupted(f"signal {signum}")
 
     old = signal.signal(signal.SIGTERM, on_term)
     try:
@@ -338,11 +380,12 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
                 key = next(k for k in metrics if k.startswith("eval/avg/"))
                 study.tell(trial, float(metrics[key]))
                 log.info("trial %d: %s = %.4f %s", trial.number, key, metrics[key], params)
-            except (KeyboardInterrupt, _Interrupted):
+            except (KeyboardInterrupt, _Interrupted, RunInterrupted) as e:
                 frozen = study._storage.get_trial(trial._trial_id)
                 study.tell(trial, state=TrialState.FAIL)
                 _requeue(study, frozen)
-                log.warning("trial %d interrupted: re-queued; run the same command to resume it", trial.number)
+                saved = f" ({e})" if isinstance(e, RunInterrupted) else ""
+                log.warning("trial %d interrupted%s: re-queued; run the same command to resume it", trial.number, saved)
                 raise
             except (StudyFileError, ConfigError, ModelPathError):  # every trial would fail the same way
                 study.tell(trial, state=TrialState.FAIL)
@@ -410,18 +453,29 @@ def main(argv=None) -> int:
         cmd = [sys.executable, "-m", "ema_pg.hpo", a.study, "--n-trials", str(n), "--storage", spec.storage,
                f"trainer.num_threads={threads}", *extra]
         procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=os.getcwd()) for i in range(a.workers)]
+
+        def forward(signum, frame):  # a scheduler's SIGTERM reaches every worker: each saves its trial and exits 75
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+
+        signal.signal(signal.SIGTERM, forward)
         rcs = [p.wait() for p in procs]
         print(summary(spec))
-        return max(rcs)
+        return EXIT_INTERRUPTED if EXIT_INTERRUPTED in rcs else max(rcs)
     try:
         run_worker(spec, extra, n, a.worker_index)
     except StudyFileError as e:
         raise SystemExit(f"study file error: {e}") from None
     except ValueError as e:  # ConfigError / ModelPathError: the overrides or the model path
         raise SystemExit(f"config error: {e}") from None
-    except (KeyboardInterrupt, _Interrupted):
+    except KeyboardInterrupt:
         print("interrupted; run the same command again to resume the study", file=sys.stderr)
         return 130
+    except (_Interrupted, RunInterrupted) as e:  # SIGTERM: the trial's checkpoint is saved where it had one
+        what = e if isinstance(e, RunInterrupted) else "stopped by SIGTERM before a trial's training started"
+        print(f"{what}; run the same command again to resume the study", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(summary(spec))
     return 0
 

@@ -92,10 +92,10 @@ def test_fisher_trace_is_the_mean_squared_score_norm():
         (lp * ro.loss_mask[r, ro.prompt_len:]).sum().backward()
         want += sum(float((p.grad ** 2).sum()) for p in m.parameters() if p.grad is not None) / 2
     assert abs(got - want) < 1e-4 * want
-    mon = StabilityMonitor(every=1, num_sequences=2, eta=0.9, beta=1.0)
-    out = mon(m, ro, lr=1.5 / fisher_trace(m, ro, [0, 1]))  # bound = 1.5: between eta and 1 + eta
+    mon = StabilityMonitor(every=1, num_sequences=2, eta=0.9)
+    out = mon(m, ro, lr=1.5 / fisher_trace(m, ro, [0, 1]), beta=1.0)  # bound = 1.5: between eta and 1 + eta
     assert out["anchor/regime"] == 1 and abs(out["anchor/alpha_beta_trF"] - 1.5) < 1e-2
-    assert mon(m, ro, lr=1e-9)["anchor/regime"] == 0
+    assert mon(m, ro, lr=1e-9, beta=1.0)["anchor/regime"] == 0
 
 
 def test_reset_anchor_is_the_policy_after_each_update():

@@ -272,6 +272,17 @@ def test_stability_monitor_logs_when_on(tmp_path):
     assert (df["anchor/trF"].dropna() > 0).all()
 
 
+def test_the_monitors_beta_is_the_one_the_loss_applied_under_global_kl_scale(tmp_path):
+    """adv_norm=global with global_kl_scale divides the token KL's beta by the batch's reward std; the monitor's
+    bound used the raw algo.beta, a beta the loss did not apply."""
+    _, objs = train(compose_cfg(["algo.iterations=2", "monitor.every=1", "monitor.num_sequences=2", "algo.beta=0.05",
+                                 "algo.adv_norm=global", "algo.global_kl_scale=true"], tmp_path))
+    df = pd.read_csv(objs["run_dir"] / "metrics.csv").dropna(subset=["anchor/alpha_beta_trF"])
+    assert len(df) == 2 and (abs(df["train/kl_beta"] - 0.05) > 1e-3).all()  # the loss's beta is not algo.beta here
+    bound = df["train/lr"] * df["train/kl_beta"] * df["anchor/trF"]
+    assert ((df["anchor/alpha_beta_trF"] - bound).abs() <= 1e-6 * bound.abs()).all()
+
+
 def test_anchor_policy_is_evaluated_when_asked(tmp_path):
     _, objs = train(compose_cfg(["algo.iterations=2", "anchor.eval_every=2", "anchor.eta=0.5", "anchor.update_every=1"],
                                 tmp_path))

@@ -118,7 +118,7 @@ class GRPOModule(L.LightningModule):
 
             self.critic = Critic(policy, cfg.algo.critic_lr, cfg.algo.cliprange_value, cfg.algo.grad_clip)
             self.value_model = self.critic.model  # a submodule: it moves with the module
-        self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, cfg.anchor.eta, cfg.algo.beta)
+        self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, cfg.anchor.eta)
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
         self.ahead = None  # rollout.max_staleness > 0: the rollout worker (ema_pg.engine.ahead), started at the first step
         self._restored_in_flight: dict[int, bytes] = {}  # the batches in flight at the checkpoint resumed from
@@ -161,8 +161,9 @@ class GRPOModule(L.LightningModule):
         if self.anchor is not None:
             metrics["anchor/lag_norm"] = self.anchor.lag_norm(self.policy)
             metrics["anchor/updates"] = self.anchor.updates
-            if self.monitor.due(self.iteration):  # eq. 28, off by default
-                metrics.update(self.monitor(self.policy, res.rollouts, lr=self.updater.lr,
+            beta = metrics["train/kl_beta"]  # the loss's, not algo.beta: they differ under algo.global_kl_scale
+            if self.monitor.due(self.iteration, beta):  # eq. 28, off by default
+                metrics.update(self.monitor(self.policy, res.rollouts, lr=self.updater.lr, beta=beta,
                                             temperature=self.cfg.rollout.temperature))
         if self.device.type == "cuda":  # the run's peak so far: what a GPU must hold for this recipe
             metrics["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30

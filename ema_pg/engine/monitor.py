@@ -41,18 +41,22 @@ def fisher_trace(policy: torch.nn.Module, batch: Rollouts, rows: list[int], temp
 
 
 class StabilityMonitor:
-    def __init__(self, every: int, num_sequences: int, eta: float, beta: float):
-        self.every, self.n, self.eta, self.beta = every, num_sequences, eta, beta
+    """Every ``every`` iterations, alpha * beta * tr(F) against Lemma 4.2's regimes. beta is given per call: the token
+    KL's weight the loss applied at that iteration (``train/kl_beta``: ``algo.beta``, or over the batch's reward std
+    under ``algo.global_kl_scale``), so the bound is the one the update ran under."""
+
+    def __init__(self, every: int, num_sequences: int, eta: float):
+        self.every, self.n, self.eta = every, num_sequences, eta
         self.warned: set[int] = set()
 
-    def due(self, iteration: int) -> bool:
-        return self.every > 0 and self.beta > 0 and iteration % self.every == 0
+    def due(self, iteration: int, beta: float) -> bool:
+        return self.every > 0 and beta > 0 and iteration % self.every == 0
 
-    def __call__(self, policy, batch: Rollouts, lr: float, temperature: float = 1.0) -> dict:
+    def __call__(self, policy, batch: Rollouts, lr: float, beta: float, temperature: float = 1.0) -> dict:
         t0 = time.perf_counter()
         rows = list(range(min(self.n, len(batch))))
         trF = fisher_trace(policy, batch, rows, temperature)
-        bound = lr * self.beta * trF
+        bound = lr * beta * trF
         regime = 0 if bound <= self.eta else (1 if bound < 1 + self.eta else 2)
         if regime > 0 and regime not in self.warned:
             self.warned.add(regime)

@@ -42,6 +42,9 @@ bench-step-curve: setup ## The step beside TRL at 1M/10M/50M params x 64/256 tok
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/rl_step.py --curve --prompts 4 --warmup 1 --steps 2 --precisions fp32 --out benchmarks/results/rl_step_curve.json
 
+bench-tables: setup ## Rewrite benchmarks/README.md's tables and the README's GPU line from benchmarks/results/*.json
+	$(PY) benchmarks/tables.py
+
 bench-head: setup ## Memory and time of the chunked Top-k head vs materialized logits (long on CPU)
 	$(PY) benchmarks/kl_head.py --max-gb 16 --out benchmarks/results/kl_head_cpu.json
 
@@ -117,4 +120,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup scale-setup test-scale bench-rollout bench-zero3 demo train sweep figures reproduce reproduce-table2 reproduce-table3 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-step-curve bench-head test test-full lint clean
+.PHONY: help setup scale-setup test-scale bench-rollout bench-zero3 demo train sweep figures reproduce reproduce-table2 reproduce-table3 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-step-curve bench-head bench-tables test test-full lint clean

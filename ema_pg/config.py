@@ -249,6 +249,11 @@ class AlgoConfig:
     warmup_steps: int = 0  #: linear LR warm-up length, in optimizer steps
     max_bad_steps: int = 3  #: consecutive updates skipped for a non-finite loss/gradient before the run stops
     reward_kl: str = "none"  #: none | sequence: subtract beta * sequence KL from the reward (WARP, eq. 10-12)
+    #: fixed (beta all run) | adaptive: Ziegler et al. 2019's controller aims the sampled KL(pi_old || anchor) at
+    #: kl_target, starting from beta (ema_pg.kl_control; the beta in force is logged as train/kl_coef)
+    kl_ctrl: str = "fixed"
+    kl_target: float = 0.1  #: adaptive: the KL aimed at (k1 per token, response mean; verl's default 0.1)
+    kl_horizon: float = 10000.0  #: adaptive: responses over which an error of 20% moves beta by 20% (verl's 10000)
     advantage: str = "group"  #: group (GRPO: adv_norm applies) | rloo | reinforce_pp | gae (PPO's critic): ema_pg.advantages
     gamma: float = 1.0  #: gae: discount over policy tokens
     lam: float = 1.0  #: gae: lambda of GAE
@@ -323,6 +328,13 @@ class AlgoConfig:
         _at_least(("algo.max_tokens_per_microbatch", self.max_tokens_per_microbatch, 0))
         if self.reward_kl not in ("none", "sequence"):
             _bad(f"algo.reward_kl={self.reward_kl!r}; choose none or sequence")
+        from .kl_control import KL_CTRLS
+
+        if self.kl_ctrl not in KL_CTRLS:
+            _bad(f"algo.kl_ctrl={self.kl_ctrl!r}; choose one of: {', '.join(KL_CTRLS)}")
+        if self.kl_ctrl == "adaptive" and not (self.kl_target > 0 and self.kl_horizon > 0 and self.beta > 0):
+            _bad(f"algo.kl_ctrl=adaptive needs algo.kl_target > 0, algo.kl_horizon > 0 and a starting algo.beta > 0 "
+                 f"(it multiplies beta); got {self.kl_target}, {self.kl_horizon}, {self.beta}")
         _at_least(("algo.grad_clip", self.grad_clip, 0), ("algo.warmup_steps", self.warmup_steps, 0),
                   ("algo.max_bad_steps", self.max_bad_steps, 1))
 
@@ -727,6 +739,8 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if (an.name in ("sync", "bema", "teacher") or an.path) and strategy == "deepspeed_stage_3":
         _bad(f"anchor={an.name}{' with anchor.path' if an.path else ''} is not built under deepspeed_stage_3 "
              "(its anchor is not partitioned); use deepspeed_stage_2, ddp or cpu")
+    if an.name == "none" and a.kl_ctrl != "fixed":
+        _bad("algo.kl_ctrl=adaptive controls the KL to an anchor, and anchor=none has none; choose an anchor")
     if an.name == "none" and (a.beta != 0.0 or cfg.kl.name != "none" or a.reward_kl != "none"):
         _bad("anchor=none keeps no anchor model: set algo.beta=0, kl=none and algo.reward_kl=none "
              "(or choose anchor=ema / anchor=fixed)")

@@ -39,6 +39,7 @@ from torch import Tensor
 from .heads import head
 from .kl import Estimator, KLInputs, sequence_kl_penalty
 from .kl.sampled import k3_core
+from .kl_control import response_mean_k1
 from .dist import World
 from .advantages import ADVANTAGES, AdvantageInputs
 from .corrections import correct
@@ -272,7 +273,7 @@ def overlong_penalty(length: Tensor, max_len: int, buffer: int, factor: float) -
 
 
 def shape_rewards(rewards: Tensor, rollouts: Rollouts, old: TokenScores, anchor: TokenScores | None, algo,
-                  rollout) -> tuple[Tensor, Tensor]:
+                  rollout, beta: float | None = None) -> tuple[Tensor, Tensor]:
     """Reward shaping, one composed step: (the run's reward, the reward the advantages read), each (N,).
 
     The run's reward is the task's plus DAPO's soft overlong punishment (eq. 13 of DAPO, ``algo.overlong_buffer``);
@@ -282,7 +283,8 @@ def shape_rewards(rewards: Tensor, rollouts: Rollouts, old: TokenScores, anchor:
         rewards = rewards + overlong_penalty(mask.sum(-1), rollout.max_new_tokens, algo.overlong_buffer,
                                              algo.overlong_penalty).to(rewards.dtype)
     if algo.reward_kl == "sequence":
-        return rewards, rewards - algo.beta * sequence_kl_penalty(old.logp, anchor.logp, mask)
+        beta = algo.beta if beta is None else beta  # the KL controller's, when the run has one
+        return rewards, rewards - beta * sequence_kl_penalty(old.logp, anchor.logp, mask)
     return rewards, rewards
 
 
@@ -578,7 +580,7 @@ def _batch_metrics(rollouts, rewards, old, anchor, mask, world) -> dict[str, flo
 def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, estimator: Estimator,
             updater: Updater, algo, rollout, seed: int, chunk: Callable[[int], int],
             world: World = World(), critic=None, grad_ratio: bool = False, encode=None,
-            sampled: Sampled | None = None) -> StepResult:
+            sampled: Sampled | None = None, beta: float | None = None) -> StepResult:
     """Run RL iteration ``iteration`` (0-based) and return its metrics (namespaced) and rollouts.
 
     ``algo`` and ``rollout`` are the config nodes of the same names; ``chunk(n_tokens)`` gives the
@@ -592,7 +594,10 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     ``sampled``: the batch as a rollout worker sampled it ahead (:func:`sample_ahead`; asynchronous training):
     pi_old is then the behaviour policy's scores, and the anchor is scored here only when the worker did not.
     None (synchronous): the batch is sampled here by the current policy.
+    ``beta``: the KL coefficient in force this iteration, the run's KL controller's (:mod:`ema_pg.kl_control`);
+    None: ``algo.beta``.
     """
+    kl_coef = algo.beta if beta is None else beta
     device = next(policy.parameters()).device
     it_seed = step_seed(seed, iteration)
     scorer = OldAndAnchorScorer(estimator, rollout.temperature, chunk, packer(algo, policy),
@@ -621,7 +626,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
         scores = scorer(policy, anchor_model, rollouts, packing)
     old, anchor = scores.old, scores.anchor
     t2 = time.perf_counter()
-    rewards, shaped = shape_rewards(rewards, rollouts, old, anchor, algo, rollout)
+    rewards, shaped = shape_rewards(rewards, rollouts, old, anchor, algo, rollout, beta=kl_coef)
     values = None
     if ADVANTAGES[algo.advantage].needs_critic:  # (N, T), by micro-batches under a token budget
         parts = micro_batches(rollouts, algo.max_tokens_per_microbatch, world)
@@ -637,7 +642,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
     updates = _update(it_seed, policy=policy, rollouts=rollouts, scores=scores, scorer=scorer, adv=adv, mask=mask,
                       tis=tis, estimator=estimator, updater=updater, algo=algo, rollout=rollout, world=world,
                       chunk=chunk, critic=critic, values=values, returns=returns, grad_ratio=grad_ratio,
-                      beta=algo.beta * est.kl_scale)
+                      beta=kl_coef * est.kl_scale)
     t3 = time.perf_counter()
 
     # 4. metrics (namespaced; docs/training.md has the table)
@@ -646,4 +651,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
                "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)}
     if packing is not None:  # what the padding-free passes leave out of the padded grid (algo.padding_free)
         metrics["perf/padding_saved"] = 1.0 - packing.tokens / packing.padded_tokens
+    metrics["train/kl_coef"] = kl_coef  # beta in force (the KL controller's; algo.beta under kl_ctrl=fixed)
+    if anchor is not None:  # the KL the adaptive controller measures (ema_pg.kl_control), at sampling
+        metrics["train/kl_ctrl_kl"] = float(response_mean_k1(old.logp, anchor.logp, rollouts.response_mask))
     return StepResult(world.reduce_metrics(metrics), rollouts)

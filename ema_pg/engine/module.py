@@ -20,6 +20,7 @@ from ..advantages import ADVANTAGES
 from ..chunked import HeadChunk, chunk_budget_mb
 from ..config import build_estimator, is_deepspeed, stated_world_size, validate_world
 from ..dist import World, Zero3FullWeights, full_shape, whole, zero3_partitioned
+from ..kl_control import build_kl_controller
 from ..prompts import PromptEncoder
 from ..rollout import build_sampler
 from ..step import NonFiniteUpdates, Updater, rl_step
@@ -119,6 +120,7 @@ class GRPOModule(L.LightningModule):
             self.critic = Critic(policy, cfg.algo.critic_lr, cfg.algo.cliprange_value, cfg.algo.grad_clip)
             self.value_model = self.critic.model  # a submodule: it moves with the module
         self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, cfg.anchor.eta)
+        self.kl_ctrl = build_kl_controller(cfg.algo)  # beta in force: algo.beta, or the adaptive controller's
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
         self.ahead = None  # rollout.max_staleness > 0: the rollout worker (ema_pg.engine.ahead), started at the first step
         self._restored_in_flight: dict[int, bytes] = {}  # the batches in flight at the checkpoint resumed from
@@ -187,7 +189,9 @@ class GRPOModule(L.LightningModule):
                       task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
                       algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=chunk,
                       world=world, critic=self.critic, grad_ratio=self._grad_ratio_due(iteration),
-                      encode=self.encode, sampled=sampled)
+                      encode=self.encode, sampled=sampled, beta=self.kl_ctrl.value)
+        if "train/kl_ctrl_kl" in res.metrics:  # beta for the next iteration, from this one's KL and responses
+            self.kl_ctrl.update(res.metrics["train/kl_ctrl_kl"], n_steps=len(res.rollouts) * world.size)
         if sampled is not None:
             lag = iteration - sampled.version
             self.staleness_counts[lag] = self.staleness_counts.get(lag, 0) + 1
@@ -330,6 +334,8 @@ class GRPOModule(L.LightningModule):
         # what a resume must continue (runs.check_trained_with), and the run's wall time so far
         checkpoint["ema_pg"] = {"iteration": self.iteration, "eval_history": self.eval_history,
                                 "settings": settings(self.cfg), "elapsed_s": self.elapsed_s()}
+        if self.kl_ctrl.adaptive:  # the coefficient it reached: a resume continues from it
+            checkpoint["ema_pg"]["kl_ctrl"] = self.kl_ctrl.state_dict()
         if self.critic is not None:  # its weights are in the module's state_dict; its optimizer is not Lightning's
             checkpoint["ema_pg"]["critic_opt"] = self.critic.opt.state_dict()
         if self.cfg.rollout.max_staleness:  # the batches sampled ahead, awaited: a resume takes them as they are
@@ -352,5 +358,7 @@ class GRPOModule(L.LightningModule):
         self.elapsed_before = float(st.get("elapsed_s", 0.0))  # this process's own time counts from its start
         self._restored_in_flight = dict(st.get("in_flight", {}))
         self.staleness_counts = dict(st.get("staleness_counts", {}))
+        if self.kl_ctrl.adaptive and "kl_ctrl" in st:
+            self.kl_ctrl.load_state_dict(st["kl_ctrl"])
         if self.critic is not None and "critic_opt" in st:
             self.critic.opt.load_state_dict(st["critic_opt"])

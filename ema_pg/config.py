@@ -138,6 +138,7 @@ class RolloutConfig:
     engine_dtype: str = "auto"  #: vllm: engine weights' dtype (auto = the policy's)
     correction: str = "none"  #: rollout=vllm: weights on the PG term for the engine's mismatch (ema_pg.corrections)
     correction_cap: float = 2.0  #: C > 1 of the correction: the cap of token_tis / seq_tis, the band [1/C, C] else
+    correction_threshold: float = 0.0  #: seq_k3_reject: the largest mean K3 a sequence keeps (verl's rollout_rs_threshold)
     #: asynchronous training: a rollout worker process samples batch t with the policy of version max(0, t - k)
     #: while the trainer updates (0 = synchronous: sampled by the current policy in the trainer; docs/async.md)
     max_staleness: int = 0
@@ -165,6 +166,11 @@ class RolloutConfig:
 
         if self.correction not in CORRECTIONS:
             _bad(f"rollout.correction={self.correction!r}; choose one of: {', '.join(CORRECTIONS)}")
+        from .corrections import THRESHOLD_BOUND
+
+        if self.correction in THRESHOLD_BOUND and not self.correction_threshold > 0:
+            _bad(f"rollout.correction={self.correction} rejects a sequence whose mean K3 exceeds "
+                 f"rollout.correction_threshold; give it > 0 (verl's recipes use 0.001-0.01); got {self.correction_threshold}")
         if not self.correction_cap > 1:
             _bad(f"rollout.correction_cap must be > 1 (the band is [1/C, C]; peers use 2-5); got {self.correction_cap}")
         _at_least(("rollout.max_staleness", self.max_staleness, 0), ("rollout.worker_threads", self.worker_threads, 1))
@@ -260,7 +266,10 @@ class AlgoConfig:
     critic_lr: float = 1e-5  #: gae: the value model's AdamW learning rate
     cliprange_value: float = 0.2  #: gae: clip of the value update around the old values (0 = unclipped)
     loss: str = "ppo"  #: the surrogate J: ppo (clip-higher, Appendix A) | gspo (sequence ratio) | cispo (clipped IS weight)
-    clip_ratio_c: float = 0.0  #: dual-clip PPO bound c > 1 on negative-advantage tokens (0 = off; peers use 3)
+    clip_ratio_c: float = 0.0  #: ppo: dual-clip bound c > 1 on negative-advantage tokens; dppo_*: the ratio's truncation c > 1 (0 = off; peers use 3)
+    #: DeepSeek-V3.2's off-policy sequence masking (ema_pg.corrections.off_policy_sequence_mask): a sequence with
+    #: A < 0 whose mean log(mu / pi_theta) exceeds delta gets no policy gradient; None = off (TRL suggests 0.5)
+    opsm_delta: float | None = None
     entropy_coef: float = 0.0  #: entropy bonus c_H: loss -= c_H * H(pi) per token (0 = off)
     dynamic_sampling: bool = False  #: DAPO: drop groups with equal rewards and sample new prompts to refill the batch
     max_sampling_rounds: int = 4  #: dynamic sampling: rollout rounds per iteration at most (then filled up)
@@ -299,9 +308,12 @@ class AlgoConfig:
             _bad(f"algo.loss_agg={self.loss_agg!r}; choose one of: {', '.join(LOSS_AGGS)}")
         if self.loss not in SURROGATES:
             _bad(f"algo.loss={self.loss!r}; choose one of: {', '.join(SURROGATES)}")
-        if self.clip_ratio_c != 0 and (self.clip_ratio_c <= 1 or self.loss != "ppo"):
-            _bad(f"algo.clip_ratio_c={self.clip_ratio_c} is the dual clip of algo.loss=ppo and must be > 1 (peers use "
-                 "3.0), or 0 to switch it off")
+        if self.clip_ratio_c != 0 and (self.clip_ratio_c <= 1 or self.loss not in ("ppo", "dppo_tv", "dppo_kl")):
+            _bad(f"algo.clip_ratio_c={self.clip_ratio_c} is the dual clip of algo.loss=ppo (or the ratio's truncation of "
+                 "dppo_tv / dppo_kl) and must be > 1 (peers use 3.0), or 0 to switch it off")
+        if self.opsm_delta is not None and self.opsm_delta < 0:
+            _bad(f"algo.opsm_delta={self.opsm_delta}: the mean log-ratio above which a negative-advantage sequence is "
+                 "masked must be >= 0 (TRL suggests 0.5), or null to switch the mask off")
         if self.advantage not in ADVANTAGES:
             _bad(f"algo.advantage={self.advantage!r}; choose one of: {', '.join(ADVANTAGES)} (group: GRPO's; gae: "
                  "PPO's critic)")

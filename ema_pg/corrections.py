@@ -19,7 +19,23 @@ of sequence i is:
                                                                      2025, "When speed kills stability")
 ``seq_reject``    1[max_t |log rho_t| <= log C]                      rejection: a sequence with one token outside
                                                                      the band is dropped whole, the rest keep 1
+``seq_geo_reject``  1[|mean_t log rho_t| <= log C]                   Geo-RS: the sequence's geometric-mean ratio
+                                                                     in the band (verl's ``rollout_rs=
+                                                                     seq_mean_k1``; Liu, Li et al. 2025, "When
+                                                                     speed kills stability", part 3). Peers run
+                                                                     it tight: C = 1.001
+``seq_k3_reject`` 1[mean_t (rho_t - 1 - log rho_t) <= tau]           K3-RS: the sequence's mean K3 divergence at
+                                                                     most tau = ``rollout.correction_threshold``
+                                                                     (verl's ``rollout_rs=seq_mean_k3`` with its
+                                                                     ``rollout_rs_threshold``)
 ================  =================================================  ==========================================
+
+The two rejections by a sequence mean (Geo-RS, K3-RS) do not grow with the response's length, where the product
+of ``seq_tis``/``seq_mask`` and the worst token of ``seq_reject`` do. Like verl's rejection sampling they set the
+weight to 1 or 0 (the loss mask), with no importance weight. Means are over the sequence's loss-mask tokens.
+
+Beside them, one mask that reads the advantage and the *current* policy, so it is applied in each minibatch's loss
+(:func:`off_policy_sequence_mask`, ``algo.opsm_delta``): DeepSeek-V3.2's off-policy sequence masking.
 
 Every weight is stopped (no gradient). The metrics the peers log come with it: the mismatch
 KL(mu || pi_old) per token by K1 (mean of -log rho) and K3 (mean of rho - 1 - log rho, >= 0), both
@@ -71,15 +87,45 @@ def seq_reject(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
     return (worst <= math.log(cap)).to(log_rho.dtype).expand_as(log_rho)
 
 
-CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Tensor] | None] = {  # none: no weight at all
+def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)  # (N, 1)
+
+
+def seq_geo_reject(log_rho: Tensor, mask: Tensor, cap: float) -> Tensor:
+    return (_seq_mean(log_rho, mask).abs() <= math.log(cap)).to(log_rho.dtype).expand_as(log_rho)
+
+
+def seq_k3_reject(log_rho: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    k3 = _token(log_rho) - 1.0 - log_rho.clamp(-LOG_CLAMP, LOG_CLAMP)
+    return (_seq_mean(k3, mask) <= threshold).to(log_rho.dtype).expand_as(log_rho)
+
+
+#: the registry (``rollout.correction``): each weight of (log rho, mask, its bound); none: no weight at all
+CORRECTIONS: dict[str, Callable[[Tensor, Tensor, float], Tensor] | None] = {
     "none": None, "token_tis": token_tis, "seq_tis": seq_tis, "token_mask": token_mask, "seq_mask": seq_mask,
-    "seq_reject": seq_reject,
+    "seq_reject": seq_reject, "seq_geo_reject": seq_geo_reject, "seq_k3_reject": seq_k3_reject,
 }
+#: the corrections whose bound is ``rollout.correction_threshold`` (a divergence), not the ratio cap C
+THRESHOLD_BOUND = ("seq_k3_reject",)
 
 
-def correct(name: str, logp_old: Tensor, logp_behaviour: Tensor, mask: Tensor, cap: float
+def off_policy_sequence_mask(adv: Tensor, logp: Tensor, logp_behaviour: Tensor, mask: Tensor, delta: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (DeepSeek-AI 2025, section 3.1; TRL's ``off_policy_mask_threshold``):
+    M_i = 0 when A_i < 0 and (1/|o_i|) sum_t log(mu(o_t) / pi_theta(o_t)) > delta, else 1, with mu the policy that
+    sampled the tokens and pi_theta the policy being updated, stopped. A sequence the current policy has moved far
+    from, and that the update would push down, is dropped; one with a non-negative advantage always stays.
+    (N, T) weights of 1 or 0 (``adv`` (N,) or (N, T): its first column is the sequence's)."""
+    a = adv if adv.dim() == 1 else adv[:, 0]
+    m = mask.to(logp.dtype)
+    drift = _seq_mean((logp_behaviour - logp.detach()).to(m.dtype), m)[:, 0]  # (N,)
+    keep = (a >= 0) | (drift <= delta)
+    return keep.to(logp.dtype).unsqueeze(-1).expand_as(logp)
+
+
+def correct(name: str, logp_old: Tensor, logp_behaviour: Tensor, mask: Tensor, cap: float, threshold: float = 0.0
             ) -> tuple[Tensor | None, dict[str, float]]:
-    """(the stopped weights (N, T), or None for ``none``; the mismatch metrics) over the loss mask."""
+    """(the stopped weights (N, T), or None for ``none``; the mismatch metrics) over the loss mask. ``cap``: C of the
+    ratio bands; ``threshold``: the divergence bound of :data:`THRESHOLD_BOUND`'s corrections."""
     if name not in CORRECTIONS:
         raise ValueError(f"unknown rollout correction {name!r}; choose one of: {', '.join(CORRECTIONS)}")
     m = mask.bool()
@@ -95,7 +141,7 @@ def correct(name: str, logp_old: Tensor, logp_behaviour: Tensor, mask: Tensor, c
     weigh = CORRECTIONS[name]
     if weigh is None:
         return None, metrics
-    w = weigh(log_rho, mask.to(log_rho.dtype), cap) * mask
+    w = weigh(log_rho, mask.to(log_rho.dtype), threshold if name in THRESHOLD_BOUND else cap) * mask
     has = m.any(-1)
     metrics.update({
         "rollout/is_weight_mean": float(w[m].sum()) / n_tok,

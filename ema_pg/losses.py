@@ -5,9 +5,10 @@
     loss     = aggregate(-J + beta * KL - c_H * H, mask, mode)
 
 The surrogate J is one of :data:`SURROGATES` (``algo.loss``): ``ppo`` (the paper's clip-higher
-PPO/GRPO, with optional dual clip), ``gspo`` (a sequence-level ratio) or ``cispo`` (a clipped,
-stop-gradient IS weight on the log-prob gradient); the paper calls its two changes orthogonal
-to this choice (Appendix A).
+PPO/GRPO, with optional dual clip), ``gspo`` (a sequence-level ratio), ``cispo`` (a clipped,
+stop-gradient IS weight on the log-prob gradient) or ``dppo_tv`` / ``dppo_kl`` (a trust region on the
+token probability's difference or binary KL instead of its ratio); the paper calls its two changes
+orthogonal to this choice (Appendix A).
 
 Departures from the paper's text, all documented at their function:
 - the surrogate uses ratio = pi/pi_old in the masked form so that its *value* equals PPO's
@@ -160,11 +161,43 @@ def cispo_surrogate(
     return J, {"ratio": r, "clipped_low": r < 1.0 - eps_low, "clipped_high": r > 1.0 + eps_high}  # weight clipped
 
 
+def dppo_surrogate(
+    logp: Tensor, logp_old: Tensor, adv: Tensor, eps_low: float, eps_high: float, trunc: float, divergence: str
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPPO (Qi et al. 2026, "Rethinking the trust region in LLM reinforcement learning", arXiv 2602.04879; verl's
+    ``dppo_tv`` / ``dppo_kl`` policy losses): the trust region is a bound on a divergence of
+    the sampled token's probability, not on its ratio. With p = pi(y_t), p_old = pi_old(y_t):
+
+    - ``tv`` (Binary-TV): a token with A > 0 keeps its gradient while p - p_old <= eps_high, one with A <= 0 while
+      p - p_old >= -eps_low;
+    - ``kl`` (Binary-KL): D = p_old log(p_old / p) + (1 - p_old) log((1 - p_old) / (1 - p)), the KL of the two
+      Bernoulli laws "this token or another"; A > 0 keeps it while D <= eps_high or p <= p_old, A <= 0 while
+      D <= eps_low or p >= p_old.
+
+    A kept token's gradient is A sg(min(ratio, c)) grad log pi (c = ``trunc``, none at 0), a masked one's is 0:
+    written A sg(w) pi/sg(pi), as CISPO's, its value is w A (verl prints -A w log pi; the gradients are equal).
+    """
+    ratio = torch.exp(logp - logp_old.detach()).detach()
+    a = _per_token(adv, logp)
+    w = ratio.clamp(max=trunc) if trunc > 0 else ratio
+    p, p_old = logp.detach().exp(), logp_old.detach().exp()
+    if divergence == "tv":
+        up_ok, down_ok = p - p_old <= eps_high, p - p_old >= -eps_low
+    else:
+        d = p_old * (logp_old.detach() - logp.detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        up_ok, down_ok = (d <= eps_high) | (p <= p_old), (d <= eps_low) | (p >= p_old)
+    keep = torch.where(a > 0, up_ok, down_ok)
+    J = a * w * torch.exp(logp - logp.detach()) * keep.to(logp.dtype)
+    return J, {"ratio": ratio, "clipped_low": ~keep & (a <= 0), "clipped_high": ~keep & (a > 0)}
+
+
 #: the surrogate registry (``algo.loss``): each entry J(logp, logp_old, adv, mask, eps_low, eps_high, clip_ratio_c)
 SURROGATES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     "ppo": lambda logp, old, adv, mask, lo, hi, c: ppo_surrogate(logp, old, adv, lo, hi, c),  # dual clip: c > 1
     "gspo": lambda logp, old, adv, mask, lo, hi, c: gspo_surrogate(logp, old, adv, mask, lo, hi),
     "cispo": lambda logp, old, adv, mask, lo, hi, c: cispo_surrogate(logp, old, adv, lo, hi),
+    "dppo_tv": lambda logp, old, adv, mask, lo, hi, c: dppo_surrogate(logp, old, adv, lo, hi, c, "tv"),
+    "dppo_kl": lambda logp, old, adv, mask, lo, hi, c: dppo_surrogate(logp, old, adv, lo, hi, c, "kl"),
 }
 
 

@@ -42,7 +42,7 @@ from .kl.sampled import k3_core
 from .kl_control import response_mean_k1
 from .dist import World
 from .advantages import ADVANTAGES, AdvantageInputs
-from .corrections import correct
+from .corrections import correct, off_policy_sequence_mask
 from .losses import Share, grpo_loss, masked_mean
 from .packing import Packing, packer
 from .prompts import sampler_prompts
@@ -467,7 +467,8 @@ def engine_mismatch(old: TokenScores, rollouts: Rollouts, mask: Tensor, rollout)
     (``rollout.correction``, :mod:`ema_pg.corrections`; None for ``none``) and the mismatch metrics; else (None, {})."""
     if rollouts.engine_logp is None:
         return None, {}
-    return correct(rollout.correction, old.logp, rollouts.engine_logp, mask, rollout.correction_cap)
+    return correct(rollout.correction, old.logp, rollouts.engine_logp, mask, rollout.correction_cap,
+                   rollout.correction_threshold)
 
 
 def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, estimator, updater, algo, rollout, world,
@@ -538,10 +539,17 @@ def _minibatch_update(rows: Tensor, *, policy, rollouts, scores, scorer, adv, ma
                     topk_logp_ref=None if scores.anchor_index_logp is None else scores.anchor_index_logp[r],
                     logits=cur.logits, ref_logits=None if anchor.logits is None else anchor.logits[r],
                 ))  # (mb, T)
+            pg_weight = None if tis is None else tis[r]
+            if algo.opsm_delta is not None:  # DeepSeek-V3.2's mask: against the sampler's log-probs and the policy now
+                behaviour = old.logp[r] if rollouts.engine_logp is None else rollouts.engine_logp[r]
+                opsm = off_policy_sequence_mask(adv[r], cur.logp, behaviour, mask[r], algo.opsm_delta)
+                pg_weight = opsm if pg_weight is None else pg_weight * opsm
             loss_args = dict(eps_low=algo.eps_low, eps_high=algo.eps_high, loss_agg=algo.loss_agg, surrogate=algo.loss,
                              clip_ratio_c=algo.clip_ratio_c, entropy_coef=algo.entropy_coef, entropy=cur.entropy,
-                             norm_len=rollout.max_new_tokens, pg_weight=None if tis is None else tis[r], share=share)
+                             norm_len=rollout.max_new_tokens, pg_weight=pg_weight, share=share)
             loss, m = grpo_loss(cur.logp, old.logp[r], adv[r], mask[r], kl, beta=beta, **loss_args)
+            if algo.opsm_delta is not None:
+                m["opsm_masked_seqs"] = (opsm[:, 0] == 0).sum().to(loss.dtype)  # a count: added over micro-batches
             if pg_kl is not None:
                 without_kl, _ = grpo_loss(cur.logp, old.logp[r], adv[r], mask[r], None, beta=0.0, **loss_args)
                 pg_kl.add(loss, without_kl)

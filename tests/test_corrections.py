@@ -17,12 +17,42 @@ HAND = {  # each weight worked by hand from the table in ema_pg/corrections.py
     "token_mask": [[1.5, 0.0, 0.0], [0.8, 1.2, 0.0]],  # 3 > 2 and 0.25 < 1/2 leave the band
     "seq_mask": [[1.125] * 3, [0.96, 0.96, 0.0]],  # both sequence ratios inside [1/2, 2]
     "seq_reject": [[0.0] * 3, [1.0, 1.0, 0.0]],  # sequence 1 holds a token with |log rho| = log 4 > log 2
+    # Geo-RS at C = 1.03: geometric means 1.125^(1/3) = 1.0400 > 1.03 (rejected) and 0.96^(1/2) = 0.9798 >= 1/1.03
+    "seq_geo_reject": [[0.0] * 3, [1.0, 1.0, 0.0]],
+    # K3-RS at tau = 0.1: mean K3 (0.094535 + 0.901388 + 0.636294) / 3 = 0.5441 > 0.1 (rejected); (0.023144 +
+    # 0.017678) / 2 = 0.0204 kept
+    "seq_k3_reject": [[0.0] * 3, [1.0, 1.0, 0.0]],
 }
+BOUNDS = {"seq_geo_reject": {"cap": 1.03}, "seq_k3_reject": {"threshold": 0.1}}  # the rest at C = 2
 
 
 def weights(name, rho=RHO, mask=MASK, cap=C):
     logp_b = torch.zeros_like(rho)
-    return correct(name, torch.log(rho), logp_b, mask, cap)
+    b = {"cap": cap, "threshold": 0.0, **BOUNDS.get(name, {})}
+    return correct(name, torch.log(rho), logp_b, mask, b["cap"], b["threshold"])
+
+
+def test_the_sequence_mean_rejections_turn_at_their_bounds():
+    w, _ = correct("seq_geo_reject", torch.log(RHO), torch.zeros_like(RHO), MASK, 1.05)  # 1.0400 < 1.05: kept now
+    assert w[0].tolist() == [1.0, 1.0, 1.0]
+    w, _ = correct("seq_k3_reject", torch.log(RHO), torch.zeros_like(RHO), MASK, C, 0.55)  # 0.5441 <= 0.55
+    assert w[0].tolist() == [1.0, 1.0, 1.0]
+    w, _ = correct("seq_k3_reject", torch.log(RHO), torch.zeros_like(RHO), MASK, C, 0.02)  # 0.0204 > 0.02
+    assert w[1].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_deepseeks_off_policy_sequence_mask_by_hand():
+    from ema_pg.corrections import off_policy_sequence_mask
+
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    behaviour = torch.zeros(3, 2)
+    logp = torch.tensor([[-0.4, -0.8], [-0.3, -0.5], [-2.0, -9.0]], requires_grad=True)  # drifts 0.6, 0.4, 2.0
+    adv = torch.tensor([-1.0, -1.0, 0.5])
+    m = off_policy_sequence_mask(adv, logp, behaviour, mask, 0.5)
+    assert m[:, 0].tolist() == [0.0, 1.0, 1.0] and not m.requires_grad  # A >= 0 always stays; 0.4 <= 0.5 stays
+    assert off_policy_sequence_mask(adv, logp, behaviour, mask, 0.7)[:, 0].tolist() == [1.0, 1.0, 1.0]
+    per_token_adv = adv[:, None].expand(3, 2)  # the sequence's advantage is its first column
+    assert torch.equal(off_policy_sequence_mask(per_token_adv, logp, behaviour, mask, 0.5), m)
 
 
 @pytest.mark.parametrize("name", list(HAND))
@@ -72,3 +102,47 @@ def test_token_tis_with_a_cap_that_never_binds_is_unbiased_and_the_band_is_not()
     wm, m = correct("token_mask", lo, lb, mask, 1.3)
     assert m["rollout/frac_masked"] > 0
     assert abs(float((mu * wm.view(-1).double() * f).sum()) - target) > 1e-3
+
+
+def test_a_run_trains_with_dppo_and_the_off_policy_sequence_mask(tmp_path, monkeypatch):
+    """Both reach the update: dppo_tv as the surrogate, and DeepSeek's mask on every micro-batch, read against the
+    sampler's log-probs (here pi_old's: the HF sampler is the trainer) and the policy as it is at that minibatch; the
+    logged count is the masks' (the real function runs, watched)."""
+    import pandas as pd
+    from helpers import compose_cfg
+
+    import ema_pg.step as step
+    from ema_pg.corrections import off_policy_sequence_mask
+    from ema_pg.train import train
+
+    seen = []
+
+    def watched(adv, logp, behaviour, mask, delta):
+        out = off_policy_sequence_mask(adv, logp, behaviour, mask, delta)
+        seen.append((float((out[:, 0] == 0).sum()), float((behaviour - logp.detach()).abs().max()), delta))
+        return out
+
+    monkeypatch.setattr(step, "off_policy_sequence_mask", watched)
+    _, objs = train(compose_cfg(["algo.loss=dppo_tv", "algo.opsm_delta=0.25", "algo.ppo_epochs=2",
+                                 "algo.minibatch_size=8", "algo.clip_ratio_c=3"], tmp_path))
+    df = pd.read_csv(objs["run_dir"] / "metrics.csv")
+    assert len(seen) == 4 * 2 * 2 and {d for *_, d in seen} == {0.25}  # iterations x epochs x minibatches
+    assert seen[0][1] < 1e-5  # the first minibatch is on-policy: the sampler's log-probs are the policy's
+    per_iteration = [sum(c for c, *_ in seen[i * 4:(i + 1) * 4]) / 4 for i in range(4)]  # mean over the 4 updates
+    assert df["train/opsm_masked_seqs"].dropna().tolist() == pytest.approx(per_iteration)
+    assert df["train/loss"].dropna().map(math.isfinite).all()
+
+
+@pytest.mark.parametrize("change, match", [
+    (["rollout.correction=seq_k3_reject"], "rejects a sequence whose mean K3 exceeds rollout.correction_threshold"),
+    (["algo.opsm_delta=-0.1"], "algo.opsm_delta=-0.1: the mean log-ratio"),
+    (["algo.loss=cispo", "algo.clip_ratio_c=3"], "is the dual clip of algo.loss=ppo \\(or the ratio's truncation of"),
+])
+def test_the_new_knobs_refuse_bad_values_in_one_line(change, match, tmp_path):
+    from helpers import compose_cfg
+
+    from ema_pg.config import ConfigError
+    from ema_pg.train import train
+
+    with pytest.raises(ConfigError, match=match):
+        train(compose_cfg(change, tmp_path))

@@ -184,6 +184,29 @@ def test_cispo_keeps_every_token_and_weighs_it_by_the_clipped_ratio():
     assert float(gp[0, 2]) == 0.0
 
 
+def test_dppo_masks_the_token_probabilitys_move_not_its_ratio_by_hand():
+    """DPPO (verl's dppo_tv / dppo_kl): p_old = 0.5 everywhere; sequence 1 (A = +1) moves its tokens to 0.8 and 0.6,
+    sequence 2 (A = -1) to 0.2 and 0.9. The kept tokens' gradient is A min(ratio, c) with c = 1.5."""
+    from ema_pg.losses import dppo_surrogate
+
+    logp_old = torch.full((2, 2), math.log(0.5), dtype=torch.float64)
+    logp = torch.tensor([[0.8, 0.6], [0.2, 0.9]], dtype=torch.float64).log().requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    J, info = dppo_surrogate(logp, logp_old, adv, 0.2, 0.2, 1.5, "tv")
+    (g,) = torch.autograd.grad(J.sum(), logp)
+    # TV: +0.3 > 0.2 masked, +0.1 kept (ratio 1.2); -0.3 < -0.2 masked, +0.4 kept (ratio 1.8, truncated to 1.5)
+    assert g.flatten().tolist() == pytest.approx([0.0, 1.2, 0.0, -1.5])
+    assert info["clipped_high"].tolist() == [[True, False], [False, False]]
+    assert info["clipped_low"].tolist() == [[False, False], [True, False]]
+    # binary KL of 0.5 -> 0.8 (and of 0.5 -> 0.2): 0.5 ln(0.5/0.8) + 0.5 ln(0.5/0.2) = 0.22314; at eps 0.25 it is
+    # kept, where TV's difference 0.3 still leaves eps 0.25
+    (gk,) = torch.autograd.grad(dppo_surrogate(logp, logp_old, adv, 0.25, 0.25, 1.5, "kl")[0].sum(), logp)
+    (gt,) = torch.autograd.grad(dppo_surrogate(logp, logp_old, adv, 0.25, 0.25, 1.5, "tv")[0].sum(), logp)
+    assert gk.flatten().tolist() == pytest.approx([1.5, 1.2, -0.4, -1.5]) and gt[0, 0] == 0.0 and gt[1, 0] == 0.0
+    (g0,) = torch.autograd.grad(dppo_surrogate(logp, logp_old, adv, 0.2, 0.2, 1.5, "kl")[0].sum(), logp)
+    assert g0.flatten().tolist() == pytest.approx([0.0, 1.2, 0.0, -1.5])  # 0.22314 > 0.2 on both moved tokens
+
+
 def test_seq_mean_token_sum_aggregation():
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 1]])

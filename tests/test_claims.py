@@ -78,11 +78,36 @@ def test_plans_that_ran_side_by_side_are_each_a_latest_verdict_and_a_newer_one_s
                    "| P1 | EMA anchor > GRPO | +0.013 | [−0.010, +0.034] | **undecided** |\n")
     page, history = claims.render(claims.all_verdicts(tmp_path)).split("## History")
     history = history.split("## Deviations")[0]  # the history table alone (both plans' deviations follow it)
-    p1 = [ln for ln in page.splitlines() if ln.startswith("| EMA anchor > GRPO")]
+    p1 = [ln for ln in page.splitlines() if ln.startswith("| EMA anchor > GRPO") and "reasoning-gym" not in ln]
     assert len(p1) == 2 and any("(table2/claims/looks.csv)" in ln for ln in p1) \
         and any("(table2/claims_base660/looks.csv)" in ln for ln in p1), p1
     assert "table2/decide_episode/results.md" in history and "claims_base660" not in history
     assert "side by side (`table2/claims` and `table2/claims_base660`)" in page  # the reader is told why two rows
+
+
+def test_reasoning_gyms_verdicts_stand_beside_the_search_worlds_not_over_them(tmp_path, monkeypatch):
+    """The suite plan asks P1 and P3 again on reasoning-gym: its verdicts get rows of their own under the paper's
+    claims, and the search world's stay the latest of theirs."""
+    import shutil
+
+    import ema_pg.workbench.claims as claims
+
+    monkeypatch.setattr(claims, "REPRO", tmp_path)
+    src = REPRO / "table2" / "claims"
+    for rel in ("table2/claims", "reasoning_gym/suite"):
+        d = tmp_path / rel
+        d.mkdir(parents=True)
+        shutil.copy(src / "plan.yaml", d / "plan.yaml")
+        looks = pd.read_csv(src / "looks.csv")
+        if rel.startswith("reasoning_gym"):
+            looks = looks[looks["claim"].isin(["P1", "P3"])].copy()
+            looks[["mean_diff", "lo", "hi"]] -= 1.0  # numbers of its own
+        looks.to_csv(d / "looks.csv", index=False)
+    page = claims.render(claims.all_verdicts(tmp_path)).split("## History")[0]
+    rg = [ln for ln in page.splitlines() if "asked on reasoning-gym" in ln]
+    assert len(rg) == 2 and all("(reasoning_gym/suite/looks.csv)" in ln for ln in rg), rg
+    search = [ln for ln in page.splitlines() if ln.startswith("| EMA anchor > GRPO (average EM)")]
+    assert len(search) == 1 and "(table2/claims/looks.csv)" in search[0]
 
 
 def test_a_claim_stopped_at_the_cap_says_what_a_decision_would_take(tmp_path, monkeypatch):

@@ -154,3 +154,28 @@ def _runs(positions: list[int]) -> list[list[int]]:
         else:
             out.append([p])
     return out
+
+
+def test_an_episode_that_could_pass_the_models_context_is_refused_before_any_work(data, tmp_path):
+    """One observation of up to rollout.max_obs_tokens after the longest prompt and the response budget must fit the
+    model's context, or the sampler would cut or overrun it mid-episode: one line at start, naming the task."""
+    from helpers import compose_cfg
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ema_pg.config import ConfigError
+    from ema_pg.engine.fit import check_fits
+    from ema_pg.prompts import PromptEncoder
+
+    task = env_task(data)
+    tok = train_bpe_tokenizer([p.text for p in task.train_set] + [OBS] * 5, vocab_size=300)
+    encode = PromptEncoder(tok, "off")
+    longest = max(len(ids) for ids in encode(list(task.train_prompts())))
+    cfg = compose_cfg(["task=text_env", f"task.data_dir={data}", "rollout.max_new_tokens=8",
+                       "rollout.max_obs_tokens=64"])
+    room = longest + 8 + 64
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=room - 1, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(ConfigError, match=f"one observation of up to rollout.max_obs_tokens=64 an episode of task "
+                                          f"text_env needs {room}; lower rollout.max_obs_tokens"):
+        check_fits(cfg, model, task, encode)
+    check_fits(cfg, GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=room, n_embd=16, n_layer=1,
+                                               n_head=2)), task, encode)

@@ -181,6 +181,14 @@ def check_fits(cfg, policy, task, encode) -> None:
                           f"rollout.max_new_tokens={ro.max_new_tokens} needs {longest + ro.max_new_tokens}; lower "
                           "rollout.max_new_tokens, drop that prompt from the data (or use a model with a longer "
                           "context)")
+    multi_turn = task.on_stop_fn(list(train[:1]), 1) is not None  # its environment answers turns
+    if context and multi_turn and longest + ro.max_new_tokens + ro.max_obs_tokens > context:
+        what, i = where[at]
+        raise ConfigError(f"the model's context is {context} tokens, but {what} {i} has {longest} tokens: with "
+                          f"rollout.max_new_tokens={ro.max_new_tokens} and one observation of up to "
+                          f"rollout.max_obs_tokens={ro.max_obs_tokens} an episode of task {cfg.task.name} needs "
+                          f"{longest + ro.max_new_tokens + ro.max_obs_tokens}; lower rollout.max_obs_tokens or "
+                          "rollout.max_new_tokens (or use a model with a longer context)")
     n, t = a.prompts_per_step * a.group_size, longest + ro.max_new_tokens
     heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
     elem = torch.finfo(next(policy.parameters()).dtype).bits // 8

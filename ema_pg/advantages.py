@@ -39,11 +39,12 @@ class AdvantageInputs:
     tokens: Tensor  # (N, T) the policy's tokens (no prompt, observation or padding)
     mask: Tensor  # (N, T) the loss mask (tokens, minus DAPO's truncated responses)
     world: World = World()
-    norm: str = "group"  # algo.adv_norm
     values: Tensor | None = None  # (N, T) the critic's values (gae)
-    gamma: float = 1.0
-    lam: float = 1.0
-    #: algo.global_kl_scale (group estimator, norm=global): given by the caller, since its default's home is AlgoConfig
+    #: algo.adv_norm, algo.gamma, algo.lam, algo.global_kl_scale (group estimator, norm=global): given by the caller,
+    #: since their defaults' home is AlgoConfig
+    norm: str = field(kw_only=True)
+    gamma: float = field(kw_only=True)
+    lam: float = field(kw_only=True)
     global_kl_scale: bool = field(kw_only=True)
 
 

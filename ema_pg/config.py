@@ -41,6 +41,10 @@ def _at_least(*checks: tuple[str, float, float]) -> None:
             _bad(f"{key} must be >= {lo}; got {v}")
 
 
+#: the tiny model's architecture (model.<key>): what its cold start is keyed by and what a stage must share
+ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_positions", "tokenizer_vocab")
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"  #: tiny (built from the fields below, cold-started) | local (a saved model at ``path``)

@@ -39,7 +39,7 @@ def _centered(rewards: Tensor, group_size: int) -> Tensor:
     return r - r.mean(-1, keepdim=True)
 
 
-def advantages(rewards: Tensor, group_size: int, norm: str = "group", eps: float = ADV_EPS) -> Tensor:
+def advantages(rewards: Tensor, group_size: int, norm: str, eps: float = ADV_EPS) -> Tensor:
     """Monte-Carlo advantages, (B*G,) from rewards (B*G,) laid out prompt-major.
 
     ``group``  (R - V(x)) / (std(x) + eps), V the mean and std the unbiased (N-1) standard

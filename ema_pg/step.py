@@ -641,7 +641,7 @@ def rl_step(iteration: int, *, policy, anchor_model, task, sampler: Sampler, est
         values = critic.values(rollouts, packing) if len(parts) == 1 else torch.cat(
             [critic.values(rollouts.select(p), scorer.pack(rollouts.select(p))) for p in parts])[torch.argsort(torch.cat(parts))]
     est = ADVANTAGES[algo.advantage](AdvantageInputs(shaped, algo.group_size, rollouts.response_mask, mask, world,
-                                                     algo.adv_norm, values, algo.gamma, algo.lam,
+                                                     values, norm=algo.adv_norm, gamma=algo.gamma, lam=algo.lam,
                                                      global_kl_scale=algo.global_kl_scale))
     adv, returns = est.adv, est.returns  # (N,) or (N, T)
     tis, mismatch = engine_mismatch(old, rollouts, mask, rollout)  # vLLM's numerics vs the trainer's

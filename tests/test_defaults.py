@@ -91,3 +91,41 @@ def test_loss_coefficients_have_no_second_default():
         for knob in ("beta", "eps_low", "eps_high", "loss_agg", "surrogate", "clip_ratio_c", "entropy_coef"):
             if knob in sig.parameters:
                 assert sig.parameters[knob].default is inspect.Parameter.empty, (fn.__name__, knob)
+
+
+def test_advantage_knobs_have_algoconfig_as_their_only_home():
+    """algo.adv_norm, gamma, lam and global_kl_scale were restated as defaults of AdvantageInputs and advantages()."""
+    from ema_pg.advantages import AdvantageInputs
+    from ema_pg.losses import advantages
+
+    fields = {f.name: f for f in dataclasses.fields(AdvantageInputs)}
+    algo = defaults_of(C.AlgoConfig)
+    for knob, algo_key in (("norm", "adv_norm"), ("gamma", "gamma"), ("lam", "lam"), ("global_kl_scale", "global_kl_scale")):
+        assert algo_key in algo
+        f = fields[knob]
+        assert f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING, knob
+    assert inspect.signature(advantages).parameters["norm"].default is inspect.Parameter.empty
+
+
+def test_the_reports_read_the_estimators_clip_defaults_from_the_registry(monkeypatch):
+    """Fig 9's default clips were typed again in workbench/reports.py."""
+    import importlib
+
+    import ema_pg.workbench.reports as reports
+
+    spec = ESTIMATORS["topk_forward"]
+    monkeypatch.setitem(ESTIMATORS, "topk_forward", dataclasses.replace(spec, defaults={**spec.defaults, "iw_clip": (0.0, 3.5)}))
+    try:
+        assert importlib.reload(reports)._DEFAULT_CLIP["forward"] == "[0, 3.5]"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(reports)
+    assert reports._DEFAULT_CLIP == {"forward": "[0, 2.5]", "reverse": "[0, 10]"}
+
+
+def test_the_architecture_keys_are_written_once():
+    """A stage's fixed keys restated the cold start's architecture keys (runs.STAGE_FIXED beside sft.ARCH_KEYS)."""
+    from ema_pg.engine.runs import STAGE_FIXED
+
+    assert {f"model.{k}" for k in C.ARCH_KEYS} <= set(STAGE_FIXED)
+    assert set(C.ARCH_KEYS) <= {f.name for f in dataclasses.fields(C.ModelConfig)}

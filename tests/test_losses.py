@@ -35,7 +35,7 @@ def test_constant_group_gives_zero_advantage_not_nan():
     assert a[:2].tolist() == [0.0, 0.0] and torch.isfinite(a).all()
 
 
-@pytest.mark.parametrize("kw,match", [({"group_size": 1}, "group_size must be >= 2"), ({"group_size": 3}, "multiple of group_size"),
+@pytest.mark.parametrize("kw,match", [({"group_size": 1, "norm": "group"}, "group_size must be >= 2"), ({"group_size": 3, "norm": "group"}, "multiple of group_size"),
                                       ({"group_size": 4, "norm": "batch"}, "group, global, none")])
 def test_advantage_errors(kw, match):
     with pytest.raises(ValueError, match=match):

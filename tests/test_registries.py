@@ -10,7 +10,8 @@ from ema_pg.losses import SURROGATES, grpo_loss, gspo_surrogate
 
 def inputs(rewards, group_size, lengths, T=3):
     mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
-    return AdvantageInputs(torch.tensor(rewards, dtype=torch.float32), group_size, mask, mask, global_kl_scale=True)
+    return AdvantageInputs(torch.tensor(rewards, dtype=torch.float32), group_size, mask, mask, norm="group", gamma=1.0,
+                           lam=1.0, global_kl_scale=True)
 
 
 def test_rloo_is_the_leave_one_out_baseline_by_hand():

@@ -184,8 +184,8 @@ def test_group_estimator_returns_the_kl_scale_by_hand():
 
     r = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0])
     mask = torch.ones(8, 3)
-    on = ADVANTAGES["group"](AdvantageInputs(r, 4, mask, mask, norm="global", global_kl_scale=True))
+    on = ADVANTAGES["group"](AdvantageInputs(r, 4, mask, mask, norm="global", gamma=1.0, lam=1.0, global_kl_scale=True))
     assert on.kl_scale == pytest.approx(1 / (0.5 + 1e-6), rel=1e-12)
     assert torch.allclose(on.adv, torch.tensor([.75, -.25, -.25, -.25, .5, .5, -.5, -.5]) / (0.5 + 1e-6))
     for norm, flag in (("global", False), ("group", True), ("none", True)):
-        assert ADVANTAGES["group"](AdvantageInputs(r, 4, mask, mask, norm=norm, global_kl_scale=flag)).kl_scale == 1.0
+        assert ADVANTAGES["group"](AdvantageInputs(r, 4, mask, mask, norm=norm, gamma=1.0, lam=1.0, global_kl_scale=flag)).kl_scale == 1.0

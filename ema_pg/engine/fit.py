@@ -38,7 +38,7 @@ from .plotting import plot_run
 from .policy import build_policy
 from .owner import release_run_dir
 from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multirun, is_rank_zero, job_folder,
-                   make_loggers, open_run, record_failure, record_run)
+                   make_loggers, open_run, outcome, record_failure, record_run)
 from .strategies import build_strategy
 
 log = logging.getLogger("ema_pg")
@@ -156,9 +156,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
             atomic_write(run_dir / "eval.json", json.dumps(final, indent=2))
         plot = plot_run(run_dir)
     metric = task_metric(cfg.task.name, cfg.task.get("target"))
-    metrics = {f"eval/avg/{metric}": final.get("avg", float("nan")), "iteration": module.iteration,
-               "base/avg": base,
-               **module.last_metrics}
+    metrics = {**outcome(metric, final.get("avg", float("nan")), module.iteration, base), **module.last_metrics}
     return metrics, {"module": module, "trainer": trainer, "run_dir": run_dir, "plot": plot, "cfg": cfg}
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import ConfigError, fill_defaults, flatten, validate
+from ..config import ARCH_KEYS, ConfigError, fill_defaults, flatten, validate
 from .files import atomic_write
 from .owner import CLAIM, claim_run_dir, own_run_dir
 from .policy import checkpoint_file, checkpoint_iteration, save_run_model
@@ -222,6 +222,12 @@ def resolve_resume(cfg, composed: bool = False) -> DictConfig:
     return cfg
 
 
+def outcome(metric: str, avg: float, iteration: int | None, base: float = float("nan"), **extra) -> dict:
+    """A run's outcome record, as ``train`` returns it and a sweep or a search reads it: the final average of the
+    task's metric (``eval/avg/<metric>``), the iteration it reached, and the base policy's average (``base/avg``)."""
+    return {f"eval/avg/{metric}": avg, "iteration": iteration, "base/avg": base, **extra}
+
+
 def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
     """The final metrics of a run folder that already finished ``iterations`` iterations (else None)."""
     f = Path(run_dir) / "eval.json"
@@ -230,8 +236,8 @@ def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
     final = json.loads(f.read_text())
     if final.get("iteration", -1) < iterations:
         return None
-    return {f"eval/avg/{final.get('metric', 'em')}": final.get("avg", float("nan")), "iteration": final["iteration"],
-            "base/avg": final.get("base_avg", float("nan"))}
+    return outcome(final.get("metric", "em"), final.get("avg", float("nan")), final["iteration"],
+                   final.get("base_avg", float("nan")))
 
 
 def upgraded(saved: DictConfig) -> DictConfig:
@@ -390,8 +396,7 @@ def readable_checkpoint(run_dir: Path) -> tuple[Path, dict]:
 
 
 #: what a stage (init_from) must share with the run it continues: the same network, tokenizer and task
-STAGE_FIXED = ("model.name", "model.path", "model.hidden_size", "model.num_layers", "model.num_heads",
-               "model.num_kv_heads", "model.max_positions", "model.tokenizer_vocab", "model.lora_rank", "task.name",
+STAGE_FIXED = ("model.name", "model.path", *(f"model.{k}" for k in ARCH_KEYS), "model.lora_rank", "task.name",
                "anchor.name", "algo.advantage", "seed")
 
 
@@ -458,9 +463,9 @@ def open_run(cfg: DictConfig) -> OpenedRun:
         if failed is not None and failed.get("kind") == "diverged":  # deterministic: it would diverge again
             from ..tasks import task_metric  # (math's is acc: a skipped math run once reported eval/avg/em)
 
-            metric = f"eval/avg/{task_metric(cfg.task.name, cfg.task.get('target'))}"
-            return OpenedRun(cfg, run_dir, skipped={metric: float("nan"), "iteration": failed.get("checkpoint_iteration"),
-                                                    "base/avg": float("nan"), "failed": failed["error"]})
+            return OpenedRun(cfg, run_dir, skipped=outcome(task_metric(cfg.task.name, cfg.task.get("target")),
+                                                           float("nan"), failed.get("checkpoint_iteration"),
+                                                           failed=failed["error"]))
         if checkpoint_file(run_dir) is not None:
             cfg.resume, composed = str(run_dir), True
     if cfg.get("resume"):

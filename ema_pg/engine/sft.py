@@ -22,16 +22,13 @@ import torch
 from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
-from ..config import SFT_SCHEDULES, SFTConfig
+from ..config import ARCH_KEYS, SFT_SCHEDULES, SFTConfig
 from .files import file_lock
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ..rollout import HFSampler
 from ..tasks.base import Prompt, checked_reward
 
 log = logging.getLogger(__name__)
-
-
-ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_positions", "tokenizer_vocab")
 
 
 #: task knobs that cannot change the tiny cold start: how prompts are rendered (the tiny tokenizer has no chat

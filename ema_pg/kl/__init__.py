@@ -1,4 +1,4 @@
-"""The KL-estimator registry (DESIGN.md, "KL-estimator contract").
+"""The KL-estimator registry (docs/algorithm.md, "The KL-estimator registry").
 
 >>> from ema_pg.kl import KLInputs, get_estimator, ESTIMATORS
 >>> est = get_estimator("topk_reverse", k=32, tail="corrected", iw_clip=(0.0, 10.0))

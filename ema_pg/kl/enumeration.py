@@ -1,4 +1,4 @@
-"""Exact expectations of an estimator by enumeration over a small vocabulary (DESIGN.md).
+"""Exact expectations of an estimator by enumeration over a small vocabulary (docs/algorithm.md, "The KL-estimator registry").
 
 With B = V rows, row j holding sampled token j, E_p[f] = sum_j sg(pi_sampling(j)) f_j, and
 E_p[grad f] is the autograd gradient of that sum with respect to the policy logits. No

@@ -17,10 +17,11 @@ from pathlib import Path
 import pandas as pd
 
 from ..cli import command_parser
-from .results import METHOD_LABELS, TAIL_VARIANTS, ablation_report, load_runs
+from ..kl import ESTIMATORS
+from .results import METHOD_LABELS, TAIL_VARIANTS, ablation_report, clip_label, load_runs
 
-#: Fig 9: the clip each direction uses by default (the estimators' registry defaults)
-_DEFAULT_CLIP = {"forward": "[0, 2.5]", "reverse": "[0, 10]"}
+#: Fig 9: the clip each direction uses by default, read from the estimators' registry (its one home)
+_DEFAULT_CLIP = {d: clip_label(ESTIMATORS[f"topk_{d}"].defaults["iw_clip"]) for d in ("forward", "reverse")}
 
 
 @dataclass(frozen=True)

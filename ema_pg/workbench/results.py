@@ -77,12 +77,17 @@ def derived_columns(cfg: dict) -> dict:
     d["anchor_scheme"] = scheme_of(dict(cfg.get("anchor", {})))
     clip = est.params.get("iw_clip")
     if clip is not None:
-        d["iw_clip"] = f"[{clip[0]:g}, {clip[1]:g}]"
+        d["iw_clip"] = clip_label(clip)
     if "tail" in est.params:
         d["tail"] = est.params["tail"]
         d["tail_variant"] = ("truncated" if est.params["tail"] == "none" else
                              "tail_no_iw" if tuple(clip) == (1.0, 1.0) else "tail_iw")
     return d
+
+
+def clip_label(clip) -> str:
+    """An importance-weight clip (s_min, s_max) as the reports group runs by it: ``[0, 2.5]``."""
+    return f"[{clip[0]:g}, {clip[1]:g}]"
 
 
 def wall_seconds(run: Path, final: dict, metrics: pd.DataFrame) -> float:
@@ -427,7 +432,7 @@ def unpaired_seeds(runs: pd.DataFrame) -> list[str]:
     difference between them paired. Their evaluations at iteration 0 must then agree exactly. They do not
     when the base policy was made again on another kind of machine (its float kernels round differently),
     or by other code: the seed's differences compare two starting points, not two methods."""
-    from ..engine.sft import ARCH_KEYS
+    from ..config import ARCH_KEYS
 
     base = [c for c in runs.columns if c.startswith("base/")]
     if not base or "seed" not in runs or not len(runs):

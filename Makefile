@@ -68,12 +68,12 @@ reproduce-table2: setup ## Table 2: the methods x seeds on search QA, then resul
 reproduce-table3: setup ## Table 3 + Fig 3: GRPO vs EMA anchor on the math track, Pass@1/Pass@16 beside the paper's (SCALE=smoke|mini|full)
 	$(PY) -m ema_pg.reproduce table3 --scale $(SCALE) $(ARGS)
 
-optuna: setup ## Optuna study (SQLite): make optuna STUDY=ema_topk [TRIALS=20] [WORKERS=2]
+optuna: setup ## Optuna study (its file's storage: SQLite or PostgreSQL): make optuna STUDY=ema_topk [TRIALS=20] [WORKERS=2]
 	$(PY) -m ema_pg.hpo conf/hparams_search/$(or $(STUDY),ema_topk).yaml $(if $(TRIALS),--n-trials $(TRIALS)) $(if $(WORKERS),--workers $(WORKERS)) $(ARGS)
 
 dashboard: setup ## Open an Optuna study in optuna-dashboard: make dashboard STUDY=ema_topk
 	$(PY) -m pip install -q optuna-dashboard
-	$(VENV)/bin/optuna-dashboard sqlite:///runs/optuna/$(or $(STUDY),ema_topk).db
+	$(VENV)/bin/optuna-dashboard "$$($(PY) -c "from ema_pg.workbench.hpo import load_study_spec as s; print(s('conf/hparams_search/$(or $(STUDY),ema_topk).yaml').storage)")"
 
 search-table: setup ## Search QA: the base policy's 7-split EM table, beside the CoT and RAG baselines
 	$(PY) -m ema_pg.evaluate base experiment=search $(ARGS)

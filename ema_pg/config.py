@@ -228,14 +228,10 @@ class AnchorConfig:
     update_after: int | None = None  #: bema: tau, the iteration at which theta_0 and the EMA start from the policy
 
     def check(self) -> None:
-        """The scheme's own check (its registry entry), and what a teacher needs."""
+        """The group's own ranges (the scheme's parameters are checked where :func:`validate` binds it, once)."""
         _at_least(("anchor.eval_every", self.eval_every, 0))
         if self.align not in ANCHOR_ALIGNS:
             _bad(f"anchor.align={self.align!r}; choose one of: {', '.join(ANCHOR_ALIGNS)}")
-        scheme = build_scheme(self)
-        if scheme is not None and not scheme.spec.follows and not self.path:
-            _bad("anchor=teacher needs model.teacher_path=DIR, a local model folder (save_pretrained) with the "
-                 "policy's tokenizer")
 
 
 @dataclass
@@ -540,14 +536,15 @@ def kl_params(kl_cfg) -> dict:
     return out
 
 
-def fill_defaults(cfg: DictConfig, estimator=None) -> DictConfig:
-    """Write the estimator parameters in force (registry defaults included) into ``cfg.kl``.
+def fill_defaults(cfg: DictConfig, bound: "Binding | None" = None) -> DictConfig:
+    """Write the estimator's and the anchor scheme's parameters in force (registry defaults included) into ``cfg.kl``
+    and ``cfg.anchor``, and return ``cfg``. Give it a copy: the run's own config is the one :func:`validate` bound.
 
     The saved ``config.yaml`` then states every value the run used, and two configs that run the
     same estimator compare equal whether or not a default was spelled out.
     """
-    est = estimator or build_estimator(cfg.kl)
-    scheme = build_scheme(cfg.anchor)
+    est = bound.estimator if bound is not None else build_estimator(cfg.kl)
+    scheme = bound.scheme if bound is not None else build_scheme(cfg.anchor)
     with open_dict(cfg):
         for key, v in est.params.items():
             cfg.kl[key] = list(v) if isinstance(v, tuple) else v
@@ -727,12 +724,22 @@ def validate_world(cfg, world: int) -> None:
              f"per-process share divides each process's {rows} rows")
 
 
-def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, estimator=None):
-    """Start-up validation; raises ConfigError naming the knob and the fix. Returns the run's KL estimator
-    (``estimator``, when given, is the one built by an earlier call: it is not built again).
+@dataclass(frozen=True)
+class Binding:
+    """What a run runs, bound once from its config by :func:`validate`: the KL estimator (``ema_pg.kl``) and the
+    anchor scheme (``ema_pg.anchors``; None for anchor=none), each with its registry defaults resolved. The run's
+    consumers take them from here, never from the config again."""
+
+    estimator: object
+    scheme: object | None
+
+
+def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) -> Binding:
+    """Start-up validation; raises ConfigError naming the knob and the fix. Returns the run's :class:`Binding`.
 
     Each group's own ranges are checked beside its fields (``AlgoConfig.check``, ...); the rules that
-    span groups are here. ``vocab_size`` and ``head_dim`` (the built model's) add the checks that need the model."""
+    span groups are here. ``vocab_size`` and ``head_dim`` (the built model's) add the checks that need the model
+    (:func:`validate_model`, which a run calls once its model is built)."""
     _check_finite(cfg)
     _check_known_keys(cfg)
     types = {f.name: f.default_factory for f in fields(Config) if f.name in CHECKED_GROUPS}
@@ -748,7 +755,10 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if not (0 <= a.overlong_buffer < ro.max_new_tokens) or a.overlong_penalty < 0:
         _bad(f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={ro.max_new_tokens}) and "
              f"algo.overlong_penalty >= 0; got {a.overlong_buffer}, {a.overlong_penalty} (0 = no overlong penalty)")
-    scheme = build_scheme(an)
+    scheme = build_scheme(an)  # bound here, once
+    if scheme is not None and not scheme.spec.follows and not an.path:
+        _bad("anchor=teacher needs model.teacher_path=DIR, a local model folder (save_pretrained) with the "
+             "policy's tokenizer")
     if cfg.monitor.every and (scheme is None or scheme.params.get("eta") is None):
         _bad(f"monitor.every: the stability bound (eq. 28) reads the anchor's eta; anchor={an.name} has none: use "
              "anchor=ema, fixed or reset, or monitor.every=0")
@@ -781,9 +791,7 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     tiny = is_tiny(m)
     if m.name == "local" and tiny:
         _bad("model=local needs model.path=DIR, a local folder saved with save_pretrained (or use model=tiny)")
-    est = estimator or build_estimator(cfg.kl)
-    if vocab_size is not None and est.k > vocab_size:
-        _bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
+    est = build_estimator(cfg.kl)
     if tiny and est.k > m.tokenizer_vocab:  # known before the cold start builds anything
         _bad(f"kl.k={est.k} is larger than the vocabulary of the tiny model (model.tokenizer_vocab="
              f"{m.tokenizer_vocab}); choose kl.k <= {m.tokenizer_vocab}")
@@ -791,6 +799,16 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
     if world is not None:  # else the module's setup checks it, once Lightning has counted the processes
         validate_world(cfg, world)
     _check_installed(cfg)
+    bound = Binding(est, scheme)
+    validate_model(cfg, bound, vocab_size, head_dim)
+    return bound
+
+
+def validate_model(cfg, bound: Binding, vocab_size: int | None = None, head_dim: int | None = None) -> None:
+    """The checks that need the built model: the vocabulary against kl.k, the head size against vLLM's CPU kernels."""
+    est, ro = bound.estimator, cfg.rollout
+    if vocab_size is not None and est.k > vocab_size:
+        _bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
     if ro.name == "vllm" and head_dim is not None:
         import torch
 
@@ -800,4 +818,3 @@ def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None, es
             _bad(f"rollout=vllm on CPU: the model's head size is {head_dim} but vLLM's CPU attention takes only "
                  f"{', '.join(map(str, CPU_HEAD_DIMS))}; change model.hidden_size / model.num_heads "
                  "(e.g. 64 / 2) or use rollout=hf")
-    return est

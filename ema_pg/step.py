@@ -9,7 +9,7 @@
     for epoch in range(ppo_epochs):                             # Lambda passes, minibatch updates (_update)
         cur  = head(policy, minibatch, index=q_n)               # with grad
         kl   = estimator(KLInputs(...))                         # (mb, T)
-        loss = grpo_loss(cur, old, adv, mask, kl)  ->  updater.step(loss)   (J: algo.loss = ppo | gspo | cispo)
+        loss = grpo_loss(cur, old, adv, mask, kl)  ->  updater.step(loss)   (J: algo.loss = ppo | gspo | cispo | dppo_*)
         critic.update(minibatch, values, returns)               # PPO only
 
 The anchor's scheme is not part of the step: the caller applies it after the step and after each
@@ -475,7 +475,8 @@ def _update(it_seed: int, *, policy, rollouts, scores, scorer, adv, mask, tis, e
             chunk, critic, values, returns, grad_ratio, beta) -> dict[str, float]:
     """``algo.ppo_epochs`` passes of minibatch updates (Alg 3, lines 13-23); the mean of each update's metrics.
 
-    ``beta`` is the token KL's weight: ``algo.beta``, over the batch std under ``algo.global_kl_scale``."""
+    ``beta`` is the token KL's weight in force: the KL controller's (``algo.beta`` under ``algo.kl_ctrl=fixed``),
+    over the batch std under ``algo.global_kl_scale``."""
     n_rows = len(rollouts)
     minibatch = algo.minibatch_size // world.size or n_rows  # per rank
     order_gen = torch.Generator().manual_seed(it_seed)
@@ -513,7 +514,7 @@ def _minibatch_update(rows: Tensor, *, policy, rollouts, scores, scorer, adv, ma
     each one's forward, KL and loss (its share of the minibatch's aggregation, so the gradients add up to the whole
     minibatch's), then its backward, before the next one's forward; then the critic's step on the same rows."""
     old, anchor = scores.old, scores.anchor
-    token_kl = algo.beta != 0.0 and algo.reward_kl == "none" and estimator.name != "none"
+    token_kl = beta != 0.0 and algo.reward_kl == "none" and estimator.name != "none"  # the beta in force
     parts = [rows[g] for g in micro_batches(rollouts.select(rows), algo.max_tokens_per_microbatch, world)]
     share = None if len(parts) == 1 else Share(tokens=float(mask[rows].sum()), rows=len(rows))
     weight = 1.0

@@ -84,3 +84,48 @@ def race_for_folder(folder: Path, attempt: str, n: int, tmp_path: Path) -> list[
             p.kill()
             p.wait()
             p.stdout.close()
+
+
+def postgres_server(tmp_root: Path | None = None):
+    """A real PostgreSQL server from Debian's package, started for a test (a context manager yielding its SQLAlchemy
+    URL, ``postgresql+psycopg2://postgres@/optuna?host=SOCKET_DIR&port=PORT``): initdb into a fresh folder, a Unix
+    socket only, trust authentication, one database ``optuna``; stopped and removed at the end. As root (CI, this
+    machine) the server runs as the ``postgres`` user the package created."""
+    import contextlib
+    import glob
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    @contextlib.contextmanager
+    def server():
+        bindir = next(iter(sorted(glob.glob("/usr/lib/postgresql/*/bin"))[::-1]), None)
+        initdb = shutil.which("initdb") or (bindir and f"{bindir}/initdb")
+        pg_ctl = shutil.which("pg_ctl") or (bindir and f"{bindir}/pg_ctl")
+        if not (initdb and pg_ctl and shutil.which("psql")):
+            raise RuntimeError("PostgreSQL is not installed: apt-get install postgresql (Debian's package)")
+        root = Path(tempfile.mkdtemp(prefix="ema_pg_pg_", dir=tmp_root))  # /tmp: the postgres user must reach it
+        as_user = []
+        if os.geteuid() == 0:
+            import pwd
+
+            pw = pwd.getpwnam("postgres")
+            os.chown(root, pw.pw_uid, pw.pw_gid)
+            as_user = ["runuser", "-u", "postgres", "--"]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        data, log = root / "data", root / "server.log"
+        run = lambda *cmd: subprocess.run([*as_user, *cmd], check=True, capture_output=True, text=True)  # noqa: E731
+        run(initdb, "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync")
+        run(pg_ctl, "-D", str(data), "-l", str(log), "-w", "-o", f"-k {root} -p {port} -c listen_addresses=''", "start")
+        try:
+            run("psql", "-h", str(root), "-p", str(port), "-U", "postgres", "-c", "CREATE DATABASE optuna")
+            yield f"postgresql+psycopg2://postgres@/optuna?host={root}&port={port}"
+        finally:
+            subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True)
+            shutil.rmtree(root, ignore_errors=True)
+
+    return server()

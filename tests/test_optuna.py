@@ -230,3 +230,49 @@ def test_a_sigtermed_worker_saves_its_trials_iteration_exits_75_and_the_same_com
     trials = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/t.db").get_trials()
     assert trials[1].state == TrialState.COMPLETE and trials[1].params == trials[0].params
     assert trials[1].user_attrs["run_dir"] == str(run)
+
+
+@pytest.mark.slow  # a PostgreSQL server and three worker processes: about a minute
+def test_a_study_on_a_postgresql_server_survives_a_killed_worker_and_resumes(tmp_path):
+    """The study's storage a real PostgreSQL server (Debian's package, started here as CI starts it): two workers on
+    it, one SIGKILLed mid-trial; the other fails the stale trial and re-queues it with its point, the study ends with
+    n_trials complete, none run twice; the same command run again finds it finished."""
+    import signal
+    import time
+
+    from helpers import postgres_server
+
+    n = 4
+    with postgres_server() as url:
+        f = study_file(tmp_path, n_trials=n, storage=url, heartbeat_interval=1, grace_period=4,
+                       runs_dir=str(tmp_path / "trials"),
+                       overrides=["experiment=demo", *TINY_RUN, "algo.iterations=8", "algo.eval_every=2",
+                                  f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "ema_pg.hpo", str(f)]
+        logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(2)]
+        procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=ROOT, env=env, stdout=logs[i],
+                                  stderr=subprocess.STDOUT) for i in range(2)]
+        victim, killed, t0 = procs[1], None, time.time()
+        while killed is None and time.time() - t0 < 600:
+            time.sleep(0.5)
+            try:
+                study = optuna.load_study(study_name="t", storage=url)
+            except KeyError:
+                continue
+            mine = [t for t in study.get_trials(states=(TrialState.RUNNING,))
+                    if t.user_attrs.get("worker", "").endswith(f":{victim.pid}")]
+            if mine:
+                victim.send_signal(signal.SIGKILL)
+                killed = mine[0]
+        assert killed is not None, "the victim never started a trial"
+        assert procs[0].wait(timeout=900) == 0, (tmp_path / "worker0.log").read_text()[-3000:]
+        trials = optuna.load_study(study_name="t", storage=url).get_trials()
+        complete = [t for t in trials if t.state == TrialState.COMPLETE]
+        assert len(complete) == n and len({tuple(sorted(t.params.items())) for t in complete}) == n
+        assert next(t for t in trials if t.number == killed.number).state == TrialState.FAIL
+        retry = [t for t in complete if t.user_attrs.get("run_dir") == killed.user_attrs["run_dir"]]
+        assert len(retry) == 1 and retry[0].params == killed.params
+        again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-2000:]
+        assert len(optuna.load_study(study_name="t", storage=url).get_trials()) == len(trials)  # nothing run twice

@@ -459,3 +459,28 @@ def test_the_policys_optimizer_step_is_seen_by_the_engines_weight_sync(full_run)
     module.policy.zero_grad(set_to_none=True)
     module.policy.load_state_dict(saved)
     assert moved
+
+
+def test_a_run_binds_its_estimator_and_anchor_scheme_once_and_leaves_the_callers_config_as_it_was(tmp_path,
+                                                                                                  monkeypatch):
+    """validate ran twice and the scheme was built about six times in one run, and the registry defaults were written
+    back into the caller's config, which the stability monitor then read (anchor.eta)."""
+    import ema_pg.config as C
+
+    counts = {"build_scheme": 0, "build_estimator": 0}
+    for name in counts:
+        real = getattr(C, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            counts[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(C, name, counted)
+    cfg = compose_cfg(["algo.iterations=2", "monitor.every=1", "monitor.num_sequences=2"], tmp_path)
+    before = OmegaConf.to_container(cfg, resolve=False)
+    _, objs = train(cfg)
+    assert counts == {"build_scheme": 1, "build_estimator": 1}
+    assert OmegaConf.to_container(cfg, resolve=False) == before and cfg.anchor.eta is None  # the caller's, untouched
+    saved = OmegaConf.load(objs["run_dir"] / "config.yaml")
+    assert saved.anchor.eta == 0.9 and saved.kl.k == 32  # the folder records the values in force
+    assert objs["module"].monitor.eta == 0.9  # from the bound scheme

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
-from ..config import ConfigError, build_scheme, is_deepspeed, validate
+from ..config import ConfigError, is_deepspeed, validate_model
 from ..step import NonFiniteUpdates
 from ..heads import check_head
 from ..packing import pack_problem
@@ -80,8 +80,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
     except (ValueError, ServiceError, NotImplementedError) as e:  # NoColdStart is a ValueError
         raise ConfigError(str(e)) from None
     mc = policy.config
-    validate(cfg, vocab_size=mc.vocab_size, estimator=opened.estimator,
-             head_dim=head_dim(mc))
+    validate_model(cfg, opened.bound, vocab_size=mc.vocab_size, head_dim=head_dim(mc))
     check_fits(cfg, policy, task, encode)
     k, n = cfg.rollout.max_staleness, cfg.algo.iterations
     if k and k >= n - 1:  # batch t is sampled by version max(0, t - k): all of them by the initial policy
@@ -97,14 +96,14 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
             raise ConfigError(f"model.lora_targets={cfg.model.lora_targets!r}: {str(e).splitlines()[0]}") from None
     anchor = None
     if cfg.anchor.name != "none":
-        anchor = AnchorCallback(build_scheme(cfg.anchor), cfg.anchor.eval_every, cfg.anchor.path)
+        anchor = AnchorCallback(opened.bound.scheme, cfg.anchor.eval_every, cfg.anchor.path)
         try:
             anchor.attach(policy)
         except (ValueError, ModelPathError) as e:
             raise ConfigError(str(e)) from None
         if cfg.algo.padding_free and (problem := pack_problem(anchor.model)):  # a teacher of another architecture
             raise ConfigError(f"the anchor: {problem}")
-    module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, estimator=opened.estimator)
+    module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, estimator=opened.bound.estimator)
     if is_rank_zero():  # what runs, once: model, task, estimator, anchor, and one prompt as the model reads it
         a, precision = cfg.algo, str(cfg.trainer.precision)
         numbers = cfg.model.dtype if precision.startswith("32") else f"{cfg.model.dtype}, {precision}"  # 32, 32-true

@@ -119,7 +119,8 @@ class GRPOModule(L.LightningModule):
 
             self.critic = Critic(policy, cfg.algo.critic_lr, cfg.algo.cliprange_value, cfg.algo.grad_clip)
             self.value_model = self.critic.model  # a submodule: it moves with the module
-        self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, cfg.anchor.eta)
+        eta = None if anchor is None else anchor.scheme.params.get("eta")  # the bound scheme's, not the config's
+        self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, eta)
         self.kl_ctrl = build_kl_controller(cfg.algo)  # beta in force: algo.beta, or the adaptive controller's
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
         self.ahead = None  # rollout.max_staleness > 0: the rollout worker (ema_pg.engine.ahead), started at the first step

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import ARCH_KEYS, ConfigError, fill_defaults, flatten, validate
+from ..config import ARCH_KEYS, Binding, ConfigError, fill_defaults, flatten, validate
 from .files import atomic_write
 from .owner import CLAIM, claim_run_dir, own_run_dir
 from .policy import checkpoint_file, checkpoint_iteration, save_run_model
@@ -236,7 +236,9 @@ def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
     final = json.loads(f.read_text())
     if final.get("iteration", -1) < iterations:
         return None
-    return outcome(final.get("metric", "em"), final.get("avg", float("nan")), final["iteration"],
+    from .evaluate import result_metric
+
+    return outcome(result_metric(final), final.get("avg", float("nan")), final["iteration"],
                    final.get("base_avg", float("nan")))
 
 
@@ -433,7 +435,7 @@ class OpenedRun:
     ckpt_path: str | None = None
     resume_step: int | None = None
     skipped: dict | None = None
-    estimator: object = None  #: the run's KL estimator, built once (ema_pg.kl.Estimator)
+    bound: Binding | None = None  #: what the run runs, bound once from its config (estimator, anchor scheme)
 
 
 def open_run(cfg: DictConfig) -> OpenedRun:
@@ -470,8 +472,8 @@ def open_run(cfg: DictConfig) -> OpenedRun:
             cfg.resume, composed = str(run_dir), True
     if cfg.get("resume"):
         cfg = resolve_resume(cfg, composed=composed)
-    estimator = validate(cfg)
-    fill_defaults(cfg, estimator)
+    bound = validate(cfg)  # once per run: the consumers take the estimator and the anchor scheme from ``bound``
+    cfg = fill_defaults(cfg.copy(), bound)  # the run's config states every value in force; the caller's is left as is
     run_dir = Path(cfg.run_dir)
     if cfg.get("resume"):
         if checkpoint_file(run_dir) is None:
@@ -488,7 +490,7 @@ def open_run(cfg: DictConfig) -> OpenedRun:
             os.environ[RUN_DIR_ENV] = str(run_dir)  # where a failure is recorded (and the resume line points)
             adopt_hydra_output(run_dir)
         log.info("resuming %s from iteration %d", run_dir, it)
-        return OpenedRun(cfg, run_dir, str(ckpt), it, estimator=estimator)
+        return OpenedRun(cfg, run_dir, str(ckpt), it, bound=bound)
     if is_rank_zero() and cfg.get("if_exists", "error") == "resume":
         own_run_dir(run_dir)  # a sweep's fixed folder: the same command running twice must not share it
         os.environ[RUN_DIR_ENV] = str(run_dir)
@@ -505,8 +507,8 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     if cfg.get("init_from"):
         ckpt, it = stage_start(cfg, run_dir)
         log.info("stage: starting from %s at iteration %d", ckpt, it)
-        return OpenedRun(cfg, run_dir, str(ckpt), estimator=estimator)
-    return OpenedRun(cfg, run_dir, estimator=estimator)
+        return OpenedRun(cfg, run_dir, str(ckpt), bound=bound)
+    return OpenedRun(cfg, run_dir, bound=bound)
 
 
 def check_trained_with(state: dict, cfg: DictConfig, ckpt: Path) -> None:

@@ -88,6 +88,9 @@ REPORTS: dict[str, Report | Callable] = {
                               "k3_plus", "k3_clamp", "abs", "token_sum", "lora", "ppo")),
     "beta0_collapse": Report("§6: beta = 0 collapses where a small beta with the EMA anchor does not (lr 7e-4)",
                              x="algo.beta", order=("0.0", "0.01", "0.05")),
+    "reasoning_gym_suite": Report("reasoning-gym's suite: EMA anchor and Top-k reverse KL vs GRPO (mean held-out "
+                                  "score over its datasets)", x="method", labels=METHOD_LABELS,
+                                  order=("grpo", "ema", "ema_topk_reverse")),
     "async_anchor": _async_anchor,
     "table2": _table2,
     "table3": _table3,

@@ -104,7 +104,7 @@ def test_reasoning_gyms_verdicts_stand_beside_the_search_worlds_not_over_them(tm
             looks[["mean_diff", "lo", "hi"]] -= 1.0  # numbers of its own
         looks.to_csv(d / "looks.csv", index=False)
     page = claims.render(claims.all_verdicts(tmp_path)).split("## History")[0]
-    rg = [ln for ln in page.splitlines() if "asked on reasoning-gym" in ln]
+    rg = [ln for ln in page.splitlines() if "asked on tasks nobody here wrote" in ln]
     assert len(rg) == 2 and all("(reasoning_gym/suite/looks.csv)" in ln for ln in rg), rg
     search = [ln for ln in page.splitlines() if ln.startswith("| EMA anchor > GRPO (average EM)")]
     assert len(search) == 1 and "(table2/claims/looks.csv)" in search[0]

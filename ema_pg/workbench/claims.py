@@ -204,12 +204,12 @@ class PaperClaim:
 #: the paper's claims we test, each matched to the verdict rows that test it (one home for the mapping)
 PAPER_CLAIMS = (
     PaperClaim("T2-1", "Table 2, §6", "EMA anchor > GRPO (average EM)", r"^(P1$|EMA anchor > GRPO)"),
-    PaperClaim("T2-1rg", "Table 2, §6; asked on reasoning-gym", "EMA anchor > GRPO, on tasks nobody here wrote",
+    PaperClaim("T2-1rg", "Table 2, §6; asked on tasks nobody here wrote", "EMA anchor > GRPO, on reasoning-gym's suite",
                r"^(P1$|EMA anchor > GRPO)"),
     PaperClaim("T2-2", "Table 2, §6", "Top-k forward KL > K3, both with the EMA anchor", r"^(P2$|Top-k forward > K3)"),
     PaperClaim("T2-3", "Table 2, §6", "Top-k reverse KL > K3, both with the EMA anchor", r"^(P3$|Top-k reverse > K3)"),
-    PaperClaim("T2-3rg", "Table 2, §6; asked on reasoning-gym", "Top-k reverse KL > K3, both with the EMA anchor, "
-               "on tasks nobody here wrote", r"^(P3$|Top-k reverse > K3)"),
+    PaperClaim("T2-3rg", "Table 2, §6; asked on tasks nobody here wrote", "Top-k reverse > K3, both with the EMA "
+               "anchor, on reasoning-gym's suite", r"^(P3$|Top-k reverse > K3)"),
     PaperClaim("T2-4", "Table 2, §6", "token-level KL beats sequence-level KL: GRPO > WARP", r"^(P4$|GRPO > WARP)"),
     PaperClaim("T2-5", "Table 2, §6", "RL raises multi-hop EM (Top-k reverse > before RL)", r"^(P5$|RL raises multi-hop EM: Top-k)"),
     PaperClaim("T2-6", "Table 2, §6", "RL raises multi-hop EM (GRPO > before RL)", r"^(P6$|RL raises multi-hop EM: GRPO)"),

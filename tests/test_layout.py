@@ -74,3 +74,21 @@ def test_a_commands_usage_names_it_as_typed(monkeypatch):
     assert typed_command(str(ROOT / "tests" / "test_layout.py")) is None and typed_command("/usr/bin/pytest") is None
     monkeypatch.setattr("sys.argv", [str(ROOT / "ema_pg" / "decide.py"), "--help"])
     assert command_parser("doc").format_usage() == "usage: python -m ema_pg.decide [-h]\n"
+
+
+def test_one_entry_point_runs_every_command():
+    """`python -m ema_pg COMMAND` runs each command module (the shims stay: `python -m ema_pg.COMMAND`)."""
+    import subprocess
+    import sys
+
+    from ema_pg.__main__ import COMMANDS
+
+    entries = {m.name for m in pkgutil.iter_modules(ema_pg.__path__) if not m.ispkg
+               and 'if __name__ == "__main__":' in (ROOT / "ema_pg" / f"{m.name}.py").read_text()}
+    assert set(COMMANDS) == entries - {"__main__", "search"}  # search: hpo's earlier name, kept as an alias
+    listing = subprocess.run([sys.executable, "-m", "ema_pg"], cwd=ROOT, capture_output=True, text=True)
+    assert listing.returncode == 0 and all(f"  {c} " in listing.stdout for c in COMMANDS)
+    wrong = subprocess.run([sys.executable, "-m", "ema_pg", "decde"], cwd=ROOT, capture_output=True, text=True)
+    assert wrong.returncode == 2 and "no command 'decde'; did you mean decide?" in wrong.stderr
+    usage = subprocess.run([sys.executable, "-m", "ema_pg", "decide", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: python -m ema_pg.decide")

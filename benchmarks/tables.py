@@ -114,15 +114,15 @@ def rl_step_curve_log(files):
             got[(int(m[1]), int(m[2]))] = (float(m[4]), float(m[6]), float(m[8]))
     sizes, lengths = sorted({k[0] for k in got}), (64, 256)
     rows = []
-    for size in sizes:  # the log names a size by its nominal millions; the table by the built model's (CURVE_SIZES)
+    for size in sizes:  # the log names a size by its nominal millions, and so does the table
         for n in lengths:
-            label = f"{ {1: 1, 10: 12, 50: 61}.get(size, size)} M"
+            label = f"{size}M"
             if (size, n) in got:
                 ours, trl, ratio = got[(size, n)]
                 rows.append([label, n, f"{ours:.3f}", f"{trl:.3f}", f"{ratio:.2f}x"])
             else:
                 rows.append([label, n, "not reached", "", ""])
-    return table(["params", "completion", "ema-pg s/step", "TRL s/step", "tok/s ratio"], rows)
+    return table(["size (as the log names it)", "completion", "ema-pg s/step", "TRL s/step", "tok/s ratio"], rows)
 
 
 # ------------------------------------------------------------------------------------------------ the log-prob head
@@ -378,8 +378,7 @@ def portable_sft_across(files):
     for k, (label, _) in PORTABLE.items():
         r, digest = other[k], f"`{other[k]['digest'][:8]}`"
         if k in SAME_AS and r["digest"] == other[SAME_AS[k]]["digest"]:
-            digest += f": {'the default' if SAME_AS[k] == 'default' else 'the same'}'s" if SAME_AS[k] == "default" \
-                else ": the same"
+            digest += ": the default's" if SAME_AS[k] == "default" else ": the same"
         same = r["digest"] == here[k]["digest"]
         verdict = "yes" if same else ("**no**" if k == "neutral" else "no")
         rows.append([label, r["torch_kernels"], digest, f"{verdict} (`{here[k]['digest'][:8]}`)"])

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
+
+from .losses import aggregate
 
 KL_CTRLS = ("fixed", "adaptive")  #: algo.kl_ctrl's choices
 ERROR_CLIP = 0.2  #: the proportional error's clip (Ziegler et al. 2019; verl, OpenRLHF, TRL)
@@ -63,7 +64,6 @@ def build_kl_controller(algo) -> KLController:
 
 def response_mean_k1(old_logp: Tensor, ref_logp: Tensor, mask: Tensor) -> Tensor:
     """The controller's KL: the mean over responses of each response's mean k1 (log π_old - log π_ref) over its
-    tokens, as a 0-dim tensor (a response with no token counts 0). ``mask``: (N, T) policy tokens."""
-    m = mask.to(old_logp.dtype)
-    per_response = ((old_logp - ref_logp) * m).sum(-1) / m.sum(-1).clamp_min(1.0)
-    return per_response.mean() if len(per_response) else torch.zeros((), dtype=old_logp.dtype)
+    tokens, as a 0-dim tensor (a response with no token counts 0): the loss's own ``seq-mean-token-mean``
+    aggregation of k1. ``mask``: (N, T) policy tokens."""
+    return aggregate(old_logp - ref_logp, mask, "seq-mean-token-mean")

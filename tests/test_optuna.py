@@ -142,27 +142,20 @@ def test_two_workers_share_one_study_without_losing_or_duplicating_trials(tmp_pa
     assert len(params) == n, "the workers' samplers proposed distinct parameters"
 
 
-@pytest.mark.slow
-def test_three_workers_one_killed_the_others_requeue_its_trial_and_finish_the_study(tmp_path):
-    """A worker SIGKILLed mid-trial stops sending heartbeats; a live worker fails the stale trial and
-    re-queues it with its parameters and run folder, without any restart; the study ends with exactly
-    n_trials complete, none run twice."""
+def _workers_with_one_killed(tmp_path: Path, f: Path, storage: str, n_workers: int):
+    """Start ``n_workers`` workers on one study, SIGKILL the last the moment it runs a trial (a trial of a few
+    seconds could end during a wait on a busy machine), and wait for the others to finish (exit 0). Returns the
+    killed trial, the command and its environment."""
     import signal
     import time
 
-    n = 6
-    f = study_file(tmp_path, n_trials=n, heartbeat_interval=1, grace_period=4,
-                   overrides=["experiment=demo", *TINY_RUN, "algo.iterations=8", "algo.eval_every=2",
-                              f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "ema_pg.hpo", str(f)]
-    logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(3)]
+    logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(n_workers)]
     procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=ROOT, env=env, stdout=logs[i],
-                              stderr=subprocess.STDOUT) for i in range(3)]
-    victim = procs[2]
-    storage = f"sqlite:///{tmp_path}/t.db"
-    killed_trial, t0 = None, time.time()
-    while killed_trial is None and time.time() - t0 < 600:  # wait until the victim runs a trial, then kill it
+                              stderr=subprocess.STDOUT) for i in range(n_workers)]
+    victim, killed, t0 = procs[-1], None, time.time()
+    while killed is None and time.time() - t0 < 600:
         time.sleep(0.5)
         try:
             study = optuna.load_study(study_name="t", storage=storage)
@@ -170,20 +163,39 @@ def test_three_workers_one_killed_the_others_requeue_its_trial_and_finish_the_st
             continue
         mine = [t for t in study.get_trials(states=(TrialState.RUNNING,))
                 if t.user_attrs.get("worker", "").endswith(f":{victim.pid}")]
-        if mine:  # kill at once: a trial of a few seconds could end during a wait on a busy machine
+        if mine:
             victim.send_signal(signal.SIGKILL)
-            killed_trial = mine[0]
-    assert killed_trial is not None, "the victim never started a trial"
-    for i, p in enumerate(procs[:2]):
-        assert p.wait(timeout=900) == 0, (tmp_path / f"worker{i}.log").read_text()[-3000:]
+            killed = mine[0]
+    assert killed is not None, "the victim never started a trial"
+    for i, proc in enumerate(procs[:-1]):
+        assert proc.wait(timeout=900) == 0, (tmp_path / f"worker{i}.log").read_text()[-3000:]
+    return killed, cmd, env
+
+
+def _assert_requeued_once(storage: str, killed, n: int) -> list:
+    """The study ends with exactly ``n`` trials complete, none run twice: the killed trial failed (a live worker's
+    stale-heartbeat check) and ran again with its point and run folder. Returns the study's trials."""
     trials = optuna.load_study(study_name="t", storage=storage).get_trials()
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    assert len(complete) == n
-    killed = next(t for t in trials if t.number == killed_trial.number)
-    assert killed.state == TrialState.FAIL  # failed by a live worker's stale-heartbeat check...
-    retry = [t for t in complete if t.user_attrs.get("run_dir") == killed_trial.user_attrs["run_dir"]]
-    assert len(retry) == 1 and retry[0].params == killed_trial.params  # ...and run again with its point
-    assert len({tuple(sorted(t.params.items())) for t in complete}) == n  # no point run twice
+    assert len(complete) == n and len({tuple(sorted(t.params.items())) for t in complete}) == n
+    assert next(t for t in trials if t.number == killed.number).state == TrialState.FAIL
+    retry = [t for t in complete if t.user_attrs.get("run_dir") == killed.user_attrs["run_dir"]]
+    assert len(retry) == 1 and retry[0].params == killed.params
+    return trials
+
+
+@pytest.mark.slow
+def test_three_workers_one_killed_the_others_requeue_its_trial_and_finish_the_study(tmp_path):
+    """A worker SIGKILLed mid-trial stops sending heartbeats; a live worker fails the stale trial and
+    re-queues it with its parameters and run folder, without any restart; the study ends with exactly
+    n_trials complete, none run twice."""
+    n = 6
+    f = study_file(tmp_path, n_trials=n, heartbeat_interval=1, grace_period=4,
+                   overrides=["experiment=demo", *TINY_RUN, "algo.iterations=8", "algo.eval_every=2",
+                              f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
+    storage = f"sqlite:///{tmp_path}/t.db"
+    killed, _, _ = _workers_with_one_killed(tmp_path, f, storage, 3)
+    _assert_requeued_once(storage, killed, n)
 
 
 @pytest.mark.slow  # command-line processes, 11-15 s: the fast suite stays under 5 minutes
@@ -232,14 +244,11 @@ def test_a_sigtermed_worker_saves_its_trials_iteration_exits_75_and_the_same_com
     assert trials[1].user_attrs["run_dir"] == str(run)
 
 
-@pytest.mark.slow  # a PostgreSQL server and three worker processes: about a minute
+@pytest.mark.slow  # a PostgreSQL server, two workers and a rerun: a minute or two
 def test_a_study_on_a_postgresql_server_survives_a_killed_worker_and_resumes(tmp_path):
     """The study's storage a real PostgreSQL server (Debian's package, started here as CI starts it): two workers on
     it, one SIGKILLed mid-trial; the other fails the stale trial and re-queues it with its point, the study ends with
     n_trials complete, none run twice; the same command run again finds it finished."""
-    import signal
-    import time
-
     from helpers import postgres_server
 
     n = 4
@@ -248,31 +257,8 @@ def test_a_study_on_a_postgresql_server_survives_a_killed_worker_and_resumes(tmp
                        runs_dir=str(tmp_path / "trials"),
                        overrides=["experiment=demo", *TINY_RUN, "algo.iterations=8", "algo.eval_every=2",
                                   f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "ema_pg.hpo", str(f)]
-        logs = [open(tmp_path / f"worker{i}.log", "w") for i in range(2)]
-        procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=ROOT, env=env, stdout=logs[i],
-                                  stderr=subprocess.STDOUT) for i in range(2)]
-        victim, killed, t0 = procs[1], None, time.time()
-        while killed is None and time.time() - t0 < 600:
-            time.sleep(0.5)
-            try:
-                study = optuna.load_study(study_name="t", storage=url)
-            except KeyError:
-                continue
-            mine = [t for t in study.get_trials(states=(TrialState.RUNNING,))
-                    if t.user_attrs.get("worker", "").endswith(f":{victim.pid}")]
-            if mine:
-                victim.send_signal(signal.SIGKILL)
-                killed = mine[0]
-        assert killed is not None, "the victim never started a trial"
-        assert procs[0].wait(timeout=900) == 0, (tmp_path / "worker0.log").read_text()[-3000:]
-        trials = optuna.load_study(study_name="t", storage=url).get_trials()
-        complete = [t for t in trials if t.state == TrialState.COMPLETE]
-        assert len(complete) == n and len({tuple(sorted(t.params.items())) for t in complete}) == n
-        assert next(t for t in trials if t.number == killed.number).state == TrialState.FAIL
-        retry = [t for t in complete if t.user_attrs.get("run_dir") == killed.user_attrs["run_dir"]]
-        assert len(retry) == 1 and retry[0].params == killed.params
+        killed, cmd, env = _workers_with_one_killed(tmp_path, f, url, 2)
+        trials = _assert_requeued_once(url, killed, n)
         again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert again.returncode == 0, again.stderr[-2000:]
         assert len(optuna.load_study(study_name="t", storage=url).get_trials()) == len(trials)  # nothing run twice

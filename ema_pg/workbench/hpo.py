@@ -167,9 +167,8 @@ def check_ranges(spec: StudySpec, path: Path) -> None:
         validate(base)
     except ConfigError as e:
         raise StudyFileError(f"{path}: the study's overrides are refused by the config: {e}") from None
-    for key in spec.params:
-        if OmegaConf.select(base, key, default="__missing__") == "__missing__":
-            raise StudyFileError(f"{path}: params.{key} is not a config key; see `python -m ema_pg.train --cfg job`")
+    if unknown := _unknown_keys(base, spec.params):
+        raise StudyFileError(f"{path}: params.{unknown[0]} is not a config key; see `python -m ema_pg.train --cfg job`")
     for key, p in spec.params.items():
         for v in (p["choices"] if p["type"] == "categorical" else (p["low"], p["high"])):
             cfg = compose_trial_cfg(spec, {key: v}, runs)
@@ -207,21 +206,9 @@ def _value(v) -> str:
     return "null" if v is None else str(v)
 
 
-def _config_keys(spec: StudySpec, extra, run_dir: Path) -> set[str]:
-    """The dotted keys of the study's config without the trial's values (empty when even that does not compose)."""
-    from ..config import compose
-
-    try:
-        cfg = compose(list(spec.overrides) + list(extra) + [f"run_dir={run_dir}", "if_exists=resume"])
-    except Exception:  # noqa: BLE001 - the caller reports the composition error itself
-        return set()
-
-    def walk(node, prefix=""):
-        for k, v in node.items():
-            yield f"{prefix}{k}"
-            if OmegaConf.is_dict(v):
-                yield from walk(v, f"{prefix}{k}.")
-    return set(walk(cfg))
+def _unknown_keys(base, keys) -> list[str]:
+    """The keys among ``keys`` that the composed config ``base`` (the study's, without the trial's values) lacks."""
+    return [k for k in keys if OmegaConf.select(base, k, default="__missing__") == "__missing__"]
 
 
 def compose_trial_cfg(spec: StudySpec, params: dict, run_dir: Path, extra: list[str] = ()):
@@ -235,14 +222,13 @@ def compose_trial_cfg(spec: StudySpec, params: dict, run_dir: Path, extra: list[
     except Exception as e:  # noqa: BLE001 - Hydra's composition errors
         if not params:
             hint = "the study's overrides do not compose"
-        elif unknown := [k for k in params if k not in _config_keys(spec, extra, run_dir)]:
+        elif unknown := _unknown_keys(compose_trial_cfg(spec, {}, run_dir, extra), params):  # (its own error first)
             hint = f"params.{unknown[0]} is not a config key"
         else:  # the keys exist: the trial's values are what is refused (an int knob given 2.7)
             hint = "the trial's values " + " ".join(f"params.{k}={_value(v)}" for k, v in params.items()) + " do not compose"
         raise StudyFileError(f"{hint}: {e}".splitlines()[0] + "; see `python -m ema_pg.train --cfg job`") from None
-    for key in params:
-        if OmegaConf.select(cfg, key, default="__missing__") == "__missing__":
-            raise StudyFileError(f"params.{key} is not a config key; see `python -m ema_pg.train --cfg job`")
+    if unknown := _unknown_keys(cfg, params):
+        raise StudyFileError(f"params.{unknown[0]} is not a config key; see `python -m ema_pg.train --cfg job`")
     return cfg
 
 

@@ -42,17 +42,18 @@ steps = int(sys.argv[1])
 import ema_pg  # noqa: F401 - its thread default is set before torch starts its threads (as in a run)
 import torch
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
+from ema_pg.config import SFTConfig
 from ema_pg.engine.sft import sft_train
 from ema_pg.tasks import build_task
 task = build_task({"name": "toy_add"})
 tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
 model = build_tiny_model(len(tok), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, seed=0,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+                         tokenizer=tok)
 demos = task.demonstrations(2000, seed=0)
 sft = []
 for i in range(steps + 1):
     t = time.perf_counter()
-    sft_train(model, tok, demos, 1, 64, 2e-3, i, progress=False)
+    sft_train(model, tok, demos, SFTConfig(steps=1, batch_size=64, lr=2e-3), i, progress=False)
     sft.append(time.perf_counter() - t)
 print(json.dumps({"sft": sft[1:], "threads": torch.get_num_threads()}))
 """

@@ -91,7 +91,7 @@ def shape_batch(name: str, math_len: int, qwen: str = "qwen2.5-1.5b", device: st
         V = model.config.vocab_size
     else:
         model = build_tiny_model(V, hidden_size=hidden, num_layers=layers, num_heads=4, num_kv_heads=2, seed=0,
-                                 max_positions=P + max(lens) + 8, pad_token_id=0, eos_token_id=1)
+                                 max_positions=P + max(lens) + 8)
     T = max(lens)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(2, V, (N, P + T), generator=g)
@@ -113,7 +113,7 @@ def time_pass(model, ro, shape_budget: int, mode: str, pass_: str, reps: int, ch
 
     from ema_pg.heads import head
     from ema_pg.packing import pack
-    from ema_pg.step import micro_batches
+    from ema_pg.update import micro_batches
 
     m = MODES[mode]
     budget = shape_budget if m["budget"] is None else m["budget"]

@@ -51,7 +51,7 @@ def steps(n: int) -> dict:
 
     torch.set_num_threads(1)
     model = build_tiny_model(1024, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=512,
-                             seed=0, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+                             seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     ids = torch.randint(3, 1024, (64, 160), generator=torch.Generator().manual_seed(1))
     start = time.perf_counter()

@@ -66,7 +66,7 @@ def make_model_dir(root: Path, hidden: int, layers: int, heads: int = 4, kv_head
 
     tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     model = build_tiny_model(len(tok), hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                             intermediate_size=intermediate, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+                             intermediate_size=intermediate, tokenizer=tok)
     return save_model_dir(model, tok, root / f"model_{hidden}x{layers}")
 
 

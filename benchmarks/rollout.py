@@ -34,7 +34,7 @@ def build(size: str):
     corpus = build_task({"name": "search_qa", "seed": 0, "n_people": 200, "n_orgs": 40, "per_split": 4}).corpus()
     tok = train_bpe_tokenizer(corpus * (1 + s["vocab"] // 2000), vocab_size=s["vocab"])
     m = build_tiny_model(len(tok), hidden_size=s["hidden_size"], num_layers=s["num_layers"], num_heads=s["num_heads"],
-                         num_kv_heads=s["num_kv_heads"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                         num_kv_heads=s["num_kv_heads"], tokenizer=tok)
     with torch.no_grad():  # fixed-length responses in both backends
         m.get_output_embeddings().weight[tok.eos_token_id].zero_()
         m.get_input_embeddings().weight[tok.eos_token_id].zero_()

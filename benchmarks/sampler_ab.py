@@ -23,7 +23,7 @@ from ema_pg.tasks import build_task
 def save(path):
     tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0).eval()
+                         tokenizer=tok, seed=0).eval()
     out = {}
     def obs_fn(limit):
         calls = {"n": 0}

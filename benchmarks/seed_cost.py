@@ -125,19 +125,31 @@ def child(out: Path, argv: list[str]) -> None:
             tokens["shared"] += pack(rollouts, True).tokens
         tokens["rows"] += len(rollouts)
 
-    ph.wrap(step, "_update", "update")
-    upd = step._update
+    if hasattr(step, "_update"):  # a commit from before ema_pg.update: step._update(it_seed, rollouts=..., ...)
+        ph.wrap(step, "_update", "update")
+        upd = step._update
+        rollouts_of = lambda a, kw: kw["rollouts"]
+    else:  # step.update(it_seed, parts, batch, grad_ratio)
+        ph.wrap(step, "update", "update")
+        upd = step.update
+        rollouts_of = lambda a, kw: a[2].rollouts
 
     def counted_update(*a, **kw):
         ph.enter("benchmark's own token count")
         try:
-            count(kw["rollouts"])
+            count(rollouts_of(a, kw))
         finally:
             ph.leave()
         return upd(*a, **kw)
 
-    step._update = counted_update
-    ph.wrap(step, "grad_norms_pg_kl", "update: KL/PG gradient ratio")
+    if hasattr(step, "_update"):
+        step._update = counted_update
+        ph.wrap(step, "grad_norms_pg_kl", "update: KL/PG gradient ratio")
+    else:
+        step.update = counted_update
+        import ema_pg.update as update_mod
+
+        ph.wrap(update_mod.PgKlGrads, "add", "update: KL/PG gradient ratio")
     ph.wrap(step.OldAndAnchorScorer, "__call__", "scoring (pi_old, anchor)")
     where = lambda phase: (lambda a, kw: f"evaluation: {phase}" if in_eval else phase)
     ph.wrap(HFSampler, "sample", where("sampling"))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -255,6 +254,27 @@ def masked_mean(x: Tensor, mask: Tensor, share: Share | None = None) -> Tensor:
     return torch.where(m, x, torch.zeros_like(x)).sum() / (m.sum().clamp(min=1) if share is None else max(share.tokens, 1.0))
 
 
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss's coefficients, a run's from its config (:meth:`of`): ``surrogate`` picks J (:data:`SURROGATES`),
+    ``eps_low`` / ``eps_high`` its clip range, ``clip_ratio_c`` the dual clip of ``ppo`` (0 = off), ``entropy_coef``
+    c_H the entropy bonus's weight, ``loss_agg`` the aggregation (:data:`LOSS_AGGS`) and ``norm_len`` its fixed
+    length (``seq-mean-token-sum-norm``). No defaults here: their one home is ``AlgoConfig`` (paper values there)."""
+
+    eps_low: float
+    eps_high: float
+    loss_agg: str  # one of LOSS_AGGS
+    surrogate: str  # a key of SURROGATES
+    clip_ratio_c: float
+    entropy_coef: float
+    norm_len: int | None = None
+
+    @classmethod
+    def of(cls, algo, norm_len: int | None = None) -> LossSpec:
+        """A run's: the ``algo`` config node's coefficients; ``norm_len`` its ``rollout.max_new_tokens``."""
+        return cls(algo.eps_low, algo.eps_high, algo.loss_agg, algo.loss, algo.clip_ratio_c, algo.entropy_coef, norm_len)
+
+
 def grpo_loss(
     logp: Tensor,
     logp_old: Tensor,
@@ -263,27 +283,18 @@ def grpo_loss(
     kl: Tensor | None,
     *,
     beta: float,
-    eps_low: float,
-    eps_high: float,
-    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"],
-    surrogate: Literal["ppo", "gspo", "cispo"],
-    clip_ratio_c: float,
-    entropy_coef: float,
+    spec: LossSpec,
     entropy: Tensor | None = None,
-    norm_len: int | None = None,
     pg_weight: Tensor | None = None,
     share: Share | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """L = aggregate(-w * J + beta * KL - c_H * H, mask): Algorithm 3 line 22 (w = 1, c_H = 0), with metrics.
 
-    ``surrogate`` picks J (:data:`SURROGATES`); ``clip_ratio_c`` is the dual clip of ``ppo``
-    (0 = off); ``entropy_coef`` c_H weighs an entropy bonus on ``entropy`` (B, T), the policy's
-    entropy at each position with its gradient (needed when c_H != 0).
+    ``spec`` (:class:`LossSpec`): the surrogate J and the coefficients; its ``entropy_coef`` c_H weighs an entropy
+    bonus on ``entropy`` (B, T), the policy's entropy at each position with its gradient (needed when c_H != 0).
 
     ``pg_weight`` (B, T), no grad: a per-token weight w on the policy-gradient term only, the
     truncated importance-sampling correction of an inference engine's sampling mismatch.
-
-    The coefficients have no defaults here: their one home is ``AlgoConfig`` (paper values there).
 
     ``kl`` is the (B, T) output of any registry estimator (or None). Observation and padding
     tokens have mask 0: they carry neither policy loss nor KL.
@@ -291,13 +302,14 @@ def grpo_loss(
     ``share`` (:class:`Share`): these rows are a micro-batch; the loss and the mean metrics are its share of the
     minibatch's, so that the micro-batches' add up (``ratio_max`` / ``ratio_min`` combine by max / min).
     """
+    surrogate, loss_agg, norm_len, entropy_coef = spec.surrogate, spec.loss_agg, spec.norm_len, spec.entropy_coef
     if surrogate not in SURROGATES:
         raise ValueError(f"unknown surrogate {surrogate!r}; choose one of: {', '.join(SURROGATES)}")
     m = mask.bool()  # masked positions first set to 0: a nan or -inf there reaches neither the loss nor its gradient
     logp, logp_old = _masked(logp, m), _masked(logp_old, m)
     kl = None if kl is None else _masked(kl, m)
     entropy = None if entropy is None else _masked(entropy, m)
-    J, info = SURROGATES[surrogate](logp, logp_old, adv, mask, eps_low, eps_high, clip_ratio_c)
+    J, info = SURROGATES[surrogate](logp, logp_old, adv, mask, spec.eps_low, spec.eps_high, spec.clip_ratio_c)
     per_token = -J if pg_weight is None else -J * pg_weight.detach()
     if kl is not None and beta != 0.0:
         per_token = per_token + beta * kl

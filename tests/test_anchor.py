@@ -80,7 +80,7 @@ def test_fisher_trace_is_the_mean_squared_score_norm():
 
     tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     m = build_tiny_model(len(tok), hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                         tokenizer=tok)
     ro = HFSampler(tok).generate(m, ["1+2=", "33+4="], 2, temperature=1.0, max_new_tokens=4, seed=0)
     got = fisher_trace(m, ro, [0, 3])
     want = 0.0

@@ -125,7 +125,7 @@ def test_each_rule_by_hand():
 
 def test_soft_sync_in_plain_torch_through_the_updater():
     """TorchUpdater's after_step: plain torch code gets the soft sync after every applied optimizer step."""
-    from ema_pg.step import TorchUpdater
+    from ema_pg.update import TorchUpdater
 
     pol, an = follow("sync", sync_alpha=1.0, sync_steps=1)
     opt = torch.optim.SGD(pol.parameters(), lr=1.0)

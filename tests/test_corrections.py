@@ -111,7 +111,7 @@ def test_a_run_trains_with_dppo_and_the_off_policy_sequence_mask(tmp_path, monke
     import pandas as pd
     from helpers import compose_cfg
 
-    import ema_pg.step as step
+    import ema_pg.update as update
     from ema_pg.corrections import off_policy_sequence_mask
     from ema_pg.train import train
 
@@ -122,7 +122,7 @@ def test_a_run_trains_with_dppo_and_the_off_policy_sequence_mask(tmp_path, monke
         seen.append((float((out[:, 0] == 0).sum()), float((behaviour - logp.detach()).abs().max()), delta))
         return out
 
-    monkeypatch.setattr(step, "off_policy_sequence_mask", watched)
+    monkeypatch.setattr(update, "off_policy_sequence_mask", watched)
     _, objs = train(compose_cfg(["algo.loss=dppo_tv", "algo.opsm_delta=0.25", "algo.ppo_epochs=2",
                                  "algo.minibatch_size=8", "algo.clip_ratio_c=3"], tmp_path))
     df = pd.read_csv(objs["run_dir"] / "metrics.csv")

@@ -1,11 +1,11 @@
 """One home per default: a knob's default is written once.
 
-- schema knobs: in the dataclasses of ema_pg/config.py; group option files state only what they
+- schema knobs: in the dataclasses of ema_pg/config/schema.py; group option files state only what they
   change (a file's `name` naming the option itself is its identity, not a default);
 - estimator parameters: in ema_pg.kl.ESTIMATORS; the functions take them as required keywords
   and the kl option files do not restate them;
 - task knobs: in conf/task/<name>.yaml; the task classes take them as required keywords;
-- loss coefficients: in AlgoConfig; grpo_loss takes them as required keywords.
+- loss coefficients: in AlgoConfig; grpo_loss takes them as a LossSpec whose fields have no defaults.
 Each test fails when a second default appears, whether or not it agrees with the first.
 """
 
@@ -84,11 +84,11 @@ def test_task_knobs_have_their_option_file_as_home():
 
 
 def test_loss_coefficients_have_no_second_default():
-    from ema_pg.losses import grpo_loss, ppo_surrogate
+    from ema_pg.losses import LossSpec, grpo_loss, ppo_surrogate
 
-    for fn in (grpo_loss, ppo_surrogate):
+    for fn in (grpo_loss, ppo_surrogate, LossSpec):
         sig = inspect.signature(fn)
-        for knob in ("beta", "eps_low", "eps_high", "loss_agg", "surrogate", "clip_ratio_c", "entropy_coef"):
+        for knob in ("beta", "spec", "eps_low", "eps_high", "loss_agg", "surrogate", "clip_ratio_c", "entropy_coef"):
             if knob in sig.parameters:
                 assert sig.parameters[knob].default is inspect.Parameter.empty, (fn.__name__, knob)
 

@@ -228,7 +228,7 @@ def test_reading_probe_feeds_each_demonstration_up_to_its_answer(task):
         assert answer.strip() in ctx.split("<information>", 1)[1]
     tok = train_bpe_tokenizer(task.corpus()[:300], vocab_size=300)
     model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=0,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+                             tokenizer=tok)
     out = probe(model.eval(), tok, PromptEncoder(tok, "off"), demos)
     assert out["all"]["n"] == 40 == sum(v["n"] for k, v in out.items() if k != "all")
     assert set(out) - {"all"} <= {"1", "2"}

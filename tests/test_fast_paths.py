@@ -25,7 +25,7 @@ from helpers import per_row
 def gqa_policy():
     tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, seed=3)
+                         tokenizer=tok, seed=3)
     return m, tok
 
 

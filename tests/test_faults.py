@@ -16,7 +16,7 @@ import torch
 from helpers import compose_cfg
 
 from ema_pg.config import ConfigError, validate
-from ema_pg.step import NonFiniteUpdates, TorchUpdater
+from ema_pg.update import NonFiniteUpdates, TorchUpdater
 
 
 def cli_tiny(tmp_path) -> list[str]:

@@ -22,7 +22,7 @@ def lora_policy():
     tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     torch.manual_seed(0)
     base = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                            tokenizer=tok)
     ro = HFSampler(tok).generate(base.eval(), ["1+2=", "13+4="], 3, temperature=1.0, max_new_tokens=4, seed=0)
     return wrap_lora(base, 4, 8.0, "all-linear"), ro
 

@@ -60,8 +60,8 @@ def test_majority_vote_takes_the_most_stated_answer_and_ties_go_first():
 def test_the_reported_k_are_powers_of_two_and_n():
     assert pass_ks(32) == [1, 2, 4, 8, 16, 32] and pass_ks(6) == [1, 2, 4, 6] and pass_ks(1) == [1]
     assert pass_ks(8, [8, 1, 1]) == [1, 8]
-    with pytest.raises(ValueError, match="eval_pass_k"):
-        pass_ks(8, [16])
+    with pytest.raises(ConfigError, match=r"rollout.eval_pass_k=\[16\]: each k must be in \[1, rollout.eval_samples=8\]"):
+        validate(compose_cfg(["rollout.eval_samples=8", "rollout.eval_temperature=0.8", "rollout.eval_pass_k=[16]"]))
 
 
 # ---------------------------------------------------------------- the task

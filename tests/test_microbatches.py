@@ -15,7 +15,8 @@ from omegaconf import open_dict
 from ema_pg.config import build_estimator
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler
-from ema_pg.step import micro_batches, rl_step
+from ema_pg.step import StepParts, rl_step
+from ema_pg.update import micro_batches
 from ema_pg.tasks import build_task
 
 
@@ -24,7 +25,7 @@ def setup():
     task = build_task({"name": "toy_add", "eval_size": 8})
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
     policy = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=0,
-                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                              tokenizer=tok)
     anchor = copy.deepcopy(policy).eval()
     with torch.no_grad():  # an anchor apart from the policy: the KL and its index set matter
         g = torch.Generator().manual_seed(1)
@@ -68,8 +69,8 @@ def one_step(setup, overrides: list[str], critic: bool = False):
         crit = Critic(policy, lr=1e-3, clip=0.2, grad_clip=1.0)
         with torch.no_grad():  # a value head away from zero: the values depend on the pass
             crit.model.head.weight.normal_(0, 0.5)
-    res = rl_step(0, policy=policy, anchor_model=anchor, task=task, sampler=HFSampler(tok), estimator=est, updater=rec,
-                  algo=cfg.algo, rollout=cfg.rollout, seed=0, chunk=lambda n: 5, critic=crit)
+    res = rl_step(0, StepParts(policy, anchor, task, HFSampler(tok), est, cfg.algo, cfg.rollout, 0, lambda n: 5, rec,
+                               critic=crit))
     crit_w = None if crit is None else torch.cat([p.detach().flatten() for p in crit.model.parameters()])
     return rec, res.metrics, crit_w
 

@@ -17,7 +17,8 @@ from ema_pg.engine.models import load_model_dir, save_model_dir, train_bpe_token
 from ema_pg.prompts import PromptEncoder
 from ema_pg.rollout import HFSampler
 from ema_pg.scores import ScoreRequest
-from ema_pg.step import TorchUpdater, rl_step
+from ema_pg.step import StepParts, rl_step
+from ema_pg.update import TorchUpdater
 from ema_pg.tasks import build_task
 from helpers import compose_cfg
 
@@ -99,8 +100,8 @@ def test_each_architecture_loads_samples_scores_and_takes_an_rl_step(saved, task
         est = get_estimator(est_name, **({"k": 4} if est_name.startswith("topk") else {}))
         before = [p.detach().clone() for p in model.parameters()]
         upd = TorchUpdater(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0)
-        res = rl_step(0, policy=model, anchor_model=anchor, task=task, sampler=HFSampler(tok), estimator=est, updater=upd,
-                      algo=cfg.algo, rollout=cfg.rollout, seed=0, chunk=lambda n: 5, encode=enc)
+        res = rl_step(0, StepParts(model, anchor, task, HFSampler(tok), est, cfg.algo, cfg.rollout, 0, lambda n: 5, upd,
+                                   encode=enc))
         assert all(torch.isfinite(torch.tensor(v)) for k, v in res.metrics.items() if k.startswith("train/")), name
         assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), (name, est_name)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ema_pg.advantages import ADVANTAGES, AdvantageInputs
-from ema_pg.losses import SURROGATES, grpo_loss, gspo_surrogate
+from ema_pg.losses import SURROGATES, LossSpec, grpo_loss, gspo_surrogate
 
 
 def inputs(rewards, group_size, lengths, T=3):
@@ -40,9 +40,10 @@ def test_every_advantage_and_surrogate_runs_by_name():
         assert (out.returns is not None) == ADVANTAGES[name].needs_critic
     logp = torch.log(torch.full((4, 3), 0.5)).requires_grad_()
     for name in SURROGATES:
+        spec = LossSpec(eps_low=0.2, eps_high=0.28, loss_agg="token-mean", surrogate=name, clip_ratio_c=0.0,
+                        entropy_coef=0.0)
         loss, _ = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0, 0.5, 0.0]), inp.mask, None, beta=0.0,
-                            eps_low=0.2, eps_high=0.28, loss_agg="token-mean", surrogate=name, clip_ratio_c=0.0,
-                            entropy_coef=0.0)
+                            spec=spec)
         assert torch.isfinite(loss), name
 
 
@@ -53,8 +54,9 @@ def test_a_nonfinite_log_prob_at_a_masked_position_reaches_neither_loss_nor_grad
     logp = torch.where(mask.bool(), raw, torch.tensor(float("-inf")))  # -inf where the mask is 0
     old = torch.where(mask.bool(), raw.detach() - 0.1, torch.tensor(float("-inf")))
     kl = torch.where(mask.bool(), torch.zeros(2, 3), torch.tensor(float("nan")))
-    loss, _ = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, kl, beta=0.1, eps_low=0.2, eps_high=0.28,
-                        loss_agg="seq-mean-token-mean", surrogate=surrogate, clip_ratio_c=0.0, entropy_coef=0.0)
+    spec = LossSpec(eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean", surrogate=surrogate, clip_ratio_c=0.0,
+                    entropy_coef=0.0)
+    loss, _ = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, kl, beta=0.1, spec=spec)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(raw.grad).all()
     assert (raw.grad[~mask.bool()] == 0).all() and (raw.grad[mask.bool()] != 0).any()

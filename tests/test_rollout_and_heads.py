@@ -16,7 +16,7 @@ from helpers import per_row
 def policy():
     tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                         tokenizer=tok)
     return m.eval(), tok
 
 

@@ -25,7 +25,7 @@ SMALL = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1)  # head 
 def engine():
     task = build_task({"name": "search_qa", "seed": 0, "n_people": 40, "n_orgs": 10, "per_split": 4, "max_turns": 2})
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=400)
-    m = build_tiny_model(len(tok), **SMALL, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).eval()
+    m = build_tiny_model(len(tok), **SMALL, tokenizer=tok).eval()
     sampler = VLLMSampler(tok, OmegaConf.structured(RolloutConfig(name="vllm")))
     yield task, tok, m, sampler
     sampler.close()

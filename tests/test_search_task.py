@@ -131,7 +131,7 @@ def test_observations_from_the_environment_have_loss_mask_zero():
     t = build_task({"name": "search_qa", "seed": 0, "n_people": 40, "n_orgs": 10, "per_split": 4, "max_turns": 2})
     tok = train_bpe_tokenizer(t.corpus(), vocab_size=400)
     m = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).eval()
+                         tokenizer=tok).eval()
     ps = t.eval_splits()["nq"][:2]
     # stop "" fires after every token; a token that is not a search is answered with INVALID,
     # twice (max_turns = 2), then the row ends
@@ -172,7 +172,7 @@ def test_sampled_evaluation_runs_the_environment_for_every_sample(task):
 
     tok = train_bpe_tokenizer(task.corpus()[:400], vocab_size=400)
     model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=0,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+                             tokenizer=tok)
     ro = OmegaConf.create({"eval_samples": 3, "eval_temperature": 1.0, "eval_top_p": 1.0, "eval_pass_k": [],
                            "max_new_tokens": 10, "stop": ["</search>", "</answer>"]})
     splits = {s: task.eval_splits()[s][:2] for s in ("nq", "hotpotqa")}
@@ -355,7 +355,7 @@ def test_evaluate_transfer_builds_the_transfer_worlds_and_refuses_a_task_without
     own = build_task({"name": "search_qa", "seed": 0, "n_people": 40, "n_orgs": 10, "per_split": 3})
     tok = train_bpe_tokenizer(own.corpus()[:400], vocab_size=400)
     model = build_tiny_model(len(tok), hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, seed=0,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+                             tokenizer=tok)
     folder = save_model_dir(model, tok, tmp_path / "model")
     main([str(folder), *TRANSFER_OVER, "--transfer", "2", "--out", str(tmp_path / "ev.json")])
     out = json.loads((tmp_path / "ev.json").read_text())

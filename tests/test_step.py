@@ -18,7 +18,7 @@ from ema_pg.heads import response_logits
 from ema_pg.kl import KLInputs, get_estimator
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler
-from ema_pg.step import OldAndAnchorScorer, rl_step
+from ema_pg.step import OldAndAnchorScorer, StepParts, rl_step
 from ema_pg.tasks import build_task
 
 K = 4
@@ -29,7 +29,7 @@ def setup():
     task = build_task({"name": "toy_add", "eval_size": 8})
     tok = train_bpe_tokenizer(task.corpus(), vocab_size=300)
     policy = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=0,
-                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+                              tokenizer=tok)
     anchor = copy.deepcopy(policy).eval()
     with torch.no_grad():  # an anchor that differs from the policy, so whose top-k is used matters
         g = torch.Generator().manual_seed(1)
@@ -70,8 +70,8 @@ def run_step(setup, name, **kl):
         return out
 
     est = dataclasses.replace(real, fn=recording)
-    res = rl_step(0, policy=policy, anchor_model=anchor, task=task, sampler=HFSampler(tok), estimator=est,
-                  updater=RecordingUpdater(params), algo=cfg.algo, rollout=cfg.rollout, seed=0, chunk=lambda n: 7)
+    res = rl_step(0, StepParts(policy, anchor, task, HFSampler(tok), est, cfg.algo, cfg.rollout, 0, lambda n: 7,
+                               RecordingUpdater(params)))
     return res, seen, real, params
 
 
@@ -163,8 +163,7 @@ def test_global_normalization_scales_the_kl_by_the_batch_std_as_the_authors_do(s
         algo = copy.deepcopy(cfg.algo)
         algo.adv_norm, algo.global_kl_scale = norm, scale
         up = RecordingUpdater(params)
-        res = rl_step(0, policy=policy, anchor_model=anchor, task=task, sampler=HFSampler(tok), estimator=est,
-                      updater=up, algo=algo, rollout=cfg.rollout, seed=0, chunk=lambda n: 7)
+        res = rl_step(0, StepParts(policy, anchor, task, HFSampler(tok), est, algo, cfg.rollout, 0, lambda n: 7, up))
         return res.metrics, torch.cat([g.flatten() for g in up.grads[0] if g is not None])
 
     m_none, g_none = grads("none", True)

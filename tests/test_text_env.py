@@ -49,7 +49,7 @@ def test_an_episode_is_laid_out_token_for_token_with_its_masks(data):
     prompts = t.sample(3, seed=1)
     tok = train_bpe_tokenizer([p.text for p in t.train_set] + [OBS] * 5 + ["#### 7 so"] * 5, vocab_size=300)
     model = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id).eval()
+                             tokenizer=tok).eval()
     live: list[tuple[str, float, str]] = []  # (turn, reward, observation) of every live step, in order
     step = t._step
 

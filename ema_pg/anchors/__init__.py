@@ -41,6 +41,7 @@ class SchemeSpec:
     parameters' defaults; ``pinned`` names parameters whose value is a fact of the scheme (fixed's eta = 1).
     ``master``: the anchor is accumulated in an fp32 master copy (exact in bf16); ``buffers``: further fp32
     per-parameter state, started by ``start`` from the policy. ``follows``: False for a model of its own.
+    ``zero3``: built under DeepSpeed ZeRO-3 (its anchor's update runs on the policy's partitions).
     """
 
     rule: Callable | None
@@ -52,6 +53,7 @@ class SchemeSpec:
     start: Callable | None = None
     follows: bool = True
     pinned: tuple[str, ...] = ()
+    zero3: bool = True
 
 
 _EVERY = {"update_every": 10}  # T_ema (Alg 3, line 25; the paper's 10)
@@ -61,11 +63,13 @@ SCHEMES: dict[str, SchemeSpec] = {
     "ema": SchemeSpec(rules.ema, {"eta": 0.9, **_EVERY}, rules.check_ema, "iteration", master=True),
     "reset": SchemeSpec(rules.reset, {"eta": 0.0, **_EVERY}, rules.check_pinned_eta(0.0, "reset", "ema"), "iteration",
                         pinned=("eta",)),
-    "sync": SchemeSpec(rules.sync, {"sync_alpha": 0.6, "sync_steps": 512}, rules.check_sync, "optimizer"),  # TRL's
+    "sync": SchemeSpec(rules.sync, {"sync_alpha": 0.6, "sync_steps": 512}, rules.check_sync, "optimizer",
+                       zero3=False),  # TRL's
     "bema": SchemeSpec(rules.bema, {**_EVERY, "ema_power": 0.5, "bias_power": 0.2, "lag": 10.0, "multiplier": 1.0,
                                     "min_ema_multiplier": 0.0, "update_after": 0},  # BEMA's defaults (TRL's callback)
-                       rules.check_bema, "iteration", master=True, buffers=("ema", "theta0"), start=rules.bema_start),
-    "teacher": SchemeSpec(None, follows=False),
+                       rules.check_bema, "iteration", master=True, buffers=("ema", "theta0"), start=rules.bema_start,
+                       zero3=False),
+    "teacher": SchemeSpec(None, follows=False, zero3=False),
 }
 
 #: every parameter some scheme takes (the keys of ``anchor.*`` besides name, eval_every, path)

@@ -42,12 +42,12 @@ def bema_coefficients(t: int, *, ema_power: float, bias_power: float, lag: float
     return max(age ** -ema_power, min_ema_multiplier), age ** -bias_power
 
 
-def bema(anchor: Tensor, policy: Tensor, state: State, t: int, *, update_every: int, ema_power: float,
-         bias_power: float, lag: float, multiplier: float, min_ema_multiplier: float,
-         update_after: int) -> tuple[Tensor, State]:
+def bema(anchor: Tensor, policy: Tensor, state: State, t: int, *, ema_power: float, bias_power: float, lag: float,
+         multiplier: float, min_ema_multiplier: float, **clock) -> tuple[Tensor, State]:
     """Bias-corrected EMA: EMA_t = (1 - beta_t) EMA_{t-1} + beta_t theta_t, and the anchor
     theta'_t = EMA_t + alpha_t (theta_t - theta_0), theta_0 and EMA_0 the policy at iteration ``update_after``.
-    The correction alpha_t (theta_t - theta_0) removes the EMA's lag behind a drifting policy."""
+    The correction alpha_t (theta_t - theta_0) removes the EMA's lag behind a drifting policy. ``clock``: the
+    scheme's ``update_every`` and ``update_after``, which the scheme reads (:class:`ema_pg.anchors.SchemeSpec`)."""
     beta, alpha = bema_coefficients(t, ema_power=ema_power, bias_power=bias_power, lag=lag, multiplier=multiplier,
                                     min_ema_multiplier=min_ema_multiplier)
     avg = torch.add(state["ema"] * (1.0 - beta), policy, alpha=beta)

@@ -33,7 +33,7 @@ import torch
 from ..chunked import HeadChunk
 from ..config import build_estimator
 from ..rollout import build_sampler
-from ..step import Sampled, sample_ahead
+from ..step import Sampled, StepParts, sample_ahead
 from . import attention  # noqa: F401 - registers the attention kernel a policy may name
 from .console import quiet_third_party
 from .lora import ANCHOR, AdapterView, add_anchor_adapter, is_lora, wrap_lora
@@ -124,9 +124,9 @@ def _serve(conn, threads: int) -> None:
                 t, want = msg[1], msg[2]
                 if want != version:  # the schedule is the trainer's; a mismatch is a bug, never a silent race
                     raise RuntimeError(f"batch {t} asked for version {want}, but the worker holds version {version}")
-                out = sample_ahead(t, version, policy=policy, anchor_model=anchor, task=spec["task"], sampler=sampler,
-                                   estimator=estimator, algo=cfg.algo, rollout=cfg.rollout, seed=cfg.seed,
-                                   chunk=spec["chunk"], encode=spec["encode"])
+                parts = StepParts(policy, anchor, spec["task"], sampler, estimator, cfg.algo, cfg.rollout, cfg.seed,
+                                  spec["chunk"], encode=spec["encode"])
+                out = sample_ahead(t, version, parts)
                 conn.send_bytes(_dumps(("batch", t, _dumps(out))))  # the batch stays bytes until the trainer takes it
     except Exception:  # noqa: BLE001 - reported to the trainer, which stops with it
         try:

@@ -12,7 +12,6 @@ import zlib
 import torch
 from tqdm.auto import tqdm
 
-from ..config import pass_ks  # noqa: F401 - pass_ks is this module's too
 from ..dist import World
 from ..prompts import sampler_prompts
 from ..tasks.base import Task, checked_reward
@@ -44,6 +43,14 @@ def majority_reward(keys: list, rewards: list[float]) -> float:
     return rewards[keys.index(winner)]
 
 
+def pass_ks(n: int, ks: list[int] | tuple = ()) -> list[int]:
+    """The k of Pass@k reported for ``n`` samples: ``ks`` as given (each in [1, n]: ``rollout.eval_pass_k``, checked
+    with the config, :func:`ema_pg.config.eval_settings_problem`), or 1, 2, 4, ... up to n, and n."""
+    if ks:
+        return sorted(set(int(k) for k in ks))
+    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
 def sample_scores(rewards: list[list[float]], keys: list[list], ks: list[int] | tuple = ()) -> dict:
     """A split's sampled-evaluation scores from its problems' rewards and stated answers (N per problem):
     ``mean@N`` (the mean reward over all samples), ``pass@k`` (unbiased; a sample is correct at full
@@ -65,9 +72,8 @@ def _prompt_seed(split: str, index: int) -> int:
 
 
 @torch.no_grad()
-def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, progress: bool = True,
-                    splits: dict | None = None, desc: str = "eval", show: int = 0, world: World = World(),
-                    encode=None) -> dict:
+def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, progress: bool | str = True,
+                    splits: dict | None = None, show: int = 0, world: World = World(), encode=None) -> dict:
     """Score the policy on the task's eval splits.
 
     Returns ``{"splits": {name: {metric: mean reward, "n": problems, "per_problem": [each problem's mean reward, in
@@ -83,6 +89,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     ``world``: on several processes each rank evaluates every ``world.size``-th prompt and the
     scores are gathered, so every rank returns the result of the whole set.
     ``encode``: the run's :class:`ema_pg.prompts.PromptEncoder` (None: prompts as plain text).
+    ``progress``: a progress bar (a string: the bar's label; False: none).
     """
     metric = task.metric  # the evaluation settings were checked with the config (config.eval_settings_problem)
     n_samples, ks = int(rollout_cfg.eval_samples), list(rollout_cfg.eval_pass_k)
@@ -91,7 +98,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
     splits = splits if splits is not None else task.eval_splits()
     out, samples = {}, {}
     total = sum(math.ceil(math.ceil(len(v) / world.size) / per_call) for v in splits.values())
-    bar = tqdm(total=total, desc=desc, disable=not progress, leave=False)
+    bar = tqdm(total=total, desc=progress if isinstance(progress, str) else "eval", disable=not progress, leave=False)
     for name, prompts in splits.items():
         rewards, keys = [], []  # per problem: its samples' rewards and stated answers
         diags = []  # per problem: its samples' diagnostics (Task.diagnostics)

@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
 from ..config import ConfigError, is_deepspeed, validate_model
-from ..step import NonFiniteUpdates
+from ..update import NonFiniteUpdates
 from ..heads import check_head
 from ..packing import pack_problem
 from ..prompts import PromptEncoder
@@ -32,6 +32,7 @@ from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
 from .console import IterationBar, log_file_only, quiet_third_party
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
+from .install import check_head_dim
 from .models import ModelPathError, head_dim
 from .module import GRPOModule
 from .plotting import plot_run
@@ -80,7 +81,8 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
     except (ValueError, ServiceError, NotImplementedError) as e:  # NoColdStart is a ValueError
         raise ConfigError(str(e)) from None
     mc = policy.config
-    validate_model(cfg, opened.bound, vocab_size=mc.vocab_size, head_dim=head_dim(mc))
+    validate_model(cfg, opened.bound, vocab_size=mc.vocab_size)
+    check_head_dim(cfg, head_dim(mc))  # vLLM's CPU kernels take a few head sizes
     check_fits(cfg, policy, task, encode)
     k, n = cfg.rollout.max_staleness, cfg.algo.iterations
     if k and k >= n - 1:  # batch t is sampled by version max(0, t - k): all of them by the initial policy

@@ -45,9 +45,10 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 512, min_frequen
 
 def build_tiny_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4,
                      num_kv_heads: int = 2, intermediate_size: int | None = None, max_positions: int = 512,
-                     tie_embeddings: bool = True, seed: int = 0, pad_token_id: int = 0, eos_token_id: int = 1,
-                     bos_token_id: int = 2) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2-architecture causal LM."""
+                     tie_embeddings: bool = True, seed: int = 0, tokenizer=None) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2-architecture causal LM; its pad, EOS and BOS ids are ``tokenizer``'s (None: 0, 1
+    and 2, :data:`SPECIAL_TOKENS`' order)."""
+    ids = (0, 1, 2) if tokenizer is None else (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id)
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"model: hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}), "
                          f"and num_heads by num_kv_heads ({num_kv_heads})")
@@ -55,7 +56,7 @@ def build_tiny_model(vocab_size: int, hidden_size: int = 128, num_layers: int = 
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size or 4 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions, tie_word_embeddings=tie_embeddings, attention_dropout=0.0,
-        pad_token_id=pad_token_id, eos_token_id=eos_token_id, bos_token_id=bos_token_id,
+        pad_token_id=ids[0], eos_token_id=ids[1], bos_token_id=ids[2],
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

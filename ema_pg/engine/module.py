@@ -23,7 +23,8 @@ from ..dist import World, Zero3FullWeights, full_shape, whole, zero3_partitioned
 from ..kl_control import build_kl_controller
 from ..prompts import PromptEncoder
 from ..rollout import build_sampler
-from ..step import NonFiniteUpdates, Updater, rl_step
+from ..step import StepParts, rl_step
+from ..update import NonFiniteUpdates, Updater
 from .anchor import AnchorCallback
 from .evaluate import eval_metrics, evaluate_policy
 from .models import compile_body
@@ -41,7 +42,7 @@ class EvalCallback(L.Callback):
 
 
 class _StrategyUpdater(Updater):
-    """The :class:`ema_pg.step.Updater` of a Lightning module: backward and clipping through the strategy. Several
+    """The :class:`ema_pg.update.Updater` of a Lightning module: backward and clipping through the strategy. Several
     losses (micro-batches) accumulate: under DDP only the last backward all-reduces (the ranks may have different
     numbers of micro-batches); under DeepSpeed the engine is told which backward ends the accumulation, and it
     clips (``gradient_clipping`` = algo.grad_clip) and reports the norm after its step."""
@@ -186,11 +187,10 @@ class GRPOModule(L.LightningModule):
                 wait = self.ahead.last_wait_s
             else:
                 sampled, wait = self._shared_next(iteration, anchor_model, world)
-        res = rl_step(iteration, policy=self.policy, anchor_model=anchor_model,
-                      task=self.task, sampler=self.sampler, estimator=self.estimator, updater=self.updater,
-                      algo=self.cfg.algo, rollout=self.cfg.rollout, seed=self.cfg.seed, chunk=chunk,
-                      world=world, critic=self.critic, grad_ratio=self._grad_ratio_due(iteration),
-                      encode=self.encode, sampled=sampled, beta=self.kl_ctrl.value)
+        parts = StepParts(self.policy, anchor_model, self.task, self.sampler, self.estimator, self.cfg.algo,
+                          self.cfg.rollout, self.cfg.seed, chunk, self.updater, world, self.critic, self.encode)
+        res = rl_step(iteration, parts, grad_ratio=self._grad_ratio_due(iteration), sampled=sampled,
+                      beta=self.kl_ctrl.value)
         if "train/kl_ctrl_kl" in res.metrics:  # beta for the next iteration, from this one's KL and responses
             self.kl_ctrl.update(res.metrics["train/kl_ctrl_kl"], n_steps=len(res.rollouts) * world.size)
         if sampled is not None:
@@ -256,7 +256,7 @@ class GRPOModule(L.LightningModule):
     def run_eval(self) -> dict:
         world = World.current()
         res = evaluate_policy(self.policy, self.sampler, self.task, self.cfg.rollout, world=world,
-                              progress=self.cfg.trainer.progress_bar and world.rank == 0, desc=f"eval @ {self.iteration}",
+                              progress=self.cfg.trainer.progress_bar and world.rank == 0 and f"eval @ {self.iteration}",
                               encode=self.encode)
         m = eval_metrics("eval", res)
         an = self.anchor

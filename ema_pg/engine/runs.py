@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..config import ARCH_KEYS, Binding, ConfigError, fill_defaults, flatten, validate
 from .files import atomic_write
+from .install import check_installed
 from .owner import CLAIM, claim_run_dir, own_run_dir
 from .policy import checkpoint_file, checkpoint_iteration, save_run_model
 from .sweeps import FAILED, failed_record
@@ -361,7 +362,7 @@ def discard_hydra_output(run_dir: str | None = None) -> None:
 def record_failure(run_dir: str | os.PathLike, e: BaseException) -> None:
     """Write ``failed.json`` in the run folder: what stopped it (``kind``: diverged, service, disk, config) and
     where."""
-    from ..step import NonFiniteUpdates
+    from ..update import NonFiniteUpdates
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or not is_rank_zero():
@@ -473,6 +474,7 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     if cfg.get("resume"):
         cfg = resolve_resume(cfg, composed=composed)
     bound = validate(cfg)  # once per run: the consumers take the estimator and the anchor scheme from ``bound``
+    check_installed(cfg)  # the packages and hardware the options need
     cfg = fill_defaults(cfg.copy(), bound)  # the run's config states every value in force; the caller's is left as is
     run_dir = Path(cfg.run_dir)
     if cfg.get("resume"):

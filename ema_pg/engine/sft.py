@@ -95,20 +95,21 @@ def lr_scheduler(opt, lr_schedule: str, steps: int):
     raise ValueError(f"lr_schedule={lr_schedule!r}; choose one of {', '.join(SFT_SCHEDULES)}")
 
 
-def sft_train(model, tokenizer, demos: list[tuple], steps: int, batch_size: int, lr: float, seed: int,
-              progress: bool = True, stop_fn=None, check_every: int = 20, mask_fn=None, encode=None,
-              lr_schedule: str = "constant") -> list[float]:
+def sft_train(model, tokenizer, demos: list[tuple], sft, seed: int, *, progress: bool = True, stop_fn=None,
+              mask_fn=None, encode=None) -> list[float]:
     """Cross-entropy on the response tokens (+ EOS) of (prompt, response) pairs; returns losses.
 
+    ``sft``: the ``sft`` config node (:class:`ema_pg.config.SFTConfig`): ``steps``, ``batch_size``, ``lr`` and
     ``lr_schedule``: ``constant``, or ``cosine``: a linear warm-up over the first 5% of ``steps``, then a cosine
     decay to a tenth of ``lr`` at ``steps`` (SFT that a ``stop_fn`` ends early stops on the way down).
 
     ``mask_fn(response)`` (optional) gives character spans with no loss (environment text);
-    ``stop_fn()`` (optional) is called every ``check_every`` steps; SFT ends when it returns True.
+    ``stop_fn()`` (optional) is called every ``sft.check_every`` steps; SFT ends when it returns True.
     """
+    steps, batch_size, lr, check_every = sft.steps, sft.batch_size, sft.lr, sft.check_every
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = lr_scheduler(opt, lr_schedule, steps)
+    sched = lr_scheduler(opt, sft.lr_schedule, steps)
     model.train()
     losses = []
     tok_r = tokenizer.padding_side
@@ -201,7 +202,7 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
     model = build_tiny_model(
         len(tok), hidden_size=model_cfg.hidden_size, num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads,
         num_kv_heads=model_cfg.num_kv_heads, max_positions=model_cfg.max_positions, seed=seed,
-        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+        tokenizer=tok,
     )
     if sft_cfg.steps > 0:
         torch.manual_seed(seed)
@@ -216,10 +217,8 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
                 r = sum(checked_reward(task, probe[i], t) for i, t in zip(ro.prompt_index, ro.responses)) / len(probe)
                 return r >= sft_cfg.stop_at_reward
 
-        losses = sft_train(model, tok, demos, sft_cfg.steps, sft_cfg.batch_size, sft_cfg.lr, seed, progress=progress,
-                           stop_fn=stop_fn, check_every=sft_cfg.check_every,
-                           mask_fn=loss_mask_fn(task, sft_cfg), encode=encode,
-                           lr_schedule=sft_cfg.lr_schedule)
+        losses = sft_train(model, tok, demos, sft_cfg, seed, progress=progress, stop_fn=stop_fn,
+                           mask_fn=loss_mask_fn(task, sft_cfg), encode=encode)
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
     save_model_dir(model, tok, tmp)

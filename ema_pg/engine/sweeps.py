@@ -39,6 +39,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]]) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from ..config import ConfigError, validate
+    from .install import check_installed
 
     loader = GlobalHydra.instance().config_loader()
     common = set.intersection(*(set(j) for j in jobs)) if len(jobs) > 1 else set()
@@ -48,6 +49,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]]) -> None:
             with open_dict(cfg):
                 del cfg["hydra"]
             validate(cfg)
+            check_installed(cfg)
             with open_dict(cfg):
                 del cfg["run_dir"]  # Hydra's job folder, known only when the job runs
             OmegaConf.to_container(cfg, resolve=True)  # an environment variable the job needs, say

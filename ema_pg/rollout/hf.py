@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -282,8 +283,8 @@ class HFSampler:
         was_training = model.training
         model.eval()
         with torch.compiler.set_stance("force_eager"):  # a compiled body (model.compile) runs eagerly here: see below
-            d = _Decoding(self, model, prompts, n, temperature=temperature, top_p=top_p,
-                          max_new_tokens=max_new_tokens, stop=list(stop or []), on_stop=on_stop, seed=seed, score=score)
+            d = _Decoding(self, model, prompts, n, _Call(temperature, top_p, max_new_tokens, list(stop or []), on_stop,
+                                                         seed, score))
             while self._any(bool(d.active.any())):
                 d.environment_turn()
                 nxt, a, sampling = d.token_step()
@@ -297,17 +298,29 @@ class HFSampler:
         model.train(was_training)
         return d.result()
 
+class _Call(NamedTuple):
+    """The settings of one :meth:`HFSampler.sample` call (its keyword arguments)."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop: list[str]
+    on_stop: OnStop | None
+    seed: int | list[int]
+    score: ScoreRequest | None
+
+
 class _Decoding:
     """One :meth:`HFSampler.sample` call: the prompts' prefill (at construction), then per step the environment's
     turn (:meth:`environment_turn`), a token for every sampling row (:meth:`token_step`) and the cache's new column
     (:meth:`extend_cache`); :meth:`result` packs the rows. The columns grow as lists of (N, W) blocks: ids,
     attention, loss mask, pi_old's log-probs and, as asked, its top-k and entropy."""
 
-    def __init__(self, sampler: HFSampler, model, prompts, n: int, *, temperature: float, top_p: float,
-                 max_new_tokens: int, stop: list[str], on_stop: OnStop | None, seed, score: ScoreRequest | None):
+    def __init__(self, sampler: HFSampler, model, prompts, n: int, call: _Call):
         self.s, self.model = sampler, model
-        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
-        self.stop, self.on_stop, self.score = stop, on_stop, score
+        self.temperature, self.top_p, self.max_new_tokens = call.temperature, call.top_p, call.max_new_tokens
+        self.stop, self.on_stop, self.score = call.stop, call.on_stop, call.score
+        score, seed = call.score, call.seed
         self.topk, self.entropy = (score.topk, score.entropy) if score is not None else (0, False)
         tok = self.tok = sampler.tok
         dev = self.dev = next(model.parameters()).device
@@ -327,10 +340,10 @@ class _Decoding:
         pos = (am.cumsum(-1) - 1).clamp(min=0)
         kv = self.kv = cache_kwarg(model)
         auto = dev.type == "cuda"  # (a LoRA policy's sampler is built with static_cache=False: build_sampler)
-        self.static = (auto if sampler.static_cache is None else sampler.static_cache) and not stop \
+        self.static = (auto if sampler.static_cache is None else sampler.static_cache) and not self.stop \
             and sampler.lockstep is None and full_attention_layers(model) is not None
         if self.static:  # the mask of every column the cache holds, filled as columns are written
-            cols = static_columns(P + max_new_tokens)
+            cols = static_columns(P + self.max_new_tokens)
             self.cache, self.decode = sampler._static_for(model, (N, cols, torch.is_autocast_enabled(dev.type)), dev)
             self.mask_buf = torch.zeros((N, cols), dtype=am.dtype, device=dev)
             self.mask_buf[:, :P] = am

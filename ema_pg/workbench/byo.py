@@ -150,7 +150,7 @@ def write_model(path: Path) -> Path:
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHATML
     model = build_tiny_model(len(tok), hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, max_positions=2048,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+                             tokenizer=tok)
     return save_model_dir(model, tok, path)
 
 

@@ -30,6 +30,7 @@ import torch
 
 from ..cli import command_parser
 from ..engine.evaluate import evaluate_policy, result_metric, score_names
+from ..engine.install import check_installed
 from ..prompts import PromptEncoder
 
 log = logging.getLogger("ema_pg")
@@ -172,7 +173,7 @@ def _beside(a, cfg, model, sampler, task, encode, bars: bool) -> dict:
         if a.baseline != "none":
             prompts = task.baseline_prompts(prompts, a.baseline)
         extra["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
-                                          desc="train", encode=encode, progress=bars)["splits"]["train"]
+                                          encode=encode, progress=bars and "train")["splits"]["train"]
     if a.transfer:  # the same questions' shapes, in worlds of other names and facts
         from omegaconf import open_dict
 
@@ -184,8 +185,8 @@ def _beside(a, cfg, model, sampler, task, encode, bars: bool) -> dict:
             other = build_task(tc)
             sp = None if a.baseline == "none" else {k: other.baseline_prompts(v, a.baseline)
                                                     for k, v in other.eval_splits().items()}
-            each.append(evaluate_policy(model, sampler, other, cfg.rollout, splits=sp, desc=f"world {seed}",
-                                        encode=encode, progress=bars))
+            each.append(evaluate_policy(model, sampler, other, cfg.rollout, splits=sp,
+                                        encode=encode, progress=bars and f"world {seed}"))
         extra["transfer"] = {**mean_results(each), "seeds": transfer_seeds(a.transfer)}
     return extra
 
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cfg = compose(a.overrides)
         validate(cfg)  # the overrides are checked as a run's are, before anything is loaded or evaluated
+        check_installed(cfg)
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"config error: {e}") from None
     if cfg.trainer.num_threads:  # as a run does (an evaluation beside a run: trainer.num_threads=1)

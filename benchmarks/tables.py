@@ -6,7 +6,7 @@ files in ``benchmarks/results/``: no benchmark number in a table is typed by han
 
 A table sits between ``<!-- table NAME: FILE, ... -->`` and ``<!-- /table -->``; NAME is a builder below, FILE the
 result files it reads (``*``: every file measured on a GPU). The prose around a table is the author's; numbers in prose name their JSON.
-``tests/test_benchmark_tables.py`` runs ``--check``.
+``tests/workbench/test_benchmark_tables.py`` runs ``--check``.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 import runpy
 import sys
 
-#: command -> what it does (each is the module ``ema_pg.<command>``; ``search`` is kept as hpo's earlier name)
+#: command -> what it does (each is the module ``ema_pg.<command>``)
 COMMANDS = {
     "train": "train one run, or a Hydra multirun sweep (-m)",
     "evaluate": "evaluate a run's policy on its task's splits",
@@ -20,6 +20,7 @@ COMMANDS = {
     "table3": "Table 3's writer",
     "hpo": "an Optuna search over training runs",
     "byo": "write the bring-your-own examples of docs/byo.md",
+    "lab": "the KL-estimator conformance lab: verdicts, or the report (--all)",
 }
 
 

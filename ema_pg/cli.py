@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent  #: the folder that holds the ema_pg package
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  #: the folder that holds the ema_pg package (a checkout: conf/, runs/, reproductions/ beside it)
 
 
 def typed_command(argv0: str | None = None) -> str | None:

@@ -1,5 +1,5 @@
 """``python -m ema_pg.hpo``: an Optuna search over training runs (hyper-parameter optimization). The code is
-:mod:`ema_pg.workbench.hpo`. (``python -m ema_pg.search``, its earlier name, still runs it.)"""
+:mod:`ema_pg.workbench.hpo`."""
 
 from ema_pg.workbench.hpo import main
 

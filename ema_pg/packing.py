@@ -26,7 +26,7 @@ Only the positions the loss reads are scored (:attr:`Packing.rows`, :attr:`Packi
 where the padded pass's values were multiplied by a loss mask of 0 anyway.
 
 Equal to the padded pass to float rounding (the same products, summed in another layout): per-token
-log-probs, top-k values, loss and gradient, tested across the model matrix (``tests/test_packing.py``).
+log-probs, top-k values, loss and gradient, tested across the model matrix (``tests/algorithm/test_packing.py``).
 Models whose attention is not transformers' attention interface, or that keep state across positions other
 than attention, cannot pack: :func:`pack_problem` names them.
 """
@@ -221,7 +221,7 @@ def node_sums(grad: Tensor, index: Tensor, n: int) -> Tensor:
     does not depend on threads or processes: on the CPU ``index_add_`` adds the reads one after another; elsewhere
     (atomic adds) the reads are sorted by node, stably, and each node's run summed by a segmented reduction. An op
     of its own, so a compiled graph calls it as it is instead of turning it into a scatter of atomic adds. The CPU
-    order is how torch implements ``index_add_``, not a documented promise: tests/test_packing.py holds it to a loop
+    order is how torch implements ``index_add_``, not a documented promise: tests/algorithm/test_packing.py holds it to a loop
     over the reads, bit for bit, and to two processes on two threads giving the same gradient."""
     flat = index.reshape(-1)
     g = grad.reshape(flat.shape[0], -1)

@@ -1,7 +1,17 @@
+"""tests/ has one folder per floor of the package (README, "Layout"): algorithm, config, engine, workbench, the scale
+path, the fault probes, and the layout's own checks. The helpers (helpers.py, retrieval_server.py, fixtures/) stay
+here; every floor's folder is on the import path, so a test module can use another floor's helpers by name."""
+
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+HERE = Path(__file__).resolve().parent
+FLOORS = ("algorithm", "config", "engine", "workbench", "scale", "faults", "layout")
+sys.path[:0] = [str(HERE)] + [str(HERE / floor) for floor in FLOORS]
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `make test`'s worker processes (pytest-xdist)
     # One CPU thread for the worker and every process it starts. The tests' models are tiny, so a second thread

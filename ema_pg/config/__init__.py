@@ -9,9 +9,9 @@ what to change. The machine's checks (packages, CUDA, engine kernels) are the en
 
 from .compose import CONF_DIR, compose, flatten, overrides_problem, register_configs
 from .schema import (
-    ANCHOR_ALIGNS, ARCH_KEYS, DEEPSPEED_STRATEGIES, MIN_TEMPERATURE, SFT_SCHEDULES, AlgoConfig, AnchorConfig, Config,
-    ConfigError, KLConfig, LoggerConfig, ModelConfig, MonitorConfig, OptimConfig, RolloutConfig, SFTConfig,
-    TrainerConfig, eval_settings_problem, is_deepspeed, is_tiny,
+    ANCHOR_ALIGNS, ARCH_KEYS, DEEPSPEED_STRATEGIES, DTYPES, LOGGERS, MIN_TEMPERATURE, SFT_SCHEDULES, AlgoConfig,
+    AnchorConfig, Config, ConfigError, KLConfig, LoggerConfig, ModelConfig, MonitorConfig, OptimConfig, RolloutConfig,
+    SFTConfig, TrainerConfig, eval_settings_problem, is_deepspeed, is_tiny,
 )
 from .validation import (
     CHECKED_GROUPS, KL_PARAMS, Binding, build_estimator, build_scheme, fill_defaults, kl_params, stated_world_size,
@@ -19,10 +19,10 @@ from .validation import (
 )
 
 __all__ = [
-    "ANCHOR_ALIGNS", "ARCH_KEYS", "CHECKED_GROUPS", "CONF_DIR", "DEEPSPEED_STRATEGIES", "KL_PARAMS", "MIN_TEMPERATURE",
-    "SFT_SCHEDULES", "AlgoConfig", "AnchorConfig", "Binding", "Config", "ConfigError", "KLConfig", "LoggerConfig",
-    "ModelConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig", "TrainerConfig", "build_estimator",
-    "build_scheme", "compose", "eval_settings_problem", "fill_defaults", "flatten", "is_deepspeed", "is_tiny",
-    "kl_params", "overrides_problem", "register_configs", "stated_world_size", "validate", "validate_model",
-    "validate_world",
+    "ANCHOR_ALIGNS", "ARCH_KEYS", "CHECKED_GROUPS", "CONF_DIR", "DEEPSPEED_STRATEGIES", "DTYPES", "KL_PARAMS",
+    "LOGGERS", "MIN_TEMPERATURE", "SFT_SCHEDULES", "AlgoConfig", "AnchorConfig", "Binding", "Config", "ConfigError",
+    "KLConfig", "LoggerConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig",
+    "TrainerConfig", "build_estimator", "build_scheme", "compose", "eval_settings_problem", "fill_defaults",
+    "flatten", "is_deepspeed", "is_tiny", "kl_params", "overrides_problem", "register_configs", "stated_world_size",
+    "validate", "validate_model", "validate_world",
 ]

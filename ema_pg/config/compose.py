@@ -10,9 +10,10 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from ..cli import PACKAGE_ROOT
 from .schema import Config
 
-CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
+CONF_DIR = PACKAGE_ROOT / "conf"
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

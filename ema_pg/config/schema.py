@@ -33,6 +33,10 @@ def _at_least(*checks: tuple[str, float, float]) -> None:
             _bad(f"{key} must be >= {lo}; got {v}")
 
 
+DTYPES = ("float32", "bfloat16", "float16")  #: model.dtype: the weights' dtype (torch's name)
+LOGGERS = ("csv", "wandb", "tensorboard")  #: logger=<name>; csv is always written beside the others
+
+
 #: the tiny model's architecture (model.<key>): what its cold start is keyed by and what a stage must share
 ARCH_KEYS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "max_positions", "tokenizer_vocab")
 
@@ -63,7 +67,7 @@ class ModelConfig:
         if self.lora_rank < 0 or (self.lora_rank and self.lora_alpha <= 0):
             _bad(f"model.lora_rank must be >= 0 (0 = full fine-tuning) and model.lora_alpha > 0; got {self.lora_rank}, "
                  f"{self.lora_alpha}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             _bad(f"model.dtype={self.dtype!r}; choose float32, bfloat16 or float16")
         _at_least(("model.head_chunk_tokens", self.head_chunk_tokens, 0))
         if self.head_chunk_mb is not None and not self.head_chunk_mb > 0:
@@ -141,7 +145,9 @@ class RolloutConfig:
     worker_threads: int = 1  #: max_staleness > 0: torch CPU threads of the rollout worker process
 
     def check(self) -> None:
-        if self.name not in ("hf", "vllm"):
+        from ..rollout import SAMPLERS
+
+        if self.name not in SAMPLERS:
             _bad(f"rollout={self.name!r}; choose hf or vllm")
         if self.temperature < 0 or not (0 < self.top_p <= 1):
             _bad(f"rollout.temperature must be >= 0 and rollout.top_p in (0, 1]; got {self.temperature}, {self.top_p}")
@@ -388,7 +394,7 @@ class LoggerConfig:
     offline: bool = True  #: wandb offline unless set to false
 
     def check(self) -> None:
-        if self.name not in ("csv", "wandb", "tensorboard"):
+        if self.name not in LOGGERS:
             _bad(f"logger={self.name!r}; choose one of: csv, wandb, tensorboard")
 
 

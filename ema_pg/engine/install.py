@@ -19,7 +19,7 @@ def check_installed(cfg) -> None:
     if cfg.model.lora_rank and not importlib.util.find_spec("peft"):
         _bad("model.lora_rank > 0 needs PEFT: pip install -e '.[lora]' (or model.lora_rank=0)")
     lg = cfg.logger.name
-    if lg in ("wandb", "tensorboard") and not (importlib.util.find_spec(lg) or (
+    if lg != "csv" and not (importlib.util.find_spec(lg) or (
             lg == "tensorboard" and importlib.util.find_spec("tensorboardX"))):
         _bad(f"logger={lg} needs its package: pip install -e '.[{lg}]' (or use logger=csv)")
     if is_deepspeed(cfg) and not importlib.util.find_spec("deepspeed"):

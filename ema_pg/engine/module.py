@@ -26,7 +26,7 @@ from ..rollout import build_sampler
 from ..step import StepParts, rl_step
 from ..update import NonFiniteUpdates, Updater
 from .anchor import AnchorCallback
-from .evaluate import eval_metrics, evaluate_policy
+from .evaluation import eval_metrics, evaluate_policy
 from .models import compile_body
 from .monitor import StabilityMonitor
 from .runs import settings

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from ..config import DTYPES as MODEL_DTYPES
 from .attention import use_fast_attention
 from .files import atomic_dir, nbytes
 from .models import load_model_dir, model_shell, save_model_dir, unfilled
@@ -24,7 +25,7 @@ from .sft import check_finite_weights, cold_start
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}  #: model.dtype -> torch's dtype
 WHICH = ("policy", "anchor", "initial")  #: what load_run_model can rebuild
 
 

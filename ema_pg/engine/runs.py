@@ -20,7 +20,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import ARCH_KEYS, Binding, ConfigError, fill_defaults, flatten, validate
+from ..cli import PACKAGE_ROOT
+from ..config import ARCH_KEYS, LOGGERS, Binding, ConfigError, fill_defaults, flatten, validate
 from .files import atomic_write
 from .install import check_installed
 from .owner import CLAIM, claim_run_dir, own_run_dir
@@ -75,7 +76,7 @@ def git_commit() -> str:
     modules are loaded), so every run of a multirun records the code it ran even when the repository moves on
     during the sweep (its later runs once recorded the newer HEAD). ``-dirty`` marks uncommitted changes."""
     try:
-        root = Path(__file__).resolve().parents[2]
+        root = PACKAGE_ROOT
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
                                text=True, timeout=5).stdout.strip()
@@ -186,7 +187,7 @@ def make_loggers(cfg, run_dir: Path, resume_step: int | None):
 
         loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb"))
     elif cfg.logger.name != "csv":
-        raise ConfigError(f"logger={cfg.logger.name!r}; choose one of: csv, wandb, tensorboard")
+        raise ConfigError(f"logger={cfg.logger.name!r}; choose one of: {', '.join(LOGGERS)}")
     return loggers
 
 
@@ -237,7 +238,7 @@ def finished_metrics(run_dir: Path, iterations: int) -> dict | None:
     final = json.loads(f.read_text())
     if final.get("iteration", -1) < iterations:
         return None
-    from .evaluate import result_metric
+    from .evaluation import result_metric
 
     return outcome(result_metric(final), final.get("avg", float("nan")), final["iteration"],
                    final.get("base_avg", float("nan")))

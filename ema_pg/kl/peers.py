@@ -1,7 +1,7 @@
 """The field's KL estimators that are not configurations of ours, written from their published formulas.
 
 Each function has the registry's signature (``fn(inputs: KLInputs, **params) -> (B, T)``) so that the
-estimator lab (:mod:`ema_pg.kl.lab`) measures it beside ours. Those of the field that *are* one of
+estimator lab (:mod:`ema_pg.workbench.lab`) measures it beside ours. Those of the field that *are* one of
 ours with options (verl's ``low_var_kl`` = ``k3`` with ``clamp``; ``k3+`` = ``k3`` with ``clamp`` and
 ``straight_through``; ``abs``; ``mse`` = ``k2``) are entries of the lab's panel, not functions here.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from .base import OnStop, Rollouts, Sampler
 from .hf import HFSampler, sample_token
 
+SAMPLERS = ("hf", "vllm")  #: rollout=<name>: the sampler backends build_sampler builds
+
 
 def build_sampler(cfg, tokenizer, lora: bool = False) -> Sampler:
     """The sampler of ``rollout=<name>``; ``lora``: the policy has LoRA adapters (the HF sampler's static cache,
@@ -16,7 +18,7 @@ def build_sampler(cfg, tokenizer, lora: bool = False) -> Sampler:
         from .vllm import VLLMSampler
 
         return VLLMSampler(tokenizer, cfg)
-    raise ValueError(f"unknown rollout backend {cfg.name!r}; choose one of: hf, vllm")
+    raise ValueError(f"unknown rollout backend {cfg.name!r}; choose one of: {', '.join(SAMPLERS)}")
 
 
-__all__ = ["HFSampler", "OnStop", "Rollouts", "Sampler", "build_sampler", "sample_token"]
+__all__ = ["SAMPLERS", "HFSampler", "OnStop", "Rollouts", "Sampler", "build_sampler", "sample_token"]

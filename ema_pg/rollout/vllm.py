@@ -46,7 +46,7 @@ class WeightSyncExtension:
 
     The model's own ``load_weights`` fails on the CPU backend and ``reload_weights(weights_path=)``
     loads wrong values there; ``reload_weights(weights_iterator=...)`` is the path that gives the
-    engine exactly the trainer's weights (checked by ``tests/test_scale_vllm.py``).
+    engine exactly the trainer's weights (checked by ``tests/scale/test_scale_vllm.py``).
     """
 
     def ema_pg_load_state(self, blob: bytes) -> int:

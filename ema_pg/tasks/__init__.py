@@ -13,10 +13,9 @@ parameters.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from omegaconf import OmegaConf
 
+from ..cli import PACKAGE_ROOT
 from .base import Prompt, ServiceError, Task
 from .math import MathTask
 from .reasoning_gym import ReasoningGymTask
@@ -27,7 +26,7 @@ from .toy import AdditionTask
 
 TASKS = {"toy_add": AdditionTask, "search_qa": SearchQATask, "math": MathTask, "reasoning_gym": ReasoningGymTask,
          "text_env": TextEnvTask}
-TASK_CONF = Path(__file__).resolve().parent.parent.parent / "conf" / "task"
+TASK_CONF = PACKAGE_ROOT / "conf" / "task"
 
 
 def common_defaults() -> dict:

@@ -6,7 +6,7 @@ verdict column, the last look of each claim of a sequential plan's ``looks.csv``
 and writes ``reproductions/CLAIMS.md``: per claim of the paper, the latest verdict with its interval, seeds, the
 reproduction it comes from and the seeds a decision would take; the earlier verdicts of the same claim below it
 as history; then every other verdict of ours. Nothing on the page is typed by hand: the test
-(``tests/test_claims.py``) checks that every verdict row of every results file appears on it and that the
+(``tests/workbench/test_claims.py``) checks that every verdict row of every results file appears on it and that the
 committed page is the one this command writes.
 
     python -m ema_pg.workbench.claims                       # writes reproductions/CLAIMS.md
@@ -19,9 +19,9 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from ..cli import PACKAGE_ROOT as ROOT
 from ..cli import command_parser
 
-ROOT = Path(__file__).resolve().parents[2]
 REPRO = ROOT / "reproductions"
 PAGE = REPRO / "CLAIMS.md"
 #: the reproductions from oldest to newest: a claim's latest verdict is the newest one's (each a folder, or a tuple of

@@ -50,8 +50,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from ..cli import PACKAGE_ROOT as ROOT
 from ..cli import command_parser
-from ..engine.evaluate import result_metric
+from ..engine.evaluation import result_metric
 from ..engine.files import NoRoom
 from ..engine.runs import EXIT_INTERRUPTED, machine
 from ..engine.sweeps import failed_record
@@ -59,7 +60,6 @@ from .contract import check as check_contract, deviation_lines, parse_deviations
 from .ledger import finite, read_cells_file, read_looks_file
 from .sequential import OUTLOOKS, Design, look_at, outlook
 
-ROOT = Path(__file__).resolve().parents[2]
 LOOKS = "looks.csv"  #: every look's numbers, beside the plan
 CELLS = "cells.csv"  #: every finished cell's scores, beside the plan
 #: cells that can count in no look (their base policy was not the plan's), with cells.csv's columns, the cold start

@@ -1,5 +1,5 @@
 """The ``python -m ema_pg.evaluate`` command: a policy's evaluation on its task's eval splits (the engine's
-:func:`ema_pg.engine.evaluate.evaluate_policy`), its files, and its analyses beside the splits.
+:func:`ema_pg.engine.evaluation.evaluate_policy`), its files, and its analyses beside the splits.
 
     python -m ema_pg.evaluate runs/<run>            # the run's final policy (last checkpoint)
     python -m ema_pg.evaluate runs/<run> --which anchor   # its EMA anchor (or --initial: its base policy)
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..cli import command_parser
-from ..engine.evaluate import evaluate_policy, result_metric, score_names
+from ..engine.evaluation import evaluate_policy, result_metric, score_names
 from ..engine.install import check_installed
 from ..prompts import PromptEncoder
 

@@ -43,6 +43,7 @@ import optuna
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
+from ..cli import PACKAGE_ROOT as ROOT
 from ..cli import command_parser
 from ..engine.files import file_lock
 from ..engine.fit import RunInterrupted
@@ -67,7 +68,6 @@ def _expected_optuna_notes(fn):
     return quiet
 
 
-ROOT = Path(__file__).resolve().parents[2]
 PARAM_TYPES = ("float", "int", "categorical")
 SAMPLERS = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler,
             "gp": optuna.samplers.GPSampler, "cmaes": optuna.samplers.CmaEsSampler}

@@ -97,7 +97,7 @@ def run_sources(run: Path, which: str = "policy") -> list[dict]:
     import torch
     from omegaconf import OmegaConf
 
-    from ..engine.evaluate import evaluate_policy
+    from ..engine.evaluation import evaluate_policy
     from ..engine.policy import load_run_model
     from ..engine.runs import upgraded
     from ..prompts import PromptEncoder

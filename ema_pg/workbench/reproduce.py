@@ -27,12 +27,12 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli import PACKAGE_ROOT as ROOT
 from ..cli import command_parser
 from ..engine.runs import EXIT_INTERRUPTED
 from ..engine.sweeps import failed_record, sweep_state
 from .reports import REPORTS
 
-ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = ROOT / "sweeps"
 SCALES = ("smoke", "mini", "decide", "decide_strong", "decide_reading", "decide_episode", "vllm", "full")
 #: what a full-scale reproduction needs in the environment (beside a GPU)

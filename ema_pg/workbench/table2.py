@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from ..cli import PACKAGE_ROOT
 from .results import (METHOD_LABELS, bootstrap_ci, claim_verdict, format_seeds, load_curves, method_label, min_detectable,
                       paired_differences, provenance_lines, seed_tally, seeds_to_detect, set_style, sign_flip_p, table_args,
                       write_results)
@@ -31,7 +32,7 @@ SPLITS = list(TASK_SPLITS)  # general QA first, then multi-hop (the paper's colu
 GENERAL, MULTIHOP = SPLITS[:3], SPLITS[3:]
 COLS = SPLITS + ["avg"]
 DIAGNOSTICS = list(TASK_DIAGNOSTICS)  # the evaluation's diagnostics (``eval_diag/avg/<name>``), read when runs log them
-PAPER = Path(__file__).resolve().parents[2] / "reproductions" / "table2" / "paper_table2.csv"
+PAPER = PACKAGE_ROOT / "reproductions" / "table2" / "paper_table2.csv"
 ROWS = ["before RL", *METHOD_LABELS.values()]  # the paper's rows, then ours (the corrected tail)
 METHODS = list(METHOD_LABELS.values())
 EMA, FWD, REV, GRPO, WARP, PPO = (METHOD_LABELS[m] for m in ("ema", "ema_topk_forward", "ema_topk_reverse", "grpo",

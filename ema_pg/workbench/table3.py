@@ -21,11 +21,12 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from ..cli import PACKAGE_ROOT
 from .results import (bootstrap_ci, claim_verdict, format_seeds, load_curves, min_detectable, paired_differences,
                       provenance_lines, seeds_to_detect, set_style, table_args, write_results)
 from ..tasks.math.task import PAPER_NAMES
 
-PAPER = Path(__file__).resolve().parents[2] / "reproductions" / "table3" / "paper_table3.csv"
+PAPER = PACKAGE_ROOT / "reproductions" / "table3" / "paper_table3.csv"
 SPLITS = list(PAPER_NAMES)  #: Table 3's row order
 COLS = SPLITS + ["avg"]
 ARMS = {"grpo": "GRPO", "ema": "EMA-PG"}  #: method id -> Table 3's column

@@ -465,7 +465,7 @@ def test_a_run_binds_its_estimator_and_anchor_scheme_once_and_leaves_the_callers
                                                                                                   monkeypatch):
     """validate ran twice and the scheme was built about six times in one run, and the registry defaults were written
     back into the caller's config, which the stability monitor then read (anchor.eta)."""
-    import ema_pg.config as C
+    import ema_pg.config.validation as C  # the home of build_scheme and build_estimator, where validate calls them
 
     counts = {"build_scheme": 0, "build_estimator": 0}
     for name in counts:

@@ -1,4 +1,4 @@
-"""The three floors (README, "Layout"): import-linter's contracts hold, and every module at the package's
+"""The four floors (README, "Layout"): import-linter's contracts hold, and every module at the package's
 root is named in a contract or is a command entry a few lines long."""
 
 import pkgutil

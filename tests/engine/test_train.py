@@ -484,3 +484,34 @@ def test_a_run_binds_its_estimator_and_anchor_scheme_once_and_leaves_the_callers
     saved = OmegaConf.load(objs["run_dir"] / "config.yaml")
     assert saved.anchor.eta == 0.9 and saved.kl.k == 32  # the folder records the values in force
     assert objs["module"].monitor.eta == 0.9  # from the bound scheme
+
+
+@pytest.mark.slow  # two command-line runs, about a minute
+def test_a_base_built_under_one_kernel_setting_is_loaded_not_rebuilt_under_another(tmp_path):
+    """A plan across machines (issue 80): the cold start is built once into a cache the machines share
+    (``sft.cache_dir`` / ``EMA_PG_CACHE``) and every later run loads it, whatever its CPU kernels: a run under
+    ``ATEN_CPU_CAPABILITY=avx2`` reuses the base a run under ``default`` built, and starts from the same weights
+    (``run_base``, the digest a plan's ledger checks each cell against)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ema_pg.engine.runs import run_base
+
+    from test_faults import cli_tiny
+
+    root = Path(__file__).resolve().parents[2]
+    runs = {}
+    for kernels in ("default", "avx2"):
+        run = tmp_path / kernels
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": kernels}
+        p = subprocess.run([sys.executable, "-m", "ema_pg.train", *cli_tiny(tmp_path), "sft.seed=0", "algo.iterations=1",
+                            "algo.eval_every=1", f"hydra.run.dir={run}"], cwd=root, env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[kernels] = (run, (run / "train.log").read_text())
+    (built, built_log), (loaded, loaded_log) = runs["default"], runs["avx2"]
+    assert "SFT steps, final loss" in built_log and "cold start: reusing" not in built_log
+    assert "cold start: reusing" in loaded_log and "SFT steps, final loss" not in loaded_log
+    assert run_base(built) == run_base(loaded) != "unknown"

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ema_pg.workbench.decide import load_plan, look_seeds, read_cells, read_looks, state  # noqa: E402
+from ema_pg.workbench.studies.decide import load_plan, look_seeds, read_cells, read_looks, state  # noqa: E402
 from ema_pg.workbench.results import bootstrap_ci, paired_differences, paired_sd, seed_tally, set_style  # noqa: E402
 
 AVG = "avg"  # eval.json's average over the splits

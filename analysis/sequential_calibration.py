@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from ema_pg.workbench.sequential import Design, _verdict_shares
+from ema_pg.workbench.studies.sequential import Design, _verdict_shares
 
 DESIGNS = {"claims plan (10, 20, 30, 45, 60), O'Brien-Fleming": Design((10, 20, 30, 45, 60)),
            "pocock (10, 20, 30, 45, 60)": Design((10, 20, 30, 45, 60), spending="pocock"),

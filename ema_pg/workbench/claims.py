@@ -118,7 +118,7 @@ def look_verdicts(path: Path) -> list[Verdict]:
     """The last look of each claim of a sequential plan (``looks.csv``)."""
     import pandas as pd
 
-    from .decide import load_plan, outlooks
+    from .studies.decide import load_plan, outlooks
     from .results import format_seeds, seeds_for, seeds_for_t
 
     looks = pd.read_csv(path)
@@ -365,9 +365,9 @@ def render(verdicts: list[Verdict]) -> str:
 
 
 def plan_deviations() -> list[str]:
-    """Every sequential plan's deviations (:func:`ema_pg.workbench.contract.deviation_lines`), each under its plan."""
-    from .contract import deviation_lines
-    from .decide import load_plan, state
+    """Every sequential plan's deviations (:func:`ema_pg.workbench.studies.contract.deviation_lines`), each under its plan."""
+    from .studies.contract import deviation_lines
+    from .studies.decide import load_plan, state
 
     out = []
     for f in sorted(REPRO.glob("**/plan.yaml")):

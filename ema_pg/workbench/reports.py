@@ -52,7 +52,7 @@ def _table2(runs_dir: str, out: str, extra: list[str]) -> dict:
 
 
 def _async_anchor(runs_dir: str, out: str, extra: list[str]) -> dict:
-    from .async_study import main
+    from .studies.async_study import main
 
     return main(["--runs", runs_dir, "--out", out, *extra])
 

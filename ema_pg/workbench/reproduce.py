@@ -32,47 +32,12 @@ from ..cli import command_parser
 from ..engine.runs import EXIT_INTERRUPTED
 from ..engine.sweeps import failed_record, sweep_state
 from .reports import REPORTS
+from .sweepfiles import SWEEPS, TABLES, overlay_choices, overlay_transfer, scale_file
 
-SWEEPS = ROOT / "sweeps"
 SCALES = ("smoke", "mini", "decide", "decide_strong", "decide_reading", "decide_episode", "vllm", "full")
 #: what a full-scale reproduction needs in the environment (beside a GPU)
 FULL_SCALE_ENV = {"table2": ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER"),
                   "table3": ("EMA_PG_MODEL", "EMA_PG_MATH_DATA")}
-TABLES = ("table2", "table3")  #: reproductions with their own make target and a provenance line
-
-
-def scale_file(name: str, scale: str) -> str:
-    if name in TABLES and scale.startswith("decide") and not (SWEEPS / "scale" / f"{name}_{scale}.yaml").is_file():
-        raise SystemExit(f"scale {scale!r} (sweeps/scale/{scale}.yaml) is the demo task's decisive regime; {name} runs "
-                         f"another task: add sweeps/scale/{name}_{scale}.yaml for it")
-    for cand in (f"{name}_{scale}", scale):
-        if (SWEEPS / "scale" / f"{cand}.yaml").is_file():
-            return cand
-    have = sorted(p.stem for p in (SWEEPS / "scale").glob("*.yaml"))
-    raise SystemExit(f"no scale {scale!r} for {name}: add sweeps/scale/{name}_{scale}.yaml (there are: {', '.join(have)})")
-
-
-def overlay_directive(overlay: str, key: str, sweeps: Path | None = None) -> list[str]:
-    """The words of a scale overlay's ``# <key>:`` line ([] without one); ``sweeps``: another checkout's sweep files."""
-    for line in ((SWEEPS if sweeps is None else sweeps) / "scale" / f"{overlay}.yaml").read_text().splitlines():
-        if line.startswith(f"# {key}:"):
-            return line.split(":", 1)[1].split()
-    return []
-
-
-def overlay_choices(overlay: str, sweeps: Path | None = None) -> list[str]:
-    """Group choices a scale overlay asks for on its ``# choices:`` line (``experiment=search_paper``):
-    an overlay cannot re-choose a group the sweep file already chose, the command line can."""
-    return overlay_directive(overlay, "choices", sweeps)
-
-
-def overlay_transfer(overlay: str) -> int:
-    """N of a scale overlay's ``# transfer: N`` line: every finished run is also evaluated on N worlds it never
-    saw (``python -m ema_pg.evaluate RUN --transfer N``) before the report, which reads them (0: none)."""
-    words = overlay_directive(overlay, "transfer")
-    if words and not (words[0].isdigit() and int(words[0]) > 0):
-        raise SystemExit(f"sweeps/scale/{overlay}.yaml: '# transfer: {' '.join(words)}'; give a number of worlds >= 1")
-    return int(words[0]) if words else 0
 
 
 def transfer_commands(runs: list[Path], n: int) -> list[list[str]]:

@@ -238,11 +238,11 @@ def test_reading_probe_feeds_each_demonstration_up_to_its_answer(task):
 
 # ---------------------------------------------------------------------- where a recalled answer comes from
 def test_a_recalled_answer_is_traced_to_its_own_world_a_trained_world_or_none(task):
-    """``ema_pg.workbench.recall``: an answer no passage held is a name of the question's own world (unread), of
+    """``ema_pg.workbench.studies.recall``: an answer no passage held is a name of the question's own world (unread), of
     a world the policy trained on (memory), or of none (invented); a read answer is not recalled at all."""
     from omegaconf import OmegaConf
 
-    from ema_pg.workbench.recall import answer_source, control_world_keys, names_of, trained_world_keys, world_names
+    from ema_pg.workbench.studies.recall import answer_source, control_world_keys, names_of, trained_world_keys, world_names
 
     p = task.eval_splits()["nq"][3]
     w = task.world_of(p)
@@ -274,7 +274,7 @@ def test_a_recalled_answer_is_traced_to_its_own_world_a_trained_world_or_none(ta
 
 
 def test_the_recall_summary_gives_memory_as_trained_minus_control_per_method_over_seeds():
-    from ema_pg.workbench.recall import summarize
+    from ema_pg.workbench.studies.recall import summarize
 
     row = lambda seed, which, trained, control, split="avg": {
         "method": "grpo", "seed": seed, "which": which, "split": split, "recalled": 0.5, "own_world": 0.0,

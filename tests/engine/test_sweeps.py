@@ -16,7 +16,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from ema_pg.workbench.reports import REPORTS
-from ema_pg.workbench.reproduce import TABLES
+from ema_pg.workbench.sweepfiles import TABLES
 from ema_pg.workbench.results import load_runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +147,8 @@ def test_reproduce_composes_the_sweep_and_its_report(name, tmp_path):
 def test_decide_scale_is_the_demo_collapse_edge_and_refused_for_the_tables(tmp_path):
     """SCALE=decide: the demo sweeps at the beta = 0 study's learning rate with a beta that keeps them learning,
     five paired seeds that leave out the pilot's seed 0; Table 2 / 3 run other tasks and need their own overlay."""
-    from ema_pg.workbench.reproduce import TABLES, commands
+    from ema_pg.workbench.reproduce import commands
+    from ema_pg.workbench.sweepfiles import TABLES
 
     over = OmegaConf.load(ROOT / "sweeps" / "scale" / "decide.yaml")
     edge = OmegaConf.load(ROOT / "sweeps" / "beta0_collapse.yaml")
@@ -213,7 +214,8 @@ def test_table2_decide_reading_is_table2_decide_in_the_2000_people_world_at_beta
 def test_decide_strong_is_decide_from_a_stronger_cold_start():
     """SCALE=decide_strong: everything decide sets, and SFT runs on to a training reward of 0.3."""
     from ema_pg.config import compose
-    from ema_pg.workbench.reproduce import TABLES, commands
+    from ema_pg.workbench.reproduce import commands
+    from ema_pg.workbench.sweepfiles import TABLES
 
     def run_cfg(scale):
         return compose([f"hydra.searchpath=[file://{ROOT / 'sweeps'}]", "experiment=demo", "+scale=" + scale, "seed=1",
@@ -236,9 +238,10 @@ def test_a_scale_overlays_transfer_line_asks_for_each_runs_transfer_evaluation(t
     `python -m ema_pg.evaluate RUN --transfer N` before the report (those that have it are skipped, so a rerun
     does not evaluate twice); a line that is not a positive number is refused with one line."""
     import ema_pg.workbench.reproduce as rp
+    import ema_pg.workbench.sweepfiles as sf
 
     (tmp_path / "scale").mkdir()
-    monkeypatch.setattr(rp, "SWEEPS", tmp_path)
+    monkeypatch.setattr(sf, "SWEEPS", tmp_path)  # the sweep files' home: what overlay_transfer reads
     (tmp_path / "scale" / "t.yaml").write_text("# @package _global_\n# transfer: 3\nseed: 1\n")
     (tmp_path / "scale" / "plain.yaml").write_text("seed: 1\n")
     (tmp_path / "scale" / "bad.yaml").write_text("# transfer: some\n")
@@ -264,6 +267,7 @@ def test_reproduce_evaluates_each_finished_run_on_unseen_worlds_before_the_repor
     import shutil
 
     import ema_pg.workbench.reproduce as rp
+    import ema_pg.workbench.sweepfiles as sf
     from helpers import compose_cfg
 
     from ema_pg.train import train
@@ -279,7 +283,7 @@ def test_reproduce_evaluates_each_finished_run_on_unseen_worlds_before_the_repor
     shutil.copy(rp.SWEEPS / "scale" / "table2_smoke.yaml", sweeps / "scale" / "table2_smoke.yaml")
     with open(sweeps / "scale" / "table2_smoke.yaml", "a") as f:
         f.write("# transfer: 1\n")
-    monkeypatch.setattr(rp, "SWEEPS", sweeps)
+    monkeypatch.setattr(sf, "SWEEPS", sweeps)  # where the overlays are read (--analysis-only runs no sweep)
     argv = ["table2", "--scale", "smoke", "--analysis-only", "--runs", str(runs), "--out", str(tmp_path / "out")]
     rp.main(argv)
     made = runs / "grpo_s1" / "evaluations" / "policy_transfer1.json"
@@ -315,7 +319,8 @@ def test_table2_decide_episode_is_table2_decide_on_search_reading_from_one_base_
     evaluated on 3 unseen worlds; nothing else differs from the experiment, and the pre-registration is committed
     beside where its results go."""
     from ema_pg.config import compose
-    from ema_pg.workbench.reproduce import commands, overlay_transfer
+    from ema_pg.workbench.reproduce import commands
+    from ema_pg.workbench.sweepfiles import overlay_transfer
 
     sweep, _, _, out = commands("table2", "decide_episode", [], runs=tmp_path)
     assert "experiment=search_reading" in sweep and "+scale=table2_decide_episode" in sweep

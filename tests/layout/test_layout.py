@@ -51,7 +51,7 @@ def test_each_fact_has_one_home():
     homes = {
         r'"deepspeed" in|startswith\("deepspeed"\)': {"ema_pg/config/schema.py"},  # is_deepspeed
         r'chat_template", "auto"|chat_template=.auto.': set(),
-        r'"eval/avg/em"': {"ema_pg/workbench/table2.py", "ema_pg/workbench/async_study.py"},  # EM by definition there
+        r'"eval/avg/em"': {"ema_pg/workbench/table2.py", "ema_pg/workbench/studies/async_study.py"},  # EM by definition there
         r'"(EMA-PG: w/ EMA anchor|\+ Top-k (forward|reverse) KL[^"]*)"': {"ema_pg/workbench/results.py"},
         r'getattr\((task|prompt|self\.task|self\.sampler), |hasattr\((task|prompt|self\.task|self\.sampler), ': set(),
         r'getattr\((self|self\.\w+), "\w+", ': set(),  # an object of ours probing itself for a default

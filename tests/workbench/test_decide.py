@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ema_pg.workbench.decide import (CELLS, LOOKS, load_plan, main, needed, outlooks, read_cells, record_cells, report,
+from ema_pg.workbench.studies.decide import (CELLS, LOOKS, load_plan, main, needed, outlooks, read_cells, record_cells, report,
                                      state, take_look)
-from ema_pg.workbench.sequential import OUTLOOKS, Design, look, outlook
+from ema_pg.workbench.studies.sequential import OUTLOOKS, Design, look, outlook
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -172,7 +172,7 @@ def test_a_cell_from_another_base_policy_is_refused_before_a_look_pairs_it(tmp_p
     """Two cold starts of one sft.seed on two kinds of CPU can end apart; a seed whose two methods start from two
     base policies compares starting points. Such a cell is not recorded and no look is taken with it."""
     from ema_pg.engine.runs import run_base
-    from ema_pg.workbench.decide import OtherBase
+    from ema_pg.workbench.studies.decide import OtherBase
 
     runs = tmp_path / "runs"
     plan = load_plan(write_plan(tmp_path / "plan", runs, looks=(3, 5)))
@@ -202,7 +202,7 @@ def test_a_ledger_from_before_bases_were_recorded_takes_a_new_cell_only_once_its
     """Rows without a base cannot vouch for the first cell that has one: the plan must pin it, after a person checked
     the cell's cold start; then the cell is recorded, and one from another base is refused."""
     from ema_pg.engine.runs import run_base
-    from ema_pg.workbench.decide import OtherBase
+    from ema_pg.workbench.studies.decide import OtherBase
 
     runs = tmp_path / "runs"
     path = write_plan(tmp_path / "plan", runs, looks=(3, 5))
@@ -247,7 +247,7 @@ def test_a_machine_whose_cells_were_set_aside_is_refused_before_a_cold_start(tmp
     out another base policy, so a run stops there at once (no cold start built to be refused), and --status says so;
     --any-machine goes on."""
     from ema_pg.engine.runs import machine
-    from ema_pg.workbench.decide import SET_ASIDE
+    from ema_pg.workbench.studies.decide import SET_ASIDE
 
     runs = tmp_path / "runs"
     path = write_plan(tmp_path / "plan", runs, looks=(3,), claims={"A": {"better": "ema", "worse": "grpo", "text": "x"}})
@@ -271,7 +271,7 @@ def test_cells_can_run_the_code_of_another_checkout(tmp_path):
     """--code: a plan's cells run the code it was registered at (a worktree), named by its own sweep files."""
     import shutil
 
-    from ema_pg.workbench.decide import cell_command
+    from ema_pg.workbench.studies.decide import cell_command
 
     plan = load_plan(write_plan(tmp_path / "plan", tmp_path / "runs"))
     other = tmp_path / "frozen"

@@ -16,10 +16,10 @@ import pytest
 import yaml
 from test_decide import fake_run, write_plan
 
-from ema_pg.workbench.contract import CONTRACT, check, register
-from ema_pg.workbench.decide import (CELLS, DECIDE_CLAIM, LOOKS, check_cells, load_plan, main, read_looks, record_cells, report,
+from ema_pg.workbench.studies.contract import CONTRACT, check, register
+from ema_pg.workbench.studies.decide import (CELLS, DECIDE_CLAIM, LOOKS, check_cells, load_plan, main, read_looks, record_cells, report,
                                      state, take_look)
-from ema_pg.workbench.sequential import Design, look, look_at
+from ema_pg.workbench.studies.sequential import Design, look, look_at
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -176,7 +176,7 @@ def test_the_cells_config_is_checked_before_the_first_cell_the_score_and_one_col
 def test_a_second_decide_on_a_live_plan_is_refused_naming_the_first(tmp_path):
     path = first_look(tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from ema_pg.workbench.decide import claim_plan, load_plan; "
+        "import sys, time; from pathlib import Path; from ema_pg.workbench.studies.decide import claim_plan, load_plan; "
         f"claim_plan(load_plan(Path({str(path)!r}))); print('held', flush=True); time.sleep(60)")],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

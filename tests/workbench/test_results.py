@@ -437,7 +437,7 @@ def test_the_run_plot_smooths_training_curves_by_a_debiased_moving_average():
 def test_the_async_report_names_the_sampler_the_runs_used():
     """The async study's report says which sampler ran, from the runs' configs: a vLLM study's report said "the HF
     sampler" (the line was written for the first study)."""
-    from ema_pg.workbench.async_study import _sampler
+    from ema_pg.workbench.studies.async_study import _sampler
 
     hf = pd.DataFrame({"rollout.name": ["hf", "hf"], "rollout.engine_dtype": ["auto", "auto"],
                        "rollout.correction": ["none", "none"]})

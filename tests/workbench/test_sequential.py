@@ -1,4 +1,4 @@
-"""The group-sequential design (ema_pg.workbench.sequential): boundaries against published values, the error rate
+"""The group-sequential design (ema_pg.workbench.studies.sequential): boundaries against published values, the error rate
 under no effect by simulation, and the verdict rules of one claim's looks."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from ema_pg.workbench.sequential import (Design, fixed_power, look, outlook, simulate, spent, t_boundary,
+from ema_pg.workbench.studies.sequential import (Design, fixed_power, look, outlook, simulate, spent, t_boundary,
                                         z_boundaries)
 
 FIVE = [0.2, 0.4, 0.6, 0.8, 1.0]

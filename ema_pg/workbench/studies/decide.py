@@ -50,12 +50,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..cli import PACKAGE_ROOT as ROOT
-from ..cli import command_parser
-from ..engine.evaluation import result_metric
-from ..engine.files import NoRoom
-from ..engine.runs import EXIT_INTERRUPTED, machine
-from ..engine.sweeps import failed_record
+from ...cli import PACKAGE_ROOT as ROOT
+from ...cli import command_parser
+from ...engine.evaluation import result_metric
+from ...engine.files import NoRoom
+from ...engine.runs import EXIT_INTERRUPTED, machine
+from ...engine.sweeps import failed_record
 from .contract import check as check_contract, deviation_lines, parse_deviations, register
 from .ledger import finite, read_cells_file, read_looks_file
 from .sequential import OUTLOOKS, Design, look_at, outlook
@@ -168,9 +168,9 @@ def check_cells(plan: Plan, code: Path = ROOT) -> None:
     composes; their seeds share one cold start (``sft.seed`` set, or a model of their own): otherwise every seed
     builds its own base policy and the ledger refuses all but the first; every claim's score is ``avg`` or one of
     the task's evaluation splits."""
-    from ..config import CONF_DIR, compose
-    from ..tasks import build_task
-    from .reproduce import overlay_choices, scale_file
+    from ...config import CONF_DIR, compose
+    from ...tasks import build_task
+    from ..sweepfiles import overlay_choices, scale_file
 
     overlay, sweeps = scale_file(plan.sweep, plan.scale), Path(code) / "sweeps"
     m = plan.claims[0].better
@@ -196,7 +196,7 @@ def check_cells(plan: Plan, code: Path = ROOT) -> None:
 def cell_command(plan: Plan, method: str, seed: int, code: Path = ROOT) -> list[str]:
     """The sweep's per-cell command (what ``make reproduce-table2 SCALE=...`` runs for one cell), to run in ``code``:
     this checkout, or one of the commit a plan's cells must run (``--code``), whose sweep files it names."""
-    from .reproduce import overlay_choices, scale_file
+    from ..sweepfiles import overlay_choices, scale_file
 
     overlay, sweeps = scale_file(plan.sweep, plan.scale), Path(code) / "sweeps"
     if not (sweeps / "scale" / f"{overlay}.yaml").is_file():
@@ -247,7 +247,7 @@ def ledger_machines(cells: dict) -> list[str]:
 def set_aside_here(plan: Plan) -> list[dict]:
     """The set-aside cells (:data:`SET_ASIDE`) that ran on this machine's kind: a cold start built here came out
     another base policy before, and would again."""
-    from ..engine.runs import machine
+    from ...engine.runs import machine
 
     f = plan.folder / SET_ASIDE
     if not f.is_file():
@@ -260,8 +260,8 @@ def record_cells(plan: Plan) -> int:
     """Add every finished cell of the plan's run folder that cells.csv lacks; the number added. A cell that started
     from another base policy than the plan's (:func:`plan_base`) is not added: :class:`OtherBase` says which and what
     to do, before any look could pair it."""
-    from ..engine.files import atomic_write
-    from ..engine.runs import run_base, run_commit, run_machine
+    from ...engine.files import atomic_write
+    from ...engine.runs import run_base, run_commit, run_machine
 
     have = read_cells(plan)
     base, said = plan_base(plan, have)
@@ -311,7 +311,7 @@ def score(plan: Plan, method: str, seed: int, key: str, cells: dict | None = Non
 
 
 def commit_of(plan: Plan, method: str, seed: int, cells: dict) -> str:
-    from ..engine.runs import run_commit
+    from ...engine.runs import run_commit
 
     return cells[(method, seed)]["commit"] if (method, seed) in cells else run_commit(plan.run_dir(method, seed))
 
@@ -416,7 +416,7 @@ def take_look(plan: Plan, k: int, verdicts: dict[str, str], fingerprint: str = "
                   flush=True)
     if rows:
         out = pd.concat([looks, pd.DataFrame(rows)], ignore_index=True) if len(looks) else pd.DataFrame(rows)
-        from ..engine.files import atomic_write
+        from ...engine.files import atomic_write
 
         atomic_write(plan.folder / LOOKS, out.to_csv(index=False))
     return rows
@@ -475,7 +475,7 @@ def report(plan: Plan) -> Path:
         _plot(plan, looks, ahead)
         lines += ["", "![the looks](sequential.png)"]
     out = plan.folder / "sequential.md"
-    from ..engine.files import atomic_write
+    from ...engine.files import atomic_write
 
     atomic_write(out, "\n".join(lines) + "\n")
     return out
@@ -491,7 +491,7 @@ def _rel(p: Path) -> str:
 def _plot(plan: Plan, looks: pd.DataFrame, ahead: dict | None = None) -> None:
     import matplotlib.pyplot as plt
 
-    from .results import set_style
+    from ..results import set_style
 
     set_style()
     d = plan.design
@@ -545,7 +545,7 @@ def _plot(plan: Plan, looks: pd.DataFrame, ahead: dict | None = None) -> None:
     fig.tight_layout()
     import io
 
-    from ..engine.files import atomic_write
+    from ...engine.files import atomic_write
 
     buf = io.BytesIO()  # drawn in memory, then written whole or not at all (a full disk leaves no half a PNG)
     fig.savefig(buf, format="png", dpi=150)
@@ -608,7 +608,7 @@ class Workers:
 
 
 def main(argv=None) -> int:
-    from ..engine.console import quiet_third_party
+    from ...engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = command_parser(__doc__)
@@ -657,7 +657,7 @@ def respend(plan: Plan) -> int:
     cell run since counted."""
     import math
 
-    from ..engine.files import atomic_write
+    from ...engine.files import atomic_write
     from .sequential import t_boundary
 
     looks = read_looks(plan)
@@ -692,7 +692,7 @@ def respend(plan: Plan) -> int:
 def claim_plan(plan: Plan) -> None:
     """Make this process the plan's one writer, or refuse in one line naming the live one (as a second trainer on
     a run folder is refused): the lock is the kernel's, released however the holder ends."""
-    from ..engine.owner import try_claim
+    from ...engine.owner import try_claim
 
     owner = try_claim(plan.folder, DECIDE_CLAIM)
     if owner is not None:

@@ -26,14 +26,14 @@ memory share ``trained - control`` with its 95% bootstrap interval over the runs
 from __future__ import annotations
 
 from pathlib import Path
-from ..cli import command_parser
+from ...cli import command_parser
 
 KINDS = ("recalled", "own_world", "trained", "control", "invented")  #: the shares written, of all responses
 
 
 def world_names(world) -> set[str]:
     """The normalized names of everything in ``world``: people, cities, countries, organizations."""
-    from ..tasks.search.task import normalize_answer
+    from ...tasks.search.task import normalize_answer
 
     return {normalize_answer(x) for x in (*world.people, *world.city_country, *world.countries, *world.orgs)}
 
@@ -41,7 +41,7 @@ def world_names(world) -> set[str]:
 def trained_world_keys(cfg, task) -> list[str]:
     """The keys of the worlds a run's policy was trained on: the cold start's demonstrations (every world it
     drew, also those whose search missed and that were not demonstrated) and each RL iteration's prompts."""
-    from ..step import step_seed
+    from ...step import step_seed
 
     if cfg.algo.get("dynamic_sampling"):
         raise ValueError("algo.dynamic_sampling draws extra prompt rounds; their worlds are not rebuilt here")
@@ -72,7 +72,7 @@ def control_world_keys(task, n: int) -> list[str]:
 def answer_source(task, prompt, response: str, trained: set[str], control: set[str]) -> dict[str, float]:
     """Of one response: whether its answer is ``recalled`` (no passage it read held it) and, if so, whether
     it is a name of the question's own world, of a trained world, of a control world, or of no trained world."""
-    from ..tasks.search.task import extract_answer, normalize_answer
+    from ...tasks.search.task import extract_answer, normalize_answer
 
     out = dict.fromkeys(KINDS, 0.0)
     if not task.diagnostics(prompt, response)["recalled"]:
@@ -86,7 +86,7 @@ def answer_source(task, prompt, response: str, trained: set[str], control: set[s
 
 def names_of(task, keys: list[str]) -> set[str]:
     """The names of every world in ``keys`` (the task's episode worlds)."""
-    from ..tasks.search.world import episode_world
+    from ...tasks.search.world import episode_world
 
     return set().union(*(world_names(episode_world(k, task.episode_people)) for k in keys))
 
@@ -97,12 +97,12 @@ def run_sources(run: Path, which: str = "policy") -> list[dict]:
     import torch
     from omegaconf import OmegaConf
 
-    from ..engine.evaluation import evaluate_policy
-    from ..engine.policy import load_run_model
-    from ..engine.runs import upgraded
-    from ..prompts import PromptEncoder
-    from ..rollout import build_sampler
-    from ..tasks import build_task
+    from ...engine.evaluation import evaluate_policy
+    from ...engine.policy import load_run_model
+    from ...engine.runs import upgraded
+    from ...prompts import PromptEncoder
+    from ...rollout import build_sampler
+    from ...tasks import build_task
 
     cfg = upgraded(OmegaConf.load(run / "config.yaml"))
     task = build_task(cfg.task)
@@ -133,7 +133,7 @@ def summarize(rows) -> str:
     the memory share (trained - control) with its 95% bootstrap interval over seeds."""
     import pandas as pd
 
-    from .results import bootstrap_ci
+    from ..results import bootstrap_ci
 
     df = pd.DataFrame(rows)
     df = df[df["split"] == "avg"].drop_duplicates(["method", "seed", "which"])
@@ -152,8 +152,8 @@ def summarize(rows) -> str:
 def main(argv: list[str] | None = None) -> None:
     import pandas as pd
 
-    from ..engine.console import quiet_third_party
-    from ..engine.files import atomic_write
+    from ...engine.console import quiet_third_party
+    from ...engine.files import atomic_write
 
     quiet_third_party()
     ap = command_parser(__doc__)

@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..cli import command_parser
-from .results import DETECT_Z, write_results
+from ...cli import command_parser
+from ..results import DETECT_Z, write_results
 
 
 def per_question(runs: Path, eval_name: str) -> dict[tuple[str, int], dict[str, np.ndarray]]:
@@ -129,7 +129,7 @@ def analyse(table, pairs: list[tuple[str, str]], sizes=(25, 50, 100, 200, 500)) 
 def plot(curve: pd.DataFrame, out: Path) -> None:
     import matplotlib.pyplot as plt
 
-    from .results import set_style
+    from ..results import set_style
 
     set_style()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -149,7 +149,7 @@ def plot(curve: pd.DataFrame, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    from ..engine.console import quiet_third_party
+    from ...engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
     ap = command_parser(__doc__)

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..cli import command_parser
-from .results import (bootstrap_ci, claim_verdict, format_seeds, load_curves, load_runs, min_detectable, paired_sd,
+from ...cli import command_parser
+from ..results import (bootstrap_ci, claim_verdict, format_seeds, load_curves, load_runs, min_detectable, paired_sd,
                       paired_differences, seed_tally, seeds_to_detect, set_style, verdict)
 
 METRIC = "final/eval/avg/em"

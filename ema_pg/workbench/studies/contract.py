@@ -42,7 +42,7 @@ def plan_fields(plan) -> dict:
 
 def plan_files(plan, code: Path) -> dict[str, str]:
     """{path: sha256} of the files that define what a cell runs besides the plan: its sweep and scale overlay."""
-    from .reproduce import scale_file
+    from ..sweepfiles import scale_file
 
     paths = [Path("sweeps") / f"{plan.sweep}.yaml", Path("sweeps") / "scale" / f"{scale_file(plan.sweep, plan.scale)}.yaml"]
     return {str(p): hashlib.sha256((Path(code) / p).read_bytes()).hexdigest() for p in paths if (Path(code) / p).is_file()}
@@ -174,6 +174,6 @@ def _now() -> str:
 
 
 def _write(f: Path, contract: dict) -> None:
-    from ..engine.files import atomic_write
+    from ...engine.files import atomic_write
 
     atomic_write(f, json.dumps(contract, indent=2, sort_keys=True) + "\n")

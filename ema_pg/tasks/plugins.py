@@ -15,6 +15,7 @@ its reward is a number; each problem is one line naming the class and the fix.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 from importlib.metadata import entry_points
@@ -74,7 +75,14 @@ def plugin_class(name: str, target: str | None = None) -> type[Task]:
 
 
 def class_knobs(cls: type) -> dict:
-    """A task class's knobs with their defaults (its ``__init__``'s keyword parameters; ``???`` where required)."""
+    """A task class's knobs with their defaults (``???`` where required): its ``__init__``'s keyword parameters, or,
+    for a class with many knobs, the fields of the dataclass it names as ``Knobs`` (its ``__init__(**knobs)`` builds
+    that record)."""
+    knobs = getattr(cls, "Knobs", None)
+    if dataclasses.is_dataclass(knobs):
+        return {f.name: "???" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                else f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(knobs)}
     out = {}
     for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 import re
 import string
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ..base import Prompt, Task
@@ -117,17 +118,34 @@ def _episode_index(key: str, people: int) -> BM25Retriever:
     return BM25Retriever(_episode_world(key, people).docs)
 
 
-class SearchQATask(Task):
-    """``task=search_qa``: the synthetic world by default (one per ``task.seed``, or with ``task.world=episode`` a
-    fresh one for every question, each with its own BM25 corpus), Search-R1 parquet files with ``data_dir``."""
+@dataclass(frozen=True)
+class SearchKnobs:
+    """``task=search_qa``'s knobs, one field each (their values: ``conf/task/search_qa.yaml``), checked together by
+    :meth:`check`, each problem in one line that says what to change."""
 
-    name = "search_qa"
-    format_version = 3  #: its demonstrations' layout (3: BM25 ties ranked by document); part of the cold-start key
+    seed: int
+    topk: int
+    max_turns: int
+    per_split: int
+    retriever: str
+    retriever_url: str | None
+    retriever_timeout: float
+    retriever_retries: int
+    data_dir: str | None
+    n_people: int
+    n_orgs: int
+    prompt_template: str
+    multihop_demos: float
+    demo_people: float
+    comparison_demos: float
+    world: str
+    episode_people: int
 
-    def __init__(self, *, seed: int, topk: int, max_turns: int, per_split: int, retriever: str,
-                 retriever_url: str | None, retriever_timeout: float, retriever_retries: int, data_dir: str | None,
-                 n_people: int, n_orgs: int, prompt_template: str, multihop_demos: float, demo_people: float,
-                 comparison_demos: float, world: str, episode_people: int):
+    def check(self) -> None:
+        topk, max_turns, retriever, retriever_url, data_dir = (self.topk, self.max_turns, self.retriever,
+                                                               self.retriever_url, self.data_dir)
+        multihop_demos, demo_people, comparison_demos = self.multihop_demos, self.demo_people, self.comparison_demos
+        world, episode_people = self.world, self.episode_people
         if world not in WORLDS:
             raise ValueError(f"task.world={world!r}; choose one of {', '.join(WORLDS)}")
         if world == "episode":
@@ -165,10 +183,6 @@ class SearchQATask(Task):
         if not 0.0 <= demo_people < 1.0:
             raise ValueError(f"task.demo_people={demo_people} is the share of training people kept for the cold "
                              "start's demonstrations (the rest are RL's): give a number in [0, 1)")
-        self.seed, self.topk, self.max_turns, self.template = seed, topk, max_turns, prompt_template
-        self.multihop_demos, self.demo_people, self.comparison_demos = multihop_demos, demo_people, comparison_demos
-        self.data_dir = data_dir
-        self.episodic, self.episode_people = world == "episode", episode_people
         if retriever not in ("bm25", "http"):
             raise ValueError(f"task.retriever={retriever!r}; choose bm25 or http")
         if retriever == "bm25" and data_dir:
@@ -177,6 +191,25 @@ class SearchQATask(Task):
                              "python -m ema_pg.tasks.search.serve --corpus FILE serves a corpus file with BM25)")
         if retriever == "http" and not retriever_url:
             raise ValueError("task.retriever=http needs task.retriever_url, e.g. http://127.0.0.1:8000/retrieve")
+
+
+class SearchQATask(Task):
+    """``task=search_qa``: the synthetic world by default (one per ``task.seed``, or with ``task.world=episode`` a
+    fresh one for every question, each with its own BM25 corpus), Search-R1 parquet files with ``data_dir``."""
+
+    name = "search_qa"
+    format_version = 3  #: its demonstrations' layout (3: BM25 ties ranked by document); part of the cold-start key
+
+    Knobs = SearchKnobs  #: the task's knobs as one record (ema_pg.tasks.plugins.class_knobs reads its fields)
+
+    def __init__(self, **knobs):
+        k = SearchKnobs(**knobs)
+        k.check()
+        seed, topk, max_turns, per_split, data_dir = k.seed, k.topk, k.max_turns, k.per_split, k.data_dir
+        self.seed, self.topk, self.max_turns, self.template = seed, topk, max_turns, k.prompt_template
+        self.multihop_demos, self.demo_people, self.comparison_demos = k.multihop_demos, k.demo_people, k.comparison_demos
+        self.data_dir = data_dir
+        self.episodic, self.episode_people = k.world == "episode", k.episode_people
         if self.episodic:  # prompts are drawn on demand (a stream of worlds), the eval splits once
             self.world = None
             self.train_set = self.demo_set = None
@@ -191,16 +224,17 @@ class SearchQATask(Task):
             self.world = None
             docs = []
         else:
-            self.world = build_world(seed, n_people=n_people, n_orgs=n_orgs)
-            qs = questions(self.world, seed, per_split, demo_people)
+            self.world = build_world(seed, n_people=k.n_people, n_orgs=k.n_orgs)
+            qs = questions(self.world, seed, per_split, k.demo_people)
             self.train_set = [self._prompt(q.question, q.answers, q.split, q.hops) for q in qs["train"]]
-            self.demo_set = self.train_set if not demo_people else \
+            self.demo_set = self.train_set if not k.demo_people else \
                 [self._prompt(q.question, q.answers, q.split, q.hops) for q in qs["demo"]]
             self.eval_sets = {s: [self._prompt(q.question, q.answers, s, q.hops) for q in qs[s]] for s in SPLITS}
             docs = self.world.docs
-        self.retriever = HTTPRetriever(retriever_url, retriever_timeout, retriever_retries) if retriever == "http" \
+        self.retriever = HTTPRetriever(k.retriever_url, k.retriever_timeout, k.retriever_retries) if k.retriever == "http" \
             else BM25Retriever(docs)
         self.retriever.check()  # a server that is down or speaks another protocol is named now, before any model
+
 
     def _prompt(self, question: str, answers: list[str], split: str, hops: int = 1, **meta) -> Prompt:
         return Prompt(text=self.template.format(question=question), answer=answers[0],

@@ -122,6 +122,17 @@ def off_policy_sequence_mask(adv: Tensor, logp: Tensor, logp_behaviour: Tensor, 
     return keep.to(logp.dtype).unsqueeze(-1).expand_as(logp)
 
 
+def decoupled_weight(logp_prox: Tensor, logp_behave: Tensor, mask: Tensor, cap: float | None = None) -> Tensor:
+    """Decoupled PPO's behaviour weight (Hilton et al. 2022; AReaL's ``use_decoupled_loss`` with
+    ``behav_imp_weight_cap``): w_t = pi_prox(y_t) / pi_behave(y_t), the proximal policy (the trainer's weights when
+    the step starts) over the policy that sampled the token; with a cap C, a token whose w_t exceeds C gets w_t = 0
+    (masked, not truncated). Stopped; 0 off the loss mask. (N, T)."""
+    m = mask.bool()
+    log_w = torch.where(m, (logp_prox - logp_behave).detach(), torch.zeros_like(logp_prox))
+    w = torch.where(m, log_w.exp(), torch.zeros_like(log_w))
+    return w if cap is None else torch.where(w <= cap, w, torch.zeros_like(w))
+
+
 def correct(name: str, logp_old: Tensor, logp_behaviour: Tensor, mask: Tensor, cap: float, threshold: float = 0.0
             ) -> tuple[Tensor | None, dict[str, float]]:
     """(the stopped weights (N, T), or None for ``none``; the mismatch metrics) over the loss mask. ``cap``: C of the

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .advantages import ADVANTAGES, AdvantageInputs
-from .corrections import correct
+from .corrections import correct, decoupled_weight
 from .dist import World
 from .heads import head
 from .kl import Estimator, sequence_kl_penalty
@@ -94,14 +94,16 @@ def rl_step(iteration: int, parts: StepParts, *, grad_ratio: bool = False, sampl
                                                      values, norm=algo.adv_norm, gamma=algo.gamma, lam=algo.lam,
                                                      global_kl_scale=algo.global_kl_scale))
     tis, mismatch = engine_mismatch(scores.old, rollouts, mask, rollout)  # vLLM's numerics vs the trainer's
+    prox, tis, decoupled = (_decoupled(parts, scorer, rollouts, packing, scores.old, mask, tis)
+                            if sampled is not None and algo.decoupled else (None, tis, {}))
 
     # 3. Lambda passes of minibatch updates (Alg 3, lines 13-23; ema_pg.update)
-    batch = UpdateBatch(rollouts, scores, scorer, est.adv, mask, tis, values, est.returns, kl_coef * est.kl_scale)
+    batch = UpdateBatch(rollouts, scores, scorer, est.adv, mask, tis, values, est.returns, kl_coef * est.kl_scale, prox)
     updates = update(it_seed, parts, batch, grad_ratio)
     t3 = time.perf_counter()
 
     # 4. metrics (namespaced; docs/training.md has the table)
-    metrics = {**updates, **_batch_metrics(rollouts, rewards, scores, mask, world), **mismatch, **sampling,
+    metrics = {**updates, **_batch_metrics(rollouts, rewards, scores, mask, world), **mismatch, **sampling, **decoupled,
                "train/lr": parts.updater.lr, "time/rollout_s": t1 - t0, "time/score_s": t2 - t1, "time/update_s": t3 - t2,
                "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)}
     if packing is not None:  # what the padding-free passes leave out of the padded grid (algo.padding_free)
@@ -270,6 +272,27 @@ def engine_mismatch(old: TokenScores, rollouts: Rollouts, mask: Tensor, rollout)
         return None, {}
     return correct(rollout.correction, old.logp, rollouts.engine_logp, mask, rollout.correction_cap,
                    rollout.correction_threshold)
+
+
+@torch.no_grad()
+def _decoupled(parts: StepParts, scorer: OldAndAnchorScorer, rollouts: Rollouts, packing: Packing | None, old: TokenScores,
+               mask: Tensor, tis: Tensor | None) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """Decoupled PPO on a batch sampled ahead (``algo.decoupled``): the proximal policy's log-probs, (N, T), from one
+    no-grad pass of the policy as the step starts (by micro-batches under a token budget): the ratio's reference in
+    the loss; and the PG term's weights, the behaviour weight pi_prox / pi_behave
+    (:func:`ema_pg.corrections.decoupled_weight`) times the engine's correction where there is one."""
+    def logp(rows):
+        sub = rollouts if rows is None else rollouts.select(rows)
+        return head(parts.policy, sub, temperature=parts.rollout.temperature, chunk=parts.chunk(sub.response_mask.numel()),
+                    packing=packing if rows is None else scorer.pack(sub)).logp
+    prox = over_micro_batches(rollouts, parts.algo.max_tokens_per_microbatch, parts.world, logp)
+    w = decoupled_weight(prox, old.logp, mask, parts.algo.behave_weight_cap)
+    m = mask.bool()
+    raw = torch.where(m, (prox - old.logp).exp(), torch.zeros_like(prox))
+    n = max(int(m.sum()), 1)
+    metrics = {"train/behave_weight_mean": float(raw[m].sum()) / n,
+               "train/behave_masked_frac": float(((w == 0) & m).sum()) / n}
+    return prox, w if tis is None else tis * w, metrics
 
 
 # ---------------------------------------------------------------------- 4. metrics

@@ -116,12 +116,13 @@ def _micro_batch_loss(r: Tensor, parts, batch: UpdateBatch, share: Share | None,
         opsm = off_policy_sequence_mask(adv[r], cur.logp, behaviour, mask[r], algo.opsm_delta)
         pg_weight = opsm if pg_weight is None else pg_weight * opsm
     spec = LossSpec.of(algo, parts.rollout.max_new_tokens)
-    loss, m = grpo_loss(cur.logp, old.logp[r], adv[r], mask[r], kl, beta=batch.beta, spec=spec, entropy=cur.entropy,
+    ref = old.logp[r] if batch.prox is None else batch.prox[r]  # the ratio's pi_old: decoupled PPO's proximal policy
+    loss, m = grpo_loss(cur.logp, ref, adv[r], mask[r], kl, beta=batch.beta, spec=spec, entropy=cur.entropy,
                         pg_weight=pg_weight, share=share)
     if algo.opsm_delta is not None:
         m["opsm_masked_seqs"] = (opsm[:, 0] == 0).sum().to(loss.dtype)  # a count: added over micro-batches
     if pg_kl is not None:
-        without_kl, _ = grpo_loss(cur.logp, old.logp[r], adv[r], mask[r], None, beta=0.0, spec=spec,
+        without_kl, _ = grpo_loss(cur.logp, ref, adv[r], mask[r], None, beta=0.0, spec=spec,
                                   entropy=cur.entropy, pg_weight=pg_weight, share=share)
         pg_kl.add(loss, without_kl)
     return loss, m, packing
@@ -143,6 +144,7 @@ class UpdateBatch:
     values: Tensor | None  # (N, T) PPO's old values (algo.advantage=gae)
     returns: Tensor | None  # (N, T) their GAE returns
     beta: float  # the token KL's weight in force: the KL controller's, over the batch std under global_kl_scale
+    prox: Tensor | None = None  # (N, T) decoupled PPO: the proximal policy's log-probs, the ratio's reference
 
 
 #: how a minibatch's metric combines its micro-batches' (the rest are shares that add up: losses, token means)

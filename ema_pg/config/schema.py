@@ -268,6 +268,11 @@ class AlgoConfig:
     #: DeepSeek-V3.2's off-policy sequence masking (ema_pg.corrections.off_policy_sequence_mask): a sequence with
     #: A < 0 whose mean log(mu / pi_theta) exceeds delta gets no policy gradient; None = off (TRL suggests 0.5)
     opsm_delta: float | None = None
+    #: decoupled PPO (AReaL) for a batch sampled ahead (rollout.max_staleness > 0): the ratio is clipped around the
+    #: proximal policy (the trainer's weights at the step's start, one no-grad pass) instead of the behaviour policy
+    #: that sampled it, and the policy-gradient term is weighted by pi_prox / pi_behave (ema_pg.corrections.decoupled_weight)
+    decoupled: bool = False
+    behave_weight_cap: float | None = None  #: decoupled: tokens whose pi_prox / pi_behave exceeds it get no PG (None = off)
     entropy_coef: float = 0.0  #: entropy bonus c_H: loss -= c_H * H(pi) per token (0 = off)
     dynamic_sampling: bool = False  #: DAPO: drop groups with equal rewards and sample new prompts to refill the batch
     max_sampling_rounds: int = 4  #: dynamic sampling: rollout rounds per iteration at most (then filled up)
@@ -309,6 +314,9 @@ class AlgoConfig:
         if self.clip_ratio_c != 0 and (self.clip_ratio_c <= 1 or self.loss not in ("ppo", "dppo_tv", "dppo_kl")):
             _bad(f"algo.clip_ratio_c={self.clip_ratio_c} is the dual clip of algo.loss=ppo (or the ratio's truncation of "
                  "dppo_tv / dppo_kl) and must be > 1 (peers use 3.0), or 0 to switch it off")
+        if self.behave_weight_cap is not None and (not self.decoupled or self.behave_weight_cap <= 1):
+            _bad(f"algo.behave_weight_cap={self.behave_weight_cap}: a cap > 1 on decoupled PPO's behaviour weight; set "
+                 "algo.decoupled=true with it, or leave it null")
         if self.opsm_delta is not None and self.opsm_delta < 0:
             _bad(f"algo.opsm_delta={self.opsm_delta}: the mean log-ratio above which a negative-advantage sequence is "
                  "masked must be >= 0 (TRL suggests 0.5), or null to switch the mask off")

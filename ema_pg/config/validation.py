@@ -210,6 +210,9 @@ def validate(cfg, vocab_size: int | None = None) -> Binding:
     if scheme is not None and (not scheme.spec.zero3 or an.path) and strategy == "deepspeed_stage_3":
         _bad(f"anchor={an.name}{' with anchor.path' if an.path else ''} is not built under deepspeed_stage_3 "
              "(its anchor is not partitioned); use deepspeed_stage_2, ddp or cpu")
+    if a.decoupled and not ro.max_staleness:
+        _bad("algo.decoupled=true clips around the policy as a step starts and reweights a batch an older policy "
+             "sampled; without one it changes nothing: set rollout.max_staleness >= 1, or algo.decoupled=false")
     if an.name == "none" and a.kl_ctrl != "fixed":
         _bad("algo.kl_ctrl=adaptive controls the KL to an anchor, and anchor=none has none; choose an anchor")
     if an.name == "none" and (a.beta != 0.0 or cfg.kl.name != "none" or a.reward_kl != "none"):

@@ -130,6 +130,59 @@ def test_with_staleness_1_the_loss_reads_the_behaviour_versions_logprobs_and_the
     assert (inputs.logp_ref[mask] - score(other, index=b0.index).logp[mask]).abs().max() > 1e-2
 
 
+
+@pytest.mark.parametrize("cap", [None, 1.05])
+def test_decoupled_ppo_clips_around_the_proximal_policy_and_weighs_by_prox_over_behaviour(world, cap, monkeypatch):
+    """algo.decoupled on a batch sampled by version 0 and updated on by version 1: the loss's ratio is taken against
+    the proximal policy (version 1 as the step starts: pi_theta / pi_prox = 1 at lr 0), and its PG term is weighted
+    by pi_prox / pi_behave = pi_v1 / pi_v0, token by token; a cap masks the tokens above it. The KL estimator still
+    reads the behaviour policy (it sampled the tokens)."""
+    import ema_pg.update as update
+
+    v0 = world[0]
+    v1 = moved(v0, 0.2, 7)
+    batch = ahead(world, v0, None, 1, 0)
+    seen = []
+    real = update.grpo_loss
+
+    def watched(logp, logp_old, adv, mask, kl, **kw):
+        seen.append((logp_old.detach(), kw["pg_weight"]))
+        return real(logp, logp_old, adv, mask, kl, **kw)
+
+    monkeypatch.setattr(update, "grpo_loss", watched)
+    est, kl_seen = recording()
+    cfg = copy.deepcopy(world[3])
+    cfg.algo.decoupled, cfg.algo.behave_weight_cap = True, cap
+    params = list(v1.parameters())
+    res = step((*world[:3], cfg), v1, frozen(v0), sampled=batch, estimator=est, iteration=1,
+               updater=TorchUpdater(params, torch.optim.SGD(params, lr=0.0)))
+    ro = batch.rollouts
+    mask = ro.response_mask.bool()
+    score = torch.no_grad()(lambda m: head(m, ro, temperature=1.0, chunk=7).logp)
+    b0, b1 = score(v0), score(v1)
+    prox, weight = seen[0]
+    assert torch.allclose(prox[mask], b1[mask], atol=1e-5)  # the ratio's reference: the policy as the step starts
+    assert torch.allclose(kl_seen["inputs"].logp_old[mask], b0[mask], atol=1e-5)  # the estimator's: the sampler's
+    w = torch.exp(b1 - b0)
+    want = w if cap is None else torch.where(w <= cap, w, torch.zeros_like(w))
+    assert torch.allclose(weight[mask], want[mask], atol=1e-4) and (weight[~mask] == 0).all()
+    assert res.metrics["train/ratio_max"] == pytest.approx(1.0, abs=1e-5)  # pi_theta = pi_prox at lr 0
+    assert res.metrics["train/behave_weight_mean"] == pytest.approx(float(w[mask].mean()), rel=1e-4)
+    masked = 0.0 if cap is None else float((w[mask] > cap).float().mean())
+    assert res.metrics["train/behave_masked_frac"] == pytest.approx(masked)
+    if cap is not None:
+        assert 0 < masked < 1  # the cap bites on some tokens, not all: the case tests both sides
+
+
+def test_decoupled_ppo_needs_a_batch_sampled_ahead_and_its_cap_needs_it():
+    for overrides, line in ((["algo.decoupled=true"], "set rollout.max_staleness >= 1"),
+                            (["algo.behave_weight_cap=2"], "set algo.decoupled=true with it"),
+                            (["algo.decoupled=true", "rollout.max_staleness=1", "algo.behave_weight_cap=1"],
+                             "a cap > 1")):
+        with pytest.raises(ConfigError, match=line):
+            validate(compose_cfg(overrides))
+
+
 def _ahead(world, k, policy, anchor, align, cfg=None):
     _, tok, task, base = world
     cfg = copy.deepcopy(cfg if cfg is not None else base)

@@ -287,8 +287,8 @@ def _decoupled(parts: StepParts, scorer: OldAndAnchorScorer, rollouts: Rollouts,
                     packing=packing if rows is None else scorer.pack(sub)).logp
     prox = over_micro_batches(rollouts, parts.algo.max_tokens_per_microbatch, parts.world, logp)
     w = decoupled_weight(prox, old.logp, mask, parts.algo.behave_weight_cap)
+    raw = w if parts.algo.behave_weight_cap is None else decoupled_weight(prox, old.logp, mask)  # before the cap
     m = mask.bool()
-    raw = torch.where(m, (prox - old.logp).exp(), torch.zeros_like(prox))
     n = max(int(m.sum()), 1)
     metrics = {"train/behave_weight_mean": float(raw[m].sum()) / n,
                "train/behave_masked_frac": float(((w == 0) & m).sum()) / n}

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..config import ConfigError, is_deepspeed
+from ..config import Binding, ConfigError, is_deepspeed, validate
 
 
 def _bad(msg: str):
     raise ConfigError(msg)
+
+
+def check_config(cfg, vocab_size: int | None = None) -> Binding:
+    """What starts a run, a sweep's job, a search or an evaluation: the values (:func:`ema_pg.config.validate`, which
+    returns the run's :class:`~ema_pg.config.Binding`), then what they need on this machine (:func:`check_installed`)."""
+    bound = validate(cfg, vocab_size)
+    check_installed(cfg)
+    return bound
 
 
 def check_installed(cfg) -> None:

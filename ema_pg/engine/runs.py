@@ -21,9 +21,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..cli import PACKAGE_ROOT
-from ..config import ARCH_KEYS, LOGGERS, Binding, ConfigError, fill_defaults, flatten, validate
+from ..config import ARCH_KEYS, LOGGERS, Binding, ConfigError, fill_defaults, flatten
 from .files import atomic_write
-from .install import check_installed
+from .install import check_config
 from .owner import CLAIM, claim_run_dir, own_run_dir
 from .policy import checkpoint_file, checkpoint_iteration, save_run_model
 from .sweeps import FAILED, failed_record
@@ -474,8 +474,7 @@ def open_run(cfg: DictConfig) -> OpenedRun:
             cfg.resume, composed = str(run_dir), True
     if cfg.get("resume"):
         cfg = resolve_resume(cfg, composed=composed)
-    bound = validate(cfg)  # once per run: the consumers take the estimator and the anchor scheme from ``bound``
-    check_installed(cfg)  # the packages and hardware the options need
+    bound = check_config(cfg)  # once per run: the consumers take the estimator and the anchor scheme from ``bound``
     cfg = fill_defaults(cfg.copy(), bound)  # the run's config states every value in force; the caller's is left as is
     run_dir = Path(cfg.run_dir)
     if cfg.get("resume"):

@@ -38,8 +38,8 @@ def check_jobs(config: DictConfig, jobs: list[list[str]]) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from ..config import ConfigError, validate
-    from .install import check_installed
+    from ..config import ConfigError
+    from .install import check_config
 
     loader = GlobalHydra.instance().config_loader()
     common = set.intersection(*(set(j) for j in jobs)) if len(jobs) > 1 else set()
@@ -48,8 +48,7 @@ def check_jobs(config: DictConfig, jobs: list[list[str]]) -> None:
             cfg = loader.load_sweep_config(config, list(job))
             with open_dict(cfg):
                 del cfg["hydra"]
-            validate(cfg)
-            check_installed(cfg)
+            check_config(cfg)
             with open_dict(cfg):
                 del cfg["run_dir"]  # Hydra's job folder, known only when the job runs
             OmegaConf.to_container(cfg, resolve=True)  # an environment variable the job needs, say

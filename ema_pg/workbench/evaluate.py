@@ -30,7 +30,7 @@ import torch
 
 from ..cli import command_parser
 from ..engine.evaluation import evaluate_policy, result_metric, score_names
-from ..engine.install import check_installed
+from ..engine.install import check_config
 from ..prompts import PromptEncoder
 
 log = logging.getLogger("ema_pg")
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError
 
-    from ..config import ConfigError, compose, validate
+    from ..config import ConfigError, compose
     from ..engine.console import quiet_third_party
     from ..engine.files import atomic_write
     from ..engine.models import load_model_dir
@@ -246,8 +246,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                     f"{near[0]}? " if near else "") + "remove it") from None
         else:
             cfg = compose(a.overrides)
-        validate(cfg)  # the overrides are checked as a run's are, before anything is loaded or evaluated
-        check_installed(cfg)
+        check_config(cfg)  # the overrides are checked as a run's are, before anything is loaded or evaluated
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"config error: {e}") from None
     if cfg.trainer.num_threads:  # as a run does (an evaluation beside a run: trainer.num_threads=1)

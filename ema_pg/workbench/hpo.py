@@ -160,13 +160,12 @@ def check_ranges(spec: StudySpec, path: Path) -> None:
     """Each parameter's ends (a categorical's every choice) checked by the config's own rules, as a trial's config
     would be: a range wider than the knob's valid one is refused at load, not when a worker draws a bad value."""
     from ..config import ConfigError, validate
-    from ..engine.install import check_installed
+    from ..engine.install import check_config
 
     runs = ROOT / "runs" / "optuna" / spec.study_name
     base = compose_trial_cfg(spec, {}, runs)  # the study's own overrides first, so no parameter takes their blame
     try:
-        validate(base)
-        check_installed(base)
+        check_config(base)
     except ConfigError as e:
         raise StudyFileError(f"{path}: the study's overrides are refused by the config: {e}") from None
     if unknown := _unknown_keys(base, spec.params):

@@ -7,7 +7,7 @@ from helpers import compose_cfg
 from hydra.errors import ConfigCompositionException
 
 from ema_pg.config import CONF_DIR, ConfigError, stated_world_size, validate, validate_world
-from ema_pg.engine.install import check_head_dim, check_installed
+from ema_pg.engine.install import check_config, check_head_dim, check_installed
 
 GROUPS = ["model", "task", "rollout", "kl", "anchor", "algo", "trainer", "logger", "experiment", "method"]
 
@@ -17,9 +17,22 @@ def options(group):
 
 
 def checked(cfg):
-    """What a run checks before anything is built: the values (validate), then the machine (check_installed)."""
-    validate(cfg)
-    check_installed(cfg)
+    """What a run checks before anything is built: the values, then the machine."""
+    check_config(cfg)
+
+
+def scale_recipe_checked(cfg):
+    """A recipe of the scale engines with a Qwen model's vocabulary and head size: its values hold, and this machine
+    either runs it or says how to install the engines."""
+    import importlib.util
+
+    validate(cfg, vocab_size=151_936)
+    if importlib.util.find_spec("vllm") and importlib.util.find_spec("deepspeed"):
+        check_installed(cfg)
+        check_head_dim(cfg, 128)
+    else:
+        with pytest.raises(ConfigError, match="make scale-setup"):
+            check_installed(cfg)
 
 
 def test_groups_have_options():
@@ -171,7 +184,6 @@ def test_missing_logger_package_says_how_to_install(tmp_path):
 
 def test_the_paper_scale_recipe_has_the_papers_settings(monkeypatch):
     """conf/experiment/search_paper.yaml: Appendix A's values, checked at start like any run."""
-    import importlib.util
 
     from ema_pg.config import fill_defaults
 
@@ -184,18 +196,11 @@ def test_the_paper_scale_recipe_has_the_papers_settings(monkeypatch):
     assert (a.eps_low, a.eps_high, a.group_size, a.prompts_per_step) == (0.2, 0.28, 5, 512)
     assert (cfg.kl.name, cfg.rollout.name, cfg.trainer.strategy, cfg.model.path) == (
         "topk_reverse", "vllm", "deepspeed_stage_2", "/nowhere")
-    validate(cfg, vocab_size=151_936)  # Qwen2.5-3B's
-    if importlib.util.find_spec("vllm") and importlib.util.find_spec("deepspeed"):
-        check_installed(cfg)
-        check_head_dim(cfg, 128)
-    else:
-        with pytest.raises(ConfigError, match="make scale-setup"):
-            check_installed(cfg)
+    scale_recipe_checked(cfg)  # Qwen2.5-3B's vocabulary and head size
 
 
 def test_the_math_recipe_has_the_papers_and_the_authors_eval_settings(monkeypatch):
     """conf/experiment/math_deepscaler.yaml: stage 1 of the DeepScaleR run, evaluated as the authors evaluate."""
-    import importlib.util
 
     from ema_pg.config import fill_defaults
 
@@ -208,13 +213,7 @@ def test_the_math_recipe_has_the_papers_and_the_authors_eval_settings(monkeypatc
     assert (ro.eval_samples, ro.eval_temperature, ro.eval_top_p, ro.max_new_tokens) == (32, 0.8, 0.9, 8192)
     assert (cfg.task.name, cfg.task.data_dir, cfg.model.path, cfg.sft.steps) == ("math", "/nowhere", "/nowhere", 0)
     assert "\\boxed{}" in cfg.task.prompt_template.format(problem="")
-    validate(cfg, vocab_size=151_936)  # R1-Distill-Qwen-1.5B's
-    if importlib.util.find_spec("vllm") and importlib.util.find_spec("deepspeed"):
-        check_installed(cfg)
-        check_head_dim(cfg, 128)
-    else:
-        with pytest.raises(ConfigError, match="make scale-setup"):
-            check_installed(cfg)
+    scale_recipe_checked(cfg)  # R1-Distill-Qwen-1.5B's vocabulary and head size
 
 
 def test_static_cache_is_for_the_hf_sampler_only():

@@ -87,7 +87,7 @@ def search_data(d: Path, eval_sets: int):
     """Search-R1's parquet rows (qa_search_*_merge.py) over the tests' documents, and its retrieval server."""
     import pandas as pd
 
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "engine")]  # the helpers; test_byo's fixture writers
     from retrieval_server import FaultServer
     from test_byo import DOCS, search_r1_rows
 

@@ -132,3 +132,24 @@ def test_rl_step_comes_first_in_its_module_and_reads_in_70_lines():
     first = next(n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
     assert first.name == "rl_step"
     assert first.end_lineno - first.lineno + 1 <= 70
+
+
+def test_the_scripts_find_the_test_helpers_they_import():
+    """A script of benchmarks/ or analysis/ that imports a module of tests/ (a fixture writer, a helper) puts that
+    module's folder on its path: each folder of its path is a string of the script. When the tests moved into one
+    folder per floor, benchmarks/recipes.py kept looking for test_byo in tests/, and only the scale suite noticed."""
+    import ast
+
+    helpers = {p.stem: p.parent.relative_to(ROOT).parts for p in (ROOT / "tests").rglob("*.py")}
+    lost = []
+    for script in sorted([*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "analysis").glob("*.py")]):
+        tree = ast.parse(script.read_text())
+        strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        for node in ast.walk(tree):
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            for name in names:
+                folder = helpers.get(name.split(".")[0])
+                if folder is not None and not set(folder) <= strings:
+                    lost.append(f"{script.relative_to(ROOT)} imports {name} from {'/'.join(folder)}")
+    assert not lost, lost

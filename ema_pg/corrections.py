@@ -122,6 +122,26 @@ def off_policy_sequence_mask(adv: Tensor, logp: Tensor, logp_behaviour: Tensor, 
     return keep.to(logp.dtype).unsqueeze(-1).expand_as(logp)
 
 
+#: algo.prox_logp's choices: how decoupled PPO gets its proximal policy's log-probs
+PROX_LOGPS = ("recompute", "loglinear")
+
+
+def prox_alpha(lag: int) -> float:
+    """The interpolation weight of :func:`loglinear_prox` for a batch sampled ``lag`` iterations before the step
+    that updates on it: alpha = (v_prox - v_behave) / (v_theta - v_behave) with v_behave = t - lag (the sampling
+    version), v_prox = t (the weights as step t starts) and v_theta = t + 1 (the weights it produces); 0 on policy."""
+    return lag / (lag + 1)
+
+
+def loglinear_prox(logp_behave: Tensor, logp_now: Tensor, alpha: float) -> Tensor:
+    """AReaL's log-linear approximation of the proximal policy (``prox_logp_method: loglinear``, docs/algorithms/
+    prox_approx.md): log pi_prox ~ log pi_behave + alpha (log pi_theta - log pi_behave), pi_theta the policy being
+    updated (stopped: the proximal policy is a constant of the loss), alpha = :func:`prox_alpha`. It saves decoupled
+    PPO's no-grad pass of the policy; it is exact on policy (alpha 0) and where the policy has not moved since the
+    batch was sampled. (N, T)."""
+    return logp_behave + alpha * (logp_now.detach() - logp_behave)
+
+
 def decoupled_weight(logp_prox: Tensor, logp_behave: Tensor, mask: Tensor, cap: float | None = None) -> Tensor:
     """Decoupled PPO's behaviour weight (Hilton et al. 2022; AReaL's ``use_decoupled_loss`` with
     ``behav_imp_weight_cap``): w_t = pi_prox(y_t) / pi_behave(y_t), the proximal policy (the trainer's weights when

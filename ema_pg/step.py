@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .advantages import ADVANTAGES, AdvantageInputs
-from .corrections import correct, decoupled_weight
+from .corrections import correct, decoupled_weight, prox_alpha
 from .dist import World
 from .heads import head
 from .kl import Estimator, sequence_kl_penalty
@@ -47,7 +47,7 @@ from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
 from .scores import ScoreRequest, TokenScores
 from .tasks.base import checked_reward
-from .update import UpdateBatch, Updater, over_micro_batches, update
+from .update import Proximal, UpdateBatch, Updater, over_micro_batches, update
 
 
 def rl_step(iteration: int, parts: StepParts, *, grad_ratio: bool = False, sampled: Sampled | None = None,
@@ -94,7 +94,7 @@ def rl_step(iteration: int, parts: StepParts, *, grad_ratio: bool = False, sampl
                                                      values, norm=algo.adv_norm, gamma=algo.gamma, lam=algo.lam,
                                                      global_kl_scale=algo.global_kl_scale))
     tis, mismatch = engine_mismatch(scores.old, rollouts, mask, rollout)  # vLLM's numerics vs the trainer's
-    prox, tis, decoupled = (_decoupled(parts, scorer, rollouts, packing, scores.old, mask, tis)
+    prox, tis, decoupled = (_decoupled(parts, scorer, rollouts, packing, scores.old, mask, tis, iteration - sampled.version)
                             if sampled is not None and algo.decoupled else (None, tis, {}))
 
     # 3. Lambda passes of minibatch updates (Alg 3, lines 13-23; ema_pg.update)
@@ -276,11 +276,15 @@ def engine_mismatch(old: TokenScores, rollouts: Rollouts, mask: Tensor, rollout)
 
 @torch.no_grad()
 def _decoupled(parts: StepParts, scorer: OldAndAnchorScorer, rollouts: Rollouts, packing: Packing | None, old: TokenScores,
-               mask: Tensor, tis: Tensor | None) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """Decoupled PPO on a batch sampled ahead (``algo.decoupled``): the proximal policy's log-probs, (N, T), from one
-    no-grad pass of the policy as the step starts (by micro-batches under a token budget): the ratio's reference in
-    the loss; and the PG term's weights, the behaviour weight pi_prox / pi_behave
-    (:func:`ema_pg.corrections.decoupled_weight`) times the engine's correction where there is one."""
+               mask: Tensor, tis: Tensor | None, lag: int) -> tuple[Proximal, Tensor, dict[str, float]]:
+    """Decoupled PPO on a batch sampled ``lag`` iterations ahead (``algo.decoupled``): the proximal policy's log-probs,
+    (N, T), from one no-grad pass of the policy as the step starts (by micro-batches under a token budget): the ratio's
+    reference in the loss; and the PG term's weights, the behaviour weight pi_prox / pi_behave
+    (:func:`ema_pg.corrections.decoupled_weight`) times the engine's correction where there is one. Under
+    ``algo.prox_logp=loglinear`` no pass: each micro-batch interpolates (:func:`ema_pg.update._reference`)."""
+    if parts.algo.prox_logp == "loglinear":
+        alpha = prox_alpha(lag)
+        return Proximal(alpha=alpha, cap=parts.algo.behave_weight_cap), tis, {"train/prox_alpha": alpha}
     def logp(rows):
         sub = rollouts if rows is None else rollouts.select(rows)
         return head(parts.policy, sub, temperature=parts.rollout.temperature, chunk=parts.chunk(sub.response_mask.numel()),
@@ -292,7 +296,7 @@ def _decoupled(parts: StepParts, scorer: OldAndAnchorScorer, rollouts: Rollouts,
     n = max(int(m.sum()), 1)
     metrics = {"train/behave_weight_mean": float(raw[m].sum()) / n,
                "train/behave_masked_frac": float(((w == 0) & m).sum()) / n}
-    return prox, w if tis is None else tis * w, metrics
+    return Proximal(logp=prox), w if tis is None else tis * w, metrics
 
 
 # ---------------------------------------------------------------------- 4. metrics

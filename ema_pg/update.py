@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from .corrections import off_policy_sequence_mask
+from .corrections import decoupled_weight, loglinear_prox, off_policy_sequence_mask
 from .dist import World
 from .heads import head
 from .kl import KLInputs
@@ -116,7 +116,7 @@ def _micro_batch_loss(r: Tensor, parts, batch: UpdateBatch, share: Share | None,
         opsm = off_policy_sequence_mask(adv[r], cur.logp, behaviour, mask[r], algo.opsm_delta)
         pg_weight = opsm if pg_weight is None else pg_weight * opsm
     spec = LossSpec.of(algo, parts.rollout.max_new_tokens)
-    ref = old.logp[r] if batch.prox is None else batch.prox[r]  # the ratio's pi_old: decoupled PPO's proximal policy
+    ref, pg_weight = _reference(batch, r, cur.logp, old.logp[r], mask[r], pg_weight)
     loss, m = grpo_loss(cur.logp, ref, adv[r], mask[r], kl, beta=batch.beta, spec=spec, entropy=cur.entropy,
                         pg_weight=pg_weight, share=share)
     if algo.opsm_delta is not None:
@@ -126,6 +126,32 @@ def _micro_batch_loss(r: Tensor, parts, batch: UpdateBatch, share: Share | None,
                                   entropy=cur.entropy, pg_weight=pg_weight, share=share)
         pg_kl.add(loss, without_kl)
     return loss, m, packing
+
+
+def _reference(batch: UpdateBatch, r: Tensor, logp: Tensor, logp_old: Tensor, mask: Tensor, pg_weight: Tensor | None
+               ) -> tuple[Tensor, Tensor | None]:
+    """The ratio's reference for micro-batch ``r`` and its PG term's weights: pi_old; or decoupled PPO's proximal
+    policy, recomputed as the step started (its behaviour weight is in ``batch.tis`` already) or log-linear
+    (:func:`ema_pg.corrections.loglinear_prox`, from this pass's log-probs: its behaviour weight is taken here)."""
+    p = batch.prox
+    if p is None:
+        return logp_old, pg_weight
+    if p.alpha is None:
+        return p.logp[r], pg_weight
+    ref = loglinear_prox(logp_old, logp, p.alpha)
+    w = decoupled_weight(ref, logp_old, mask, p.cap)
+    return ref, w if pg_weight is None else pg_weight * w
+
+
+@dataclass
+class Proximal:
+    """Decoupled PPO's proximal policy (``algo.decoupled``): its log-probs, (N, T), from a pass as the step started
+    (``algo.prox_logp=recompute``), or the log-linear approximation's alpha and the behaviour weight's cap
+    (``loglinear``)."""
+
+    logp: Tensor | None = None
+    alpha: float | None = None
+    cap: float | None = None
 
 
 @dataclass
@@ -144,7 +170,7 @@ class UpdateBatch:
     values: Tensor | None  # (N, T) PPO's old values (algo.advantage=gae)
     returns: Tensor | None  # (N, T) their GAE returns
     beta: float  # the token KL's weight in force: the KL controller's, over the batch std under global_kl_scale
-    prox: Tensor | None = None  # (N, T) decoupled PPO: the proximal policy's log-probs, the ratio's reference
+    prox: Proximal | None = None  # decoupled PPO: the proximal policy, the ratio's reference
 
 
 #: how a minibatch's metric combines its micro-batches' (the rest are shares that add up: losses, token means)

@@ -273,6 +273,10 @@ class AlgoConfig:
     #: that sampled it, and the policy-gradient term is weighted by pi_prox / pi_behave (ema_pg.corrections.decoupled_weight)
     decoupled: bool = False
     behave_weight_cap: float | None = None  #: decoupled: tokens whose pi_prox / pi_behave exceeds it get no PG (None = off)
+    #: decoupled: the proximal policy's log-probs. recompute: one no-grad pass of the policy as the step starts;
+    #: loglinear: AReaL's approximation without that pass, log pi_behave + alpha (log pi_theta - log pi_behave) with
+    #: alpha = lag / (lag + 1) (ema_pg.corrections.loglinear_prox)
+    prox_logp: str = "recompute"
     entropy_coef: float = 0.0  #: entropy bonus c_H: loss -= c_H * H(pi) per token (0 = off)
     dynamic_sampling: bool = False  #: DAPO: drop groups with equal rewards and sample new prompts to refill the batch
     max_sampling_rounds: int = 4  #: dynamic sampling: rollout rounds per iteration at most (then filled up)
@@ -314,6 +318,13 @@ class AlgoConfig:
         if self.clip_ratio_c != 0 and (self.clip_ratio_c <= 1 or self.loss not in ("ppo", "dppo_tv", "dppo_kl")):
             _bad(f"algo.clip_ratio_c={self.clip_ratio_c} is the dual clip of algo.loss=ppo (or the ratio's truncation of "
                  "dppo_tv / dppo_kl) and must be > 1 (peers use 3.0), or 0 to switch it off")
+        from ..corrections import PROX_LOGPS
+
+        if self.prox_logp not in PROX_LOGPS:
+            _bad(f"algo.prox_logp={self.prox_logp!r}; choose one of: {', '.join(PROX_LOGPS)}")
+        if self.prox_logp != "recompute" and not self.decoupled:
+            _bad(f"algo.prox_logp={self.prox_logp} approximates decoupled PPO's proximal policy; set "
+                 "algo.decoupled=true with it, or leave it recompute")
         if self.behave_weight_cap is not None and (not self.decoupled or self.behave_weight_cap <= 1):
             _bad(f"algo.behave_weight_cap={self.behave_weight_cap}: a cap > 1 on decoupled PPO's behaviour weight; set "
                  "algo.decoupled=true with it, or leave it null")

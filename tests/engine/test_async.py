@@ -174,11 +174,68 @@ def test_decoupled_ppo_clips_around_the_proximal_policy_and_weighs_by_prox_over_
         assert 0 < masked < 1  # the cap bites on some tokens, not all: the case tests both sides
 
 
+def test_the_loglinear_proximal_policy_interpolates_by_the_versions_and_needs_no_pass():
+    """AReaL's approximation by hand: log pi_prox = log pi_b + alpha (log pi_theta - log pi_b), alpha = lag / (lag+1)
+    (v_behave t - lag, v_prox t, v_theta t + 1), no gradient through it; 0 on policy, 1/2 a step behind."""
+    from ema_pg.corrections import loglinear_prox, prox_alpha
+
+    assert [prox_alpha(lag) for lag in (0, 1, 2, 3)] == [0.0, 0.5, 2 / 3, 0.75]
+    behave = torch.tensor([[-1.0, -2.0, -0.5]])
+    now = torch.tensor([[-0.5, -3.0, -0.5]], requires_grad=True)
+    got = loglinear_prox(behave, now, 2 / 3)
+    assert torch.allclose(got, torch.tensor([[-1.0 + 2 / 3 * 0.5, -2.0 - 2 / 3, -0.5]]))
+    assert not got.requires_grad and torch.equal(loglinear_prox(behave, now, 0.0), behave)
+
+
+@pytest.mark.parametrize("iteration", [1, 2])
+def test_decoupled_ppo_with_the_loglinear_proximal_policy_takes_its_ratio_and_weight_from_the_interpolation(
+        world, iteration, monkeypatch):
+    """algo.prox_logp=loglinear on a batch sampled by version 0 and updated on at iteration 1 or 2 (alpha 1/2, 2/3):
+    the ratio's reference is log pi_b + alpha (log pi_theta - log pi_b), the PG weight pi_prox / pi_b of that, capped
+    as the recomputed one is; the step makes no pass of the policy for it (its logged alpha says which it took)."""
+    import ema_pg.update as update
+
+    v0 = world[0]
+    v1 = moved(v0, 0.2, 7)
+    batch = ahead(world, v0, None, iteration, 0)
+    seen = []
+    real = update.grpo_loss
+
+    def watched(logp, logp_old, adv, mask, kl, **kw):
+        seen.append((logp_old.detach(), kw["pg_weight"]))
+        return real(logp, logp_old, adv, mask, kl, **kw)
+
+    monkeypatch.setattr(update, "grpo_loss", watched)
+    cfg = copy.deepcopy(world[3])
+    cfg.algo.decoupled, cfg.algo.prox_logp, cfg.algo.behave_weight_cap = True, "loglinear", 1.02
+    params = list(v1.parameters())
+    res = step((*world[:3], cfg), v1, frozen(v0), sampled=batch, iteration=iteration,
+               updater=TorchUpdater(params, torch.optim.SGD(params, lr=0.0)))
+    ro = batch.rollouts
+    mask = ro.response_mask.bool()
+    score = torch.no_grad()(lambda m: head(m, ro, temperature=1.0, chunk=7).logp)
+    b0, b1 = score(v0), score(v1)
+    alpha = iteration / (iteration + 1)
+    prox, weight = seen[0]
+    want_prox = b0 + alpha * (b1 - b0)
+    assert torch.allclose(prox[mask], want_prox[mask], atol=1e-5)
+    w = torch.exp(want_prox - b0)
+    want = torch.where(w <= 1.02, w, torch.zeros_like(w))
+    assert torch.allclose(weight[mask], want[mask], atol=1e-4) and (weight[~mask] == 0).all()
+    assert 0 < float((want[mask] == 0).float().mean()) < 1  # the cap bites on some tokens, not all
+    assert res.metrics["train/prox_alpha"] == pytest.approx(alpha)
+    assert res.metrics["train/ratio_max"] == pytest.approx(float(torch.exp(b1 - want_prox)[mask].max()), rel=1e-4)
+    assert "train/behave_weight_mean" not in res.metrics  # that needs the recomputed pass
+
+
 def test_decoupled_ppo_needs_a_batch_sampled_ahead_and_its_cap_needs_it():
     for overrides, line in ((["algo.decoupled=true"], "set rollout.max_staleness >= 1"),
                             (["algo.behave_weight_cap=2"], "set algo.decoupled=true with it"),
                             (["algo.decoupled=true", "rollout.max_staleness=1", "algo.behave_weight_cap=1"],
-                             "a cap > 1")):
+                             "a cap > 1"),
+                            (["algo.prox_logp=loglinear", "rollout.max_staleness=1"], "set algo.decoupled=true with it"),
+                            (["algo.decoupled=true", "rollout.max_staleness=1", "algo.prox_logp=linear"],
+                             "choose one of: recompute, loglinear")):
         with pytest.raises(ConfigError, match=line):
             validate(compose_cfg(overrides))
 

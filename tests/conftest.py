@@ -39,3 +39,34 @@ def finished_run(tmp_path_factory):
     cfg = compose_cfg(["algo.iterations=4", "algo.eval_every=2"], tmp_path_factory.mktemp("finished"))
     train(cfg)
     return Path(cfg.run_dir)
+
+
+@pytest.fixture
+def ray_cluster():
+    """A Ray cluster on this machine, started as a user starts one (``ray start --head``) and stopped after. Its
+    session folder is short: a Unix socket's path has at most 107 bytes, and pytest's tmp_path is longer. One at a
+    time on this machine (a lock across the suite's worker processes): ``ray stop`` stops every cluster here."""
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    from filelock import FileLock
+
+    one_at_a_time = FileLock("/tmp/ema_pg_ray_cluster.lock")
+    one_at_a_time.acquire(timeout=3600)
+    ray = shutil.which("ray", path=str(Path(sys.executable).parent))
+    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    try:
+        up = subprocess.run([ray, "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard",
+                             "false", "--temp-dir", str(temp)], capture_output=True, text=True, env=env, timeout=180)
+        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+        one_at_a_time.release()

@@ -80,10 +80,20 @@ def _me() -> str:
     return f"{socket.gethostname()} {os.getpid()}"
 
 
+#: set to 1 where the run folders' file system carries ``flock`` across hosts (NFSv4, Lustre mounted ``-o flock``,
+#: GPFS): a claim written on another host is then judged by its lock, and a cell preempted on one node resumes on
+#: another; unset, such a claim is never taken over (the lock might not reach here)
+SHARED_LOCKS = "EMA_PG_SHARED_LOCKS"
+
+
+def shared_locks() -> bool:
+    return os.environ.get(SHARED_LOCKS) == "1"
+
+
 def _other_host(owner: list[str]) -> bool:
     import socket
 
-    return len(owner) == 2 and owner[0] != socket.gethostname()
+    return len(owner) == 2 and owner[0] != socket.gethostname() and not shared_locks()
 
 
 def _try_claim(folder: Path) -> list[str] | None:

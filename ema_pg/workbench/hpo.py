@@ -2,6 +2,8 @@
 
     python -m ema_pg.hpo conf/hparams_search/ema_topk.yaml                 # one worker
     python -m ema_pg.hpo conf/hparams_search/ema_topk.yaml --workers 2     # two processes, one study
+    python -m ema_pg.hpo STUDY --workers 8 --launcher submitit --launcher-option slurm_partition=dev   # 8 Slurm jobs
+    python -m ema_pg.hpo STUDY --workers 8 --launcher ray --address auto                              # 8 Ray tasks
     python -m ema_pg.hpo conf/hparams_search/ema_topk.yaml algo.iterations=100   # extra Hydra overrides
     optuna-dashboard sqlite:///runs/optuna/ema_topk.db                        # watch it (make dashboard)
 
@@ -403,10 +405,37 @@ def summary(spec: StudySpec) -> str:
     return "\n".join(lines)
 
 
+def launched_workers(a, spec: StudySpec, n: int, extra: list[str]) -> int:
+    """``--launcher submitit|ray``: the ``--workers`` workers as jobs (each ``--cell-cpus`` threads), their output in
+    ``<trials folder>/workers/``; this process waits for them, passes a SIGTERM on, then prints the summary. The
+    study's storage must be one every node reaches: PostgreSQL, or SQLite on a file system they share (Optuna warns
+    against SQLite on NFS with many workers)."""
+    from .launchers import launcher_spec, make_launcher
+
+    folder = spec.trials_dir / "workers"
+    launcher = make_launcher(launcher_spec(a), folder, a.workers)
+    cmd = [sys.executable, "-m", "ema_pg.hpo", str(Path(a.study).resolve()), "--n-trials", str(n), "--storage",
+           spec.storage, f"trainer.num_threads={a.cell_cpus}", *extra]
+    jobs = [launcher.start(f"worker{i}", cmd + ["--worker-index", str(i)], Path.cwd(), folder / f"worker{i}.log")
+            for i in range(a.workers)]
+    print(f"{a.workers} workers started through {a.launcher} ({', '.join(j.job for j in jobs)}); their output: {folder}",
+          flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: [j.stop() for j in jobs])
+    try:
+        while (rcs := [j.poll() for j in jobs]) and None in rcs:
+            time.sleep(2)
+    finally:
+        launcher.close()
+    print(summary(spec))
+    return EXIT_INTERRUPTED if EXIT_INTERRUPTED in rcs else max(rcs)
+
+
 def main(argv=None) -> int:
     from ..engine.console import quiet_third_party
 
     quiet_third_party()  # no third-party warnings, bars or log lines on a command's console
+    from .launchers import add_launcher_args, launcher_spec
+
     ap = command_parser(__doc__)
     ap.add_argument("study", help="a study file, e.g. conf/hparams_search/ema_topk.yaml")
     ap.add_argument("--n-trials", type=int, help="total trials of the study (over all workers); default: the file's")
@@ -415,6 +444,7 @@ def main(argv=None) -> int:
     ap.add_argument("--worker-index", type=int, default=0,
                     help="this worker's index when workers are started separately (SLURM array: $SLURM_ARRAY_TASK_ID); "
                          "offsets the sampler seed")
+    add_launcher_args(ap, what="workers")
     a, extra = ap.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s] %(message)s")
     try:
@@ -428,6 +458,7 @@ def main(argv=None) -> int:
                          f"for the file's {spec.n_trials})")
     if a.workers < 1:
         raise SystemExit(f"--workers {a.workers}: give at least 1")
+    launcher_spec(a).check()
     n = spec.n_trials if a.n_trials is None else a.n_trials
     try:
         open_study(spec, a.worker_index)  # a storage that cannot be opened is one line, before any trial
@@ -435,6 +466,8 @@ def main(argv=None) -> int:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SystemExit(f"study storage {spec.storage} cannot be opened ({first}); give another --storage, or move "
                          "the damaged file away") from None
+    if a.launcher != "local":
+        return launched_workers(a, spec, n, extra)
     if a.workers > 1:
         threads = max(1, (os.cpu_count() or 2) // a.workers)
         cmd = [sys.executable, "-m", "ema_pg.hpo", a.study, "--n-trials", str(n), "--storage", spec.storage,

@@ -5,6 +5,8 @@
     python -m ema_pg.reproduce fig6_k --scale mini           # = make reproduce NAME=fig6_k SCALE=mini
     python -m ema_pg.reproduce table2 --scale mini --dry-run # print the commands only
     python -m ema_pg.reproduce fig5_methods --scale decide   # the demo task where the KL decides (5 paired seeds)
+    python -m ema_pg.reproduce table2 --scale mini --launcher submitit --launcher-option slurm_partition=dev   # Slurm jobs
+    python -m ema_pg.reproduce table2 --scale mini --launcher ray --address auto                      # Ray tasks
 
 The sweep is ``sweeps/<name>.yaml`` with the scale overlay ``sweeps/scale/<name>_<scale>.yaml``
 (or ``sweeps/scale/<scale>.yaml``); its runs go to ``runs/reproduce/<name>-<scale>/``, a fixed
@@ -31,6 +33,7 @@ from ..cli import PACKAGE_ROOT as ROOT
 from ..cli import command_parser
 from ..engine.runs import EXIT_INTERRUPTED
 from ..engine.sweeps import failed_record, sweep_state
+from .launchers import add_launcher_args, launcher_spec
 from .reports import REPORTS
 from .sweepfiles import SWEEPS, TABLES, overlay_choices, overlay_transfer, scale_file
 
@@ -46,6 +49,23 @@ def transfer_commands(runs: list[Path], n: int) -> list[list[str]]:
 
     return [[sys.executable, "-m", "ema_pg.evaluate", str(r), "--transfer", str(n)]
             for r in sorted(runs) if n and not evaluation_file(r, transfer=n).is_file()]
+
+
+def launcher_overrides(spec) -> list[str]:
+    """The sweep's Hydra launcher for a :class:`~ema_pg.workbench.launchers.LauncherSpec`: ``submitit`` is Hydra's
+    submitit launcher (``submitit_slurm``, or ``submitit_local`` with ``--cluster local``; each ``--launcher-option``
+    a ``hydra.launcher`` key, named as submitit's executor names it for decide and hpo: ``slurm_partition=dev`` is
+    the launcher's ``partition``), ``ray`` this project's Ray launcher (``hydra_plugins/ema_pg_launchers``)."""
+    if spec.name == "local":
+        return []
+    if spec.name == "submitit":
+        import shutil
+
+        cluster = spec.cluster or ("slurm" if shutil.which("sbatch") else "local")
+        return [f"hydra/launcher=submitit_{cluster}", f"hydra.launcher.cpus_per_task={spec.cell_cpus}",
+                *(f"hydra.launcher.{o.removeprefix('slurm_')}" for o in spec.options)]
+    return ["hydra/launcher=ema_pg_ray", f"hydra.launcher.cpus_per_job={spec.cell_cpus}",
+            *([f"hydra.launcher.address={spec.address}"] if spec.address else [])]
 
 
 def commands(name: str, scale: str, overrides: list[str], runs: Path | None = None, out: Path | None = None):
@@ -74,8 +94,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="where the results go")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     ap.add_argument("--analysis-only", action="store_true", help="skip the sweep; analyse the runs already there")
+    add_launcher_args(ap, what="sweep's runs")
     a, overrides = ap.parse_known_args(argv)
-    sweep, analysis, runs, out = commands(a.name, a.scale, overrides, a.runs, a.out)
+    spec = launcher_spec(a)
+    spec.check()
+    sweep, analysis, runs, out = commands(a.name, a.scale, [*launcher_overrides(spec), *overrides], a.runs, a.out)
     print("sweep:    " + shlex.join(sweep), "analysis: " + shlex.join(analysis), sep="\n", flush=True)
     n_transfer = overlay_transfer(scale_file(a.name, a.scale))
     if n_transfer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import json
 import os
 import subprocess
 import sys
@@ -128,6 +129,44 @@ def test_sweep_through_submitit_launcher(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     runs = load_runs(tmp_path / "sweep")
     assert sorted(runs["run"]) == ["k0_s0", "k16_s0", "k32_s0"] and runs["finished"].all()
+
+
+@pytest.mark.slow
+def test_a_reproduction_through_the_ray_launcher_runs_the_jobs_the_basic_launcher_runs(tmp_path, ray_cluster):
+    """``reproduce --launcher ray``: the sweep's jobs as tasks of a Ray cluster started here (Hydra's launcher
+    ``ema_pg_ray``), each the run the basic launcher makes in its own process: the same folders, the same results."""
+    env = {**os.environ, "EMA_PG_CACHE": str(tmp_path / "cache")}
+    tiny = ["seed=0", "algo.iterations=2", "algo.eval_every=1"]
+    r = subprocess.run([sys.executable, "-m", "ema_pg.reproduce", "fig6_k", "--scale", "smoke", "--runs",
+                        str(tmp_path / "ray"), "--launcher", "ray", "--address", ray_cluster, *tiny],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "hydra/launcher=ema_pg_ray" in r.stdout
+    basic = subprocess.run([sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", "sweeps", "--config-name",
+                            "fig6_k", "+scale=smoke", f"hydra.sweep.dir={tmp_path / 'basic'}", *tiny],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert basic.returncode == 0, basic.stderr[-3000:]
+    names = ["k0_s0", "k16_s0", "k32_s0"]
+    assert sorted(load_runs(tmp_path / "ray")["run"]) == names
+    for n in names:  # the evaluation's results (its wall time aside)
+        ray, basic = (json.loads((tmp_path / d / n / "eval.json").read_text()) for d in ("ray", "basic"))
+        ray.pop("wall_s"), basic.pop("wall_s")
+        assert ray == basic, n
+
+
+def test_reproduce_hands_its_sweep_to_the_launcher_it_is_given(capsys):
+    from ema_pg.workbench.reproduce import main
+
+    assert main(["fig6_k", "--dry-run", "--launcher", "submitit", "--cluster", "local", "--cell-cpus", "2",
+                 "--launcher-option", "timeout_min=60", "--launcher-option", "slurm_partition=dev"]) == 0
+    said = capsys.readouterr().out  # the executor's names, as decide and hpo take them
+    assert ("hydra/launcher=submitit_local hydra.launcher.cpus_per_task=2 hydra.launcher.timeout_min=60 "
+            "hydra.launcher.partition=dev" in said)
+    assert main(["fig6_k", "--dry-run", "--launcher", "ray", "--address", "10.0.0.1:6379"]) == 0
+    assert "hydra/launcher=ema_pg_ray hydra.launcher.cpus_per_job=1 hydra.launcher.address=10.0.0.1:6379" in (
+        capsys.readouterr().out)
+    with pytest.raises(SystemExit, match="--address with --launcher ray"):
+        main(["fig6_k", "--dry-run", "--address", "auto"])
 
 
 @pytest.mark.parametrize("name", SWEEPS)

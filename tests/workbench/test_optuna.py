@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
 from ema_pg.workbench.hpo import StudyFileError, _requeue, load_study_spec, open_study, run_worker
+from ema_pg.workbench.launchers import launched
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_RUN = [o for o in TINY if not o.startswith(("kl.k=", "algo.iterations", "algo.eval_every"))] + [
@@ -140,6 +141,24 @@ def test_two_workers_share_one_study_without_losing_or_duplicating_trials(tmp_pa
     assert len({t.user_attrs["worker"] for t in trials}) == 2, "both workers ran trials"
     params = {tuple(sorted(t.params.items())) for t in trials}
     assert len(params) == n, "the workers' samplers proposed distinct parameters"
+
+
+@pytest.mark.slow
+def test_a_studys_workers_run_as_submitit_jobs_and_as_tasks_of_a_ray_cluster(tmp_path, ray_cluster):
+    """``--launcher``: the two workers as jobs of submitit's local executor, then as tasks of a Ray cluster started
+    here; each time the study ends with its trials, each once, both workers' among them."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name, args in [("submitit", ["--cluster", "local"]), ("ray", ["--address", ray_cluster])]:
+        (tmp_path / name).mkdir()
+        f = study_file(tmp_path / name, n_trials=3)
+        r = subprocess.run([sys.executable, "-m", "ema_pg.hpo", str(f), "--workers", "2", "--launcher", name, *args],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{name}: " + (r.stdout + r.stderr)[-3000:]
+        assert f"2 workers started through {name}" in r.stdout and "best: trial" in r.stdout
+        trials = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path / name}/t.db").get_trials()
+        assert sorted(t.number for t in trials) == [0, 1, 2] and all(t.state == TrialState.COMPLETE for t in trials)
+        assert len({t.user_attrs["worker"] for t in trials}) == 2, f"{name}: both workers ran trials"
+        assert sorted(r["cell"] for r in launched(tmp_path / name / "t" / "workers")) == ["worker0", "worker1"]
 
 
 def _workers_with_one_killed(tmp_path: Path, f: Path, storage: str, n_workers: int):

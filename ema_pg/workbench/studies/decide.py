@@ -33,15 +33,18 @@ look says so: the boundaries are spent at the number of seeds a look actually ha
     python -m ema_pg.decide reproductions/table2/claims/plan.yaml --status      # where it stands and may end; nothing run
     python -m ema_pg.decide PLAN --code ../claims    # the cells run the code of ../claims (a worktree of the plan's
                                                      # commit); the ledger, its checks and the looks are this checkout's
+    python -m ema_pg.decide PLAN --launcher submitit --launcher-option slurm_partition=dev   # a job per cell
+    python -m ema_pg.decide PLAN --launcher ray --address auto --cell-cpus 2                 # a Ray task per cell
+
+Wherever the cells run (:mod:`ema_pg.workbench.launchers`), this process alone writes the ledger and takes the looks; killed and
+started again, it waits for the cells still running rather than starting them twice.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,6 +59,7 @@ from ...engine.evaluation import result_metric
 from ...engine.files import NoRoom
 from ...engine.runs import EXIT_INTERRUPTED, machine
 from ...engine.sweeps import failed_record
+from ..launchers import add_launcher_args, launcher_spec
 from .contract import check as check_contract, deviation_lines, parse_deviations, register
 from .ledger import finite, read_cells_file, read_looks_file
 from .sequential import OUTLOOKS, Design, look_at, outlook
@@ -132,7 +136,7 @@ def load_plan(path: Path) -> Plan:
     need = ("sweep", "scale", "seed0", "looks", "claims")
     missing = [k for k in need if k not in raw]
     if missing:
-        raise SystemExit(f"{path}: the plan needs {', '.join(missing)} (see ema_pg/workbench/decide.py)")
+        raise SystemExit(f"{path}: the plan needs {', '.join(missing)} (see ema_pg/workbench/studies/decide.py)")
     if not isinstance(raw["seed0"], int) or isinstance(raw["seed0"], bool) or raw["seed0"] < 0:
         raise SystemExit(f"{path}: seed0={raw['seed0']!r}; the first seed is a whole number >= 0")
     try:
@@ -554,57 +558,70 @@ def _plot(plan: Plan, looks: pd.DataFrame, ahead: dict | None = None) -> None:
 
 
 class Workers:
-    """At most ``n`` cells at a time, each a per-cell command in its own process group (a SIGTERM is passed on to
-    each, which saves its checkpoint)."""
+    """The look's cells through a launcher (:mod:`ema_pg.workbench.launchers`), at most its capacity started at once: each cell is
+    reattached (a job the scheduler still holds), waited for (a live trainer already writes its folder) or started;
+    finished cells are recorded as they end, by this process alone. A SIGTERM is passed on to each (its checkpoint
+    saved)."""
 
-    def __init__(self, n: int, log_dir: Path, code: Path = ROOT):
-        self.n, self.log_dir, self.live, self.code = n, log_dir, {}, Path(code)
+    def __init__(self, launcher, log_dir: Path, code: Path = ROOT):
+        self.launcher, self.log_dir, self.live, self.code = launcher, log_dir, {}, Path(code)
         self.stopping = False
 
+    def _begin(self, plan: Plan, m: str, s: int):
+        from ...engine.owner import live_owner, shared_locks
+        from ..launchers import Adopted
+
+        name = f"{m}_s{s}"
+        if (cell := self.launcher.reattach(name)) is not None:
+            return cell, f"{m} seed {s}: its job {cell.job} is still held by the scheduler; waiting for it"
+        run = plan.run_dir(m, s)
+        if (owner := live_owner(run)) is not None:
+            import socket
+
+            if len(owner) == 2 and owner[0] != socket.gethostname() and not shared_locks():
+                raise SystemExit(f"{run}: a run on {owner[0]} (pid {owner[1]}) claims it, and this file system's locks "
+                                 f"are not known to reach here: wait for it to end (or end it), then remove "
+                                 f"{run / '.ema_pg_run'} and run again; or set EMA_PG_SHARED_LOCKS=1 where the file "
+                                 "system carries flock across hosts")
+            return Adopted(run, owner), f"{m} seed {s}: a live run (pid {owner[-1]}) writes it; waiting for it"
+        return self.launcher.start(name, cell_command(plan, m, s, self.code), self.code, self.log_dir / f"{name}.log"), ""
+
     def run(self, plan: Plan, cells: list[tuple[str, int]]) -> None:
-        queue = list(cells)
-        total = len(queue)
-        done = 0
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, desc="cells of this look", unit="run")
+        queue = list(cells)
+        bar = tqdm(total=len(queue), desc="cells of this look", unit="run")
         while queue or self.live:
-            while queue and len(self.live) < self.n and not self.stopping:
+            while queue and len(self.live) < self.launcher.capacity and not self.stopping:
                 m, s = queue.pop(0)
-                log = open(self.log_dir / f"{m}_s{s}.log", "ab")
-                p = subprocess.Popen(cell_command(plan, m, s, self.code), cwd=self.code, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-                self.live[p] = (m, s, log)
+                cell, said = self._begin(plan, m, s)
+                if said:
+                    tqdm.write(said)
+                self.live[cell] = (m, s)
             time.sleep(1)
-            for p in [p for p in self.live if p.poll() is not None]:
-                m, s, log = self.live.pop(p)
-                log.close()
-                if p.returncode == 0:
-                    try:
-                        record_cells(plan)
-                    except OtherBase:
-                        self.stop()  # the other cells save their checkpoints; none is paired meanwhile
-                        for q in self.live:
-                            q.wait()
-                        bar.close()
-                        raise
-                done += 1
+            ended = [(c, rc) for c in list(self.live) if (rc := c.poll()) is not None]
+            if any(rc == 0 for _, rc in ended):
+                try:  # every cell that ended in this poll at once: one reading of the folders, one ledger write
+                    record_cells(plan)
+                except OtherBase:
+                    self.stop()  # the other cells save their checkpoints; none is paired meanwhile
+                    while any(c.poll() is None for c in self.live):
+                        time.sleep(1)
+                    bar.close()
+                    raise
+            for c, rc in ended:
+                m, s = self.live.pop(c)
                 bar.update(1)
-                if p.returncode == EXIT_INTERRUPTED or self.stopping:
-                    continue
-                if p.returncode:
-                    tqdm.write(f"{m} seed {s} exited {p.returncode}: see {self.log_dir / f'{m}_s{s}.log'}")
+                if rc and rc != EXIT_INTERRUPTED and not self.stopping:
+                    tqdm.write(f"{m} seed {s} exited {rc}: see {self.log_dir / f'{m}_s{s}.log'}")
             if self.stopping and not self.live:
                 break
         bar.close()
 
     def stop(self, *_):
         self.stopping = True
-        for p in self.live:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        for c in self.live:
+            c.stop()
 
 
 def main(argv=None) -> int:
@@ -626,6 +643,7 @@ def main(argv=None) -> int:
     ap.add_argument("--any-machine", action="store_true",
                     help="run cells on a machine other than the one cells.csv's cells ran on (where the cold start "
                          "comes out the same, or its cache is carried here); each cell's base policy is still checked")
+    add_launcher_args(ap, what="cells")
     a = ap.parse_args(argv)
     if a.workers < 1:
         raise SystemExit(f"--workers {a.workers}: give 1 or more (cells run at a time)")
@@ -639,6 +657,7 @@ def main(argv=None) -> int:
     if not a.status:  # one writer per plan: a second decide would run the same cells and take the same look
         claim_plan(plan)
     read_cells(plan), read_looks(plan)  # a damaged ledger is refused now, before anything runs or is written
+    launcher_spec(a).check()
     if a.respend:
         return respend(plan)
     runs = not (a.status or a.report_only)  # the contract is checked where cells may run and looks be taken
@@ -705,9 +724,32 @@ def _run(plan: Plan, a, code: Path, fingerprint: str) -> int:
     if a.report_only:
         print(f"wrote {report(plan)}")
         return 0
-    workers = Workers(max(1, a.workers), plan.runs / "logs", code)
+    workers = Workers(_Lazy(launcher_spec(a), plan.runs, a.workers), plan.runs / "logs", code)
     signal.signal(signal.SIGTERM, workers.stop)
     signal.signal(signal.SIGINT, workers.stop)
+    try:
+        return _loop(plan, a, code, fingerprint, workers)
+    finally:
+        workers.launcher.close()
+
+
+class _Lazy:
+    """The launcher, started when the first cell needs it (a look with nothing to run starts no Ray or executor)."""
+
+    def __init__(self, spec, runs: Path, workers: int):
+        self.args, self._it = (spec, runs, workers), None
+
+    def __getattr__(self, name):
+        if name == "close":
+            return self._it.close if self._it is not None else (lambda: None)
+        if self._it is None:
+            from ..launchers import make_launcher
+
+            self._it = make_launcher(*self.args)
+        return getattr(self._it, name)
+
+
+def _loop(plan: Plan, a, code: Path, fingerprint: str, workers: Workers) -> int:
     if not a.status:
         record_cells(plan)
         machines = ledger_machines(read_cells(plan))
@@ -758,7 +800,8 @@ def _run(plan: Plan, a, code: Path, fingerprint: str) -> int:
         if todo:
             plan.runs.mkdir(parents=True, exist_ok=True)
             (plan.runs / "logs").mkdir(exist_ok=True)
-            print(f"look {k}: {len(todo)} cells to run ({a.workers} at a time)", flush=True)
+            where = f"{a.workers} at a time" if a.launcher == "local" else f"through {a.launcher}"
+            print(f"look {k}: {len(todo)} cells to run ({where})", flush=True)
             workers.run(plan, todo)
             if workers.stopping:
                 print("stopped by a signal: the cells saved their checkpoints; run the same command to continue",

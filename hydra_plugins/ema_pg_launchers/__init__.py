@@ -1,0 +1,1 @@
+"""ema-pg's Hydra plugins: the Ray launcher (``hydra/launcher=ema_pg_ray``)."""

@@ -1,0 +1,194 @@
+"""``decide --launcher``: a plan's cells through local processes, submitit (its local executor, the Slurm path's code
+on one machine) and a Ray cluster started here. The coordinator alone writes the ledger, so cells ending at one
+instant are recorded once each; a cell a live trainer still writes is waited for, never started again; a tiny real
+plan reaches the same ledger through every launcher, and a coordinator killed mid-look resumes without running a
+cell twice (slow)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from ema_pg.workbench.studies import decide
+from ema_pg.workbench.studies.decide import CELLS, LOOKS, Workers, load_plan, read_cells, state, take_look
+from ema_pg.workbench.launchers import LauncherSpec, launched, make_launcher
+from test_decide import write_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+FAKE_CELL = """import sys, time
+sys.path[:0] = [{tests!r}, {here!r}]
+from test_decide import fake_run
+from pathlib import Path
+method, seed, at = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+time.sleep(max(0.0, at - time.time()))  # every cell ends at the same instant
+fake_run(Path({runs!r}), method, seed, 0.3 + (0.1 if method == "ema" else 0.0) + 0.001 * seed)
+"""
+
+
+def _fake_cells(monkeypatch, tmp_path: Path, runs: Path, at: float) -> None:
+    script = tmp_path / "fake_cell.py"
+    script.write_text(FAKE_CELL.format(tests=str(ROOT / "tests"), here=str(HERE), runs=str(runs)))
+    monkeypatch.setattr(decide, "cell_command", lambda plan, m, s, code=ROOT: [sys.executable, str(script), m, str(s),
+                                                                                 str(at)])
+
+
+@pytest.mark.parametrize("launcher", ["local", "submitit"])
+def test_cells_that_end_at_one_instant_are_recorded_once_each_and_the_look_is_taken_once(launcher, tmp_path,
+                                                                                        monkeypatch):
+    runs = tmp_path / "runs"
+    plan = load_plan(write_plan(tmp_path / "plan", runs, looks=(3, 4),
+                                claims={"A": {"better": "ema", "worse": "grpo", "text": "EMA anchor > GRPO"}}))
+    _fake_cells(monkeypatch, tmp_path, runs, at=time.time() + 8)
+    (runs / "logs").mkdir(parents=True)
+    todo = decide.needed(plan, 1, state(plan)[0])
+    assert len(todo) == 6
+    spec = LauncherSpec(launcher, cluster="local" if launcher == "submitit" else None)
+    w = Workers(make_launcher(spec, runs, 6), runs / "logs")
+    w.run(plan, todo)
+    cells = pd.read_csv(plan.folder / CELLS)
+    assert sorted(zip(cells["method"], cells["seed"])) == sorted(todo)  # each once, none lost
+    assert sorted((r["cell"], r["launcher"]) for r in launched(runs)) == sorted((f"{m}_s{s}", launcher) for m, s in todo)
+    rows = take_look(plan, 1, state(plan)[0])
+    assert [r["seeds"] for r in rows] == [3] and len(pd.read_csv(plan.folder / LOOKS)) == 1
+    assert decide.needed(plan, 1, state(plan)[0]) == []
+
+
+HOLDER = """import sys, time
+sys.path[:0] = [{tests!r}, {here!r}]
+from pathlib import Path
+from ema_pg.engine.owner import own_run_dir
+from test_decide import fake_run
+run = Path({run!r})
+own_run_dir(run)  # a trainer a killed coordinator started: it holds its folder
+print("holding", flush=True)
+time.sleep(4)
+fake_run(run.parent, "ema", 100, 0.5)
+"""
+
+
+def test_a_cell_a_live_trainer_writes_is_waited_for_and_not_started_again(tmp_path, monkeypatch, capsys):
+    runs = tmp_path / "runs"
+    plan = load_plan(write_plan(tmp_path / "plan", runs, looks=(3, 4),
+                                claims={"A": {"better": "ema", "worse": "grpo", "text": "EMA anchor > GRPO"}}))
+    (runs / "logs").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(tests=str(ROOT / "tests"), here=str(HERE),
+                                                                   run=str(runs / "ema_s100"))],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    _fake_cells(monkeypatch, tmp_path, runs, at=0)
+    w = Workers(make_launcher(LauncherSpec("local"), runs, 2), runs / "logs")
+    w.run(plan, [("ema", 100), ("grpo", 100)])
+    assert holder.wait(timeout=30) == 0
+    assert [r["cell"] for r in launched(runs)] == ["grpo_s100"]  # the live one was not started
+    assert f"ema seed 100: a live run (pid {holder.pid}) writes it; waiting for it" in capsys.readouterr().out
+    assert set(read_cells(plan)) == {("ema", 100), ("grpo", 100)}
+
+
+def test_a_launcher_that_cannot_start_says_so_in_one_line(tmp_path):
+    for spec, said in [(LauncherSpec("local", options=("slurm_partition=dev",)), "use it with --launcher submitit"),
+                       (LauncherSpec("submitit", options=("partition",)), "give KEY=VALUE"),
+                       (LauncherSpec("local", address="auto"), "--address with --launcher ray"),
+                       (LauncherSpec("submitit", cluster="local", options=("no_such_knob=1",)),
+                        "submitit's local executor refuses it")]:
+        with pytest.raises(SystemExit, match=said):
+            make_launcher(spec, tmp_path, 2)
+
+
+# --- the real cells, through every launcher (slow) ---
+
+def _tiny_plan(folder: Path, runs: Path, cache: Path, *more: str) -> Path:
+    return write_plan(folder, runs, looks=(3,), claims={"A": {"better": "ema", "worse": "grpo",
+                                                              "text": "EMA anchor > GRPO"}},
+                      overrides=["sft.seed=0", f"sft.cache_dir={cache}", *more])
+
+
+def _decide(plan: Path, *args: str, timeout=900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ema_pg.decide", str(plan), "--workers", "2", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _ledger(folder: Path) -> tuple[list, list]:
+    cells = pd.read_csv(folder / CELLS)
+    looks = pd.read_csv(folder / LOOKS)
+    return (sorted(zip(cells["method"], cells["seed"], cells["scores"], cells["base"])),
+            looks[["claim", "look", "seeds", "mean_diff", "sd_diff", "t", "lo", "hi", "verdict"]].astype(str).values.tolist())
+
+
+@pytest.mark.slow
+def test_a_tiny_plan_reaches_the_same_ledger_through_local_processes_submitit_and_a_ray_cluster(tmp_path, ray_cluster):
+    """Real cells (the toy task at smoke scale, one cold start shared): the same cells, looks and verdicts."""
+    cache = tmp_path / "cache"
+    ledgers = {}
+    for name, args in [("local", []), ("submitit", ["--launcher", "submitit", "--cluster", "local"]),
+                       ("ray", ["--launcher", "ray", "--address", ray_cluster])]:
+        plan = _tiny_plan(tmp_path / name, tmp_path / f"runs_{name}", cache)
+        out = _decide(plan, *args)
+        assert out.returncode == 0, f"{name}: " + out.stdout[-2000:] + out.stderr[-2000:]
+        assert "every claim is decided or at its cap" in out.stdout
+        assert not out.stderr.strip() or "cells of this look" in out.stderr  # the project's lines and its bar only
+        ledgers[name] = _ledger(tmp_path / name)
+        assert len(launched(tmp_path / f"runs_{name}")) == 6
+    assert ledgers["submitit"] == ledgers["local"] and ledgers["ray"] == ledgers["local"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["local", "submitit"])
+def test_a_coordinator_killed_mid_look_resumes_without_running_a_cell_twice(launcher, tmp_path):
+    """Killed (SIGKILL) when two cells had finished and another was running: the same command records the two,
+    waits for the one still running (paused meanwhile, so that it still runs however slow the command's start),
+    starts only the cells no coordinator started, and takes the look once."""
+    plan = _tiny_plan(tmp_path / "plan", tmp_path / "runs", tmp_path / "cache")
+    args = ["--launcher", "submitit", "--cluster", "local"] if launcher == "submitit" else []
+    cmd = [sys.executable, "-m", "ema_pg.decide", str(plan), "--workers", "2", *args]
+    coord = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs = tmp_path / "runs"
+
+    def owner(d: Path) -> int | None:  # the pid of the cell writing d, read without taking the lock a cell takes
+        o = (d / ".ema_pg_run").read_text().split() if (d / ".ema_pg_run").is_file() else []
+        return int(o[1]) if len(o) == 2 and Path(f"/proc/{o[1]}").exists() else None
+
+    def running() -> list[int]:
+        return [p for d in runs.glob("*_s*") if not (d / "eval.json").is_file() and (p := owner(d)) is not None]
+
+    deadline = time.time() + 600  # a cell claims its folder a second or two before it ends: poll often
+    while time.time() < deadline and not (len(list(runs.glob("*_s*/eval.json"))) >= 2 and running()):
+        time.sleep(0.05)
+    live = running()
+    assert live, "no cell ran after two finished, in 10 minutes"
+    for pid in live:
+        os.kill(pid, signal.SIGSTOP)
+    coord.send_signal(signal.SIGKILL)
+    coord.wait()
+    assert not (tmp_path / "plan" / LOOKS).is_file()
+    # a cell the killed coordinator started that has not claimed its folder yet will: let it, so that the command
+    # below meets every started cell finished or live (a start between the two is a race no coordinator can see)
+    while time.time() < deadline and any(not (runs / r["cell"] / "eval.json").is_file()
+                                         and owner(runs / r["cell"]) is None for r in launched(runs)):
+        time.sleep(0.2)
+    errors = open(tmp_path / "again.err", "w")
+    again = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
+    said = []
+    for line in again.stdout:  # the new coordinator finds the paused cells live and waits for them
+        said.append(line)
+        if sum("writes it; waiting for it" in x for x in said) == len(live):
+            break
+    for pid in live:
+        os.kill(pid, signal.SIGCONT)
+    said += again.stdout.readlines()
+    assert again.wait(timeout=900) == 0, "".join(said)[-2000:] + (tmp_path / "again.err").read_text()[-2000:]
+    assert sum("writes it; waiting for it" in x for x in said) >= len(live), "".join(said)
+    starts = pd.Series([r["cell"] for r in launched(runs)]).value_counts()
+    assert len(starts) == 6 and starts.max() == 1, starts.to_dict()  # every cell started once, by either coordinator
+    looks = pd.read_csv(tmp_path / "plan" / LOOKS)
+    assert list(looks["look"]) == [1] and list(looks["seeds"]) == [3]
+    logs = list(runs.glob("*_s*/train.log"))
+    assert len(logs) == 6 and not [g for g in logs if "resuming" in g.read_text()]  # no cell stopped and began again

@@ -36,6 +36,7 @@ METHOD_LABELS = {
     "ema_topk_forward": "+ Top-k forward KL", "ema_topk_reverse": "+ Top-k reverse KL",
     "ema_topk_forward_corrected": "+ Top-k forward KL (corrected tail)",
     "ema_topk_reverse_corrected": "+ Top-k reverse KL (corrected tail)",
+    "grpo_adaptive": "fixed anchor, adaptive beta", "ema_adaptive": "EMA anchor, adaptive beta",
 }
 #: Fig 8's tail variants (ids), in the figure's order, and their labels
 TAIL_VARIANTS = {"truncated": "truncated", "tail_no_iw": "tail w/o off-policy corr.", "tail_iw": "tail w/ off-policy corr."}

@@ -91,6 +91,8 @@ REPORTS: dict[str, Report | Callable] = {
     "reasoning_gym_suite": Report("reasoning-gym's suite: EMA anchor and Top-k reverse KL vs GRPO (mean held-out "
                                   "score over its datasets)", x="method", labels=METHOD_LABELS,
                                   order=("grpo", "ema", "ema_topk_reverse")),
+    "kl_ctrl": Report("Adapt beta or move the anchor: EMA anchor with a fixed beta vs adaptive beta (issue 79)",
+                      x="method", labels=METHOD_LABELS, order=("ema", "grpo_adaptive", "ema_adaptive")),
     "async_anchor": _async_anchor,
     "table2": _table2,
     "table3": _table3,

@@ -33,6 +33,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -65,8 +66,11 @@ def run_cell(cmd: list[str], cwd: str, log: str) -> int:
         pass
     try:
         while True:
-            try:
-                return p.wait()
+            try:  # in short waits: Ray's cancel raises KeyboardInterrupt in the task's thread, which a blocking
+                # wait on the child would never see (the exception lands only between Python's own steps)
+                while (rc := p.poll()) is None:
+                    time.sleep(0.2)
+                return rc
             except KeyboardInterrupt:  # Ray's cancel, Python's default SIGINT
                 forward()
     finally:  # a Ray worker runs other tasks after this one: its own handlers come back
@@ -284,19 +288,26 @@ class _RayLauncher(Launcher):
 def ray_init(address: str | None, num_cpus: int) -> None:
     """Join the Ray cluster at ``address`` (``auto``: the one ``ray start`` left on this node), or start one in this
     process with ``num_cpus`` CPUs; the cluster's own logs stay in its session folder, so the console keeps the
-    project's lines. A cluster that does not answer is one line."""
+    project's lines. A cluster that does not answer is one line. The caller's SIGTERM and SIGINT handlers are kept:
+    Ray's start puts its own in their place (a SIGTERM then aborts the process, exit 134, before the caller's cells
+    could save their checkpoints)."""
     import logging
+    import signal
 
     import ray
 
     if ray.is_initialized():
         return
     kw = {"address": address} if address else {"num_cpus": num_cpus}
+    mine = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         ray.init(**kw, log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
     except ConnectionError as e:
         raise SystemExit(f"Ray cluster {address}: it does not answer ({' '.join(str(e).split())[:160]}); start one "
                          "(ray start --head) or give its address") from None
+    for s, handler in mine.items():
+        if handler is not None:
+            signal.signal(s, handler)
 
 
 def _last_job(runs: Path, cell: str, launcher: str) -> str | None:

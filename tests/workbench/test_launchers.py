@@ -192,3 +192,27 @@ def test_a_coordinator_killed_mid_look_resumes_without_running_a_cell_twice(laun
     assert list(looks["look"]) == [1] and list(looks["seeds"]) == [3]
     logs = list(runs.glob("*_s*/train.log"))
     assert len(logs) == 6 and not [g for g in logs if "resuming" in g.read_text()]  # no cell stopped and began again
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_a_coordinator_on_ray_stops_its_cells_at_a_checkpoint_and_the_same_command_resumes_them(tmp_path):
+    """Ray's start put its own SIGTERM handler in place (it aborted the coordinator, exit 134), and a cancelled task's
+    KeyboardInterrupt never reached a wrapper blocked on its cell (the cells ran on to their end). Now: the coordinator
+    exits 75, each running cell saves its checkpoint, and the same command resumes them to the look."""
+    plan = _tiny_plan(tmp_path / "plan", tmp_path / "runs", tmp_path / "cache", "algo.iterations=100")
+    cmd = [sys.executable, "-m", "ema_pg.decide", str(plan), "--workers", "2", "--launcher", "ray"]
+    coord = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = tmp_path / "runs"
+    deadline = time.time() + 600
+    training = lambda: [g for g in runs.glob("*_s*/train.log") if "prompts as the model reads them" in g.read_text()]  # noqa: E731
+    while time.time() < deadline and len(training()) < 2:  # both first cells past their start, into RL
+        time.sleep(0.2)
+    coord.send_signal(signal.SIGTERM)
+    out = coord.communicate(timeout=600)[0]
+    assert coord.returncode == 75, out[-3000:]
+    stopped = [g for g in runs.glob("*_s*/train.log") if "stopped by SIGTERM" in g.read_text()]
+    assert stopped and not [g.parent for g in stopped if (g.parent / "eval.json").is_file()], out[-3000:]
+    again = _decide(plan, "--launcher", "ray")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert all("resuming" in g.read_text() for g in stopped)
+    assert len(pd.read_csv(tmp_path / "plan" / CELLS)) == 6

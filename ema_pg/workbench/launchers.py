@@ -311,11 +311,7 @@ def ray_init(address: str | None, num_cpus: int) -> None:
 
 
 def _last_job(runs: Path, cell: str, launcher: str) -> str | None:
-    f = Path(runs) / LAUNCHED
-    if not f.is_file():
-        return None
-    with open(f, newline="") as src:
-        rows = [r for r in csv.DictReader(src) if r.get("cell") == cell and r.get("launcher") == launcher]
+    rows = [r for r in launched(runs) if r.get("cell") == cell and r.get("launcher") == launcher]
     return rows[-1]["job"] if rows else None
 
 

@@ -131,25 +131,30 @@ def test_with_staleness_1_the_loss_reads_the_behaviour_versions_logprobs_and_the
 
 
 
-@pytest.mark.parametrize("cap", [None, 1.05])
-def test_decoupled_ppo_clips_around_the_proximal_policy_and_weighs_by_prox_over_behaviour(world, cap, monkeypatch):
-    """algo.decoupled on a batch sampled by version 0 and updated on by version 1: the loss's ratio is taken against
-    the proximal policy (version 1 as the step starts: pi_theta / pi_prox = 1 at lr 0), and its PG term is weighted
-    by pi_prox / pi_behave = pi_v1 / pi_v0, token by token; a cap masks the tokens above it. The KL estimator still
-    reads the behaviour policy (it sampled the tokens)."""
+def watch_loss(monkeypatch) -> list:
+    """The (ratio reference, PG weights) each call of the update's loss receives, as a list filled as it runs."""
     import ema_pg.update as update
 
-    v0 = world[0]
-    v1 = moved(v0, 0.2, 7)
-    batch = ahead(world, v0, None, 1, 0)
-    seen = []
-    real = update.grpo_loss
+    seen, real = [], update.grpo_loss
 
     def watched(logp, logp_old, adv, mask, kl, **kw):
         seen.append((logp_old.detach(), kw["pg_weight"]))
         return real(logp, logp_old, adv, mask, kl, **kw)
 
     monkeypatch.setattr(update, "grpo_loss", watched)
+    return seen
+
+
+@pytest.mark.parametrize("cap", [None, 1.05])
+def test_decoupled_ppo_clips_around_the_proximal_policy_and_weighs_by_prox_over_behaviour(world, cap, monkeypatch):
+    """algo.decoupled on a batch sampled by version 0 and updated on by version 1: the loss's ratio is taken against
+    the proximal policy (version 1 as the step starts: pi_theta / pi_prox = 1 at lr 0), and its PG term is weighted
+    by pi_prox / pi_behave = pi_v1 / pi_v0, token by token; a cap masks the tokens above it. The KL estimator still
+    reads the behaviour policy (it sampled the tokens)."""
+    v0 = world[0]
+    v1 = moved(v0, 0.2, 7)
+    batch = ahead(world, v0, None, 1, 0)
+    seen = watch_loss(monkeypatch)
     est, kl_seen = recording()
     cfg = copy.deepcopy(world[3])
     cfg.algo.decoupled, cfg.algo.behave_weight_cap = True, cap
@@ -193,19 +198,10 @@ def test_decoupled_ppo_with_the_loglinear_proximal_policy_takes_its_ratio_and_we
     """algo.prox_logp=loglinear on a batch sampled by version 0 and updated on at iteration 1 or 2 (alpha 1/2, 2/3):
     the ratio's reference is log pi_b + alpha (log pi_theta - log pi_b), the PG weight pi_prox / pi_b of that, capped
     as the recomputed one is; the step makes no pass of the policy for it (its logged alpha says which it took)."""
-    import ema_pg.update as update
-
     v0 = world[0]
     v1 = moved(v0, 0.2, 7)
     batch = ahead(world, v0, None, iteration, 0)
-    seen = []
-    real = update.grpo_loss
-
-    def watched(logp, logp_old, adv, mask, kl, **kw):
-        seen.append((logp_old.detach(), kw["pg_weight"]))
-        return real(logp, logp_old, adv, mask, kl, **kw)
-
-    monkeypatch.setattr(update, "grpo_loss", watched)
+    seen = watch_loss(monkeypatch)
     cfg = copy.deepcopy(world[3])
     cfg.algo.decoupled, cfg.algo.prox_logp, cfg.algo.behave_weight_cap = True, "loglinear", 1.02
     params = list(v1.parameters())

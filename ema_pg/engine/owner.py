@@ -62,7 +62,7 @@ def live_owner(run_dir: Path) -> list[str] | None:
     except OSError:
         return None
     try:
-        if _other_host(owner):
+        if other_host(owner):
             return owner
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -90,7 +90,7 @@ def shared_locks() -> bool:
     return os.environ.get(SHARED_LOCKS) == "1"
 
 
-def _other_host(owner: list[str]) -> bool:
+def other_host(owner: list[str]) -> bool:
     import socket
 
     return len(owner) == 2 and owner[0] != socket.gethostname() and not shared_locks()
@@ -122,7 +122,7 @@ def try_claim(folder: Path, name: str) -> list[str] | None:
             owner = []
         return owner or ["another", "process"]
     owner = os.pread(fd, 256, 0).decode(errors="replace").split()
-    if _other_host(owner):  # written on another machine: its lock is not ours to see
+    if other_host(owner):  # written on another machine: its lock is not ours to see
         os.close(fd)
         return owner
     os.ftruncate(fd, 0)  # in place: the lock is on this file, so it is never replaced

@@ -568,7 +568,7 @@ class Workers:
         self.stopping = False
 
     def _begin(self, plan: Plan, m: str, s: int):
-        from ...engine.owner import live_owner, shared_locks
+        from ...engine.owner import live_owner, other_host
         from ..launchers import Adopted
 
         name = f"{m}_s{s}"
@@ -576,9 +576,7 @@ class Workers:
             return cell, f"{m} seed {s}: its job {cell.job} is still held by the scheduler; waiting for it"
         run = plan.run_dir(m, s)
         if (owner := live_owner(run)) is not None:
-            import socket
-
-            if len(owner) == 2 and owner[0] != socket.gethostname() and not shared_locks():
+            if other_host(owner):  # a claim whose lock does not reach here: it would hold the folder for ever
                 raise SystemExit(f"{run}: a run on {owner[0]} (pid {owner[1]}) claims it, and this file system's locks "
                                  f"are not known to reach here: wait for it to end (or end it), then remove "
                                  f"{run / '.ema_pg_run'} and run again; or set EMA_PG_SHARED_LOCKS=1 where the file "

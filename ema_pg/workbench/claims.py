@@ -30,7 +30,8 @@ ORDER = ("fig4", "stability", "estimator_lab", "table2", "table2/ppo_mini", "fig
          "table2/decide", "fig5_methods/decide", "fig6_k/decide", "tail_bias/decide", "beta0_collapse", "fig5_methods/decide_strong",
          "fig6_k/decide_strong", "tail_bias/decide_strong", "fig7_eta_direction/decide_strong", "fig8_tail/decide_strong",
          "fig9_iw_clip/decide_strong", "fig9_iw_clip/decide_strong_kl_scale", "table3", "table2/decide_reading",
-         "async_anchor", "table2/decide_episode", ("table2/claims", "table2/claims_base660"), "reasoning_gym/suite")
+         "async_anchor", "table2/decide_episode", ("table2/claims", "table2/claims_base660"), "reasoning_gym/suite",
+         ("kl_ctrl", "kl_ctrl_amd"))
 VERDICT_WORDS = ("stopped at the cap", "holds", "fails", "undecided", "higher", "lower", "continue", "(descriptive)",
                  "not as in the paper", "not the paper's direction")
 

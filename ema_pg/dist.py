@@ -105,6 +105,39 @@ def _kind(key: str) -> str:
     return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
 
 
+@dataclass(frozen=True)
+class Share(World):
+    """One of ``size`` rollout workers of a pool (``rollout.workers``): it samples the block of a batch that rank
+    ``rank`` of ``size`` processes would (its prompts, each with its whole group and its own seed), and talks to no
+    other worker: what a collective would gather is its block's alone, and the trainer joins the blocks
+    (:meth:`ema_pg.step.Sampled.join`, the metrics by :func:`join_metrics`)."""
+
+    def all_gather_cat(self, x: Tensor) -> Tensor:
+        return x
+
+    def sum(self, x: Tensor) -> Tensor:
+        return x
+
+    def max(self, n: int) -> int:
+        return n
+
+    def gather_objects(self, obj) -> list:
+        return [obj]
+
+    def broadcast(self, obj, src: int = 0):
+        return obj
+
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        return metrics
+
+
+def join_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Metrics of equal blocks of a batch as :meth:`World.reduce_metrics` joins ranks': the mean, or the max / min
+    of keys ending in ``_max`` / ``_min``."""
+    ops = {"mean": lambda xs: sum(xs) / len(xs), "max": max, "min": min}
+    return {k: float(ops[_kind(k)]([float(m[k]) for m in parts])) for k in parts[0]}
+
+
 # ---------------------------------------------------------------------- ZeRO-3 partitioned parameters
 def zero3_partitioned(p: torch.Tensor) -> bool:
     """True for a parameter partitioned by DeepSpeed ZeRO-3 (its local tensor is empty)."""

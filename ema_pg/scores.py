@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import torch
 from torch import Tensor
 
 
@@ -34,3 +35,17 @@ class TokenScores:
         """The same scores for a subset of rows (a minibatch)."""
         return TokenScores(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows]
                               for f in fields(self)})
+
+    @staticmethod
+    def cat(parts: list[TokenScores], width: int) -> TokenScores:
+        """The rows of several batches' scores as one, each field's response columns padded with zeros on the right
+        to ``width`` (padding the loss never reads: its mask is 0 there)."""
+        return TokenScores(**{f.name: None if getattr(parts[0], f.name) is None else
+                              torch.cat([pad_columns(getattr(p, f.name), width) for p in parts]) for f in fields(parts[0])})
+
+
+def pad_columns(x: Tensor | None, width: int) -> Tensor | None:
+    """``x`` (N, T, ...) with zeros appended along its dim 1 up to ``width`` columns (None stays None)."""
+    if x is None:
+        return None
+    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [0, width - x.shape[1]])

@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from .advantages import ADVANTAGES, AdvantageInputs
 from .corrections import correct, decoupled_weight, prox_alpha
-from .dist import World
+from .dist import World, join_metrics
 from .heads import head
 from .kl import Estimator, sequence_kl_penalty
 from .kl.sampled import k3_core
@@ -45,7 +45,7 @@ from .losses import masked_mean
 from .packing import Packing, packer
 from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
-from .scores import ScoreRequest, TokenScores
+from .scores import ScoreRequest, TokenScores, pad_columns
 from .tasks.base import checked_reward
 from .update import Proximal, UpdateBatch, Updater, over_micro_batches, update
 
@@ -182,6 +182,15 @@ class OldAndAnchor:
         return OldAndAnchor(self.old.select(rows.to(self.old.logp.device)),
                             None if self.anchor is None else self.anchor.select(rows.to(self.anchor.logp.device)),
                             pick(self.index), pick(self.anchor_index_logp))
+
+    @staticmethod
+    def cat(parts: list[OldAndAnchor], width: int) -> OldAndAnchor:
+        """The rows of several batches' scores as one, response columns padded to ``width``
+        (:meth:`ema_pg.scores.TokenScores.cat`)."""
+        opt = lambda xs: None if xs[0] is None else torch.cat([pad_columns(x, width) for x in xs])  # noqa: E731
+        return OldAndAnchor(TokenScores.cat([p.old for p in parts], width),
+                            None if parts[0].anchor is None else TokenScores.cat([p.anchor for p in parts], width),
+                            opt([p.index for p in parts]), opt([p.anchor_index_logp for p in parts]))
 
 
 class OldAndAnchorScorer:
@@ -386,6 +395,26 @@ class Sampled:
         rows = torch.arange(groups.start * group_size, groups.stop * group_size)
         return Sampled(self.rollouts.select(rows), self.rewards[rows.to(self.rewards.device)], self.metrics,
                        self.version, None if self.scores is None else self.scores.select(rows), self.rollout_s)
+
+    @staticmethod
+    def join(blocks: list[Sampled], pad_id: int = 0) -> Sampled:
+        """The batch a pool of rollout workers sampled in blocks (``rollout.workers``; block w: the prompts
+        :class:`ema_pg.dist.Share` w gives, each with its whole group), as one worker samples it whole: the rows in
+        block order, prompts numbered across the blocks, response columns padded to the longest, the metrics joined
+        as ranks' are (:func:`ema_pg.dist.join_metrics`); its sampling time is the slowest block's."""
+        if len(blocks) == 1:
+            return blocks[0]
+        if len({b.version for b in blocks}) > 1:
+            raise ValueError(f"the blocks of one batch come from versions {sorted({b.version for b in blocks})}")
+        parts, n = [], 0
+        for b in blocks:
+            parts.append(replace(b.rollouts, prompt_index=[i + n for i in b.rollouts.prompt_index]))
+            n += len(set(b.rollouts.prompt_index))
+        rollouts = Rollouts.cat(parts, pad_id)
+        width = rollouts.response_mask.shape[1]
+        scores = None if blocks[0].scores is None else OldAndAnchor.cat([b.scores for b in blocks], width)
+        return Sampled(rollouts, torch.cat([b.rewards for b in blocks]), join_metrics([b.metrics for b in blocks]),
+                       blocks[0].version, scores, max(b.rollout_s for b in blocks))
 
 
 @torch.no_grad()

@@ -143,6 +143,9 @@ class RolloutConfig:
     #: while the trainer updates (0 = synchronous: sampled by the current policy in the trainer; docs/async.md)
     max_staleness: int = 0
     worker_threads: int = 1  #: max_staleness > 0: torch CPU threads of the rollout worker process
+    #: max_staleness > 0: rollout worker processes, each sampling its block of whole prompt groups of every batch
+    #: (one worker's draw: the same prompts, seeds, versions and rewards)
+    workers: int = 1
 
     def check(self) -> None:
         from ..rollout import SAMPLERS
@@ -175,7 +178,8 @@ class RolloutConfig:
                  f"rollout.correction_threshold; give it > 0 (verl's recipes use 0.001-0.01); got {self.correction_threshold}")
         if not self.correction_cap > 1:
             _bad(f"rollout.correction_cap must be > 1 (the band is [1/C, C]; peers use 2-5); got {self.correction_cap}")
-        _at_least(("rollout.max_staleness", self.max_staleness, 0), ("rollout.worker_threads", self.worker_threads, 1))
+        _at_least(("rollout.max_staleness", self.max_staleness, 0), ("rollout.worker_threads", self.worker_threads, 1),
+                  ("rollout.workers", self.workers, 1))
         if self.correction != "none" and self.name == "hf":
             _bad(f"rollout.correction={self.correction} corrects the engine/trainer log-prob mismatch of rollout=vllm; "
                  "the HF sampler has none (it samples with the trainer's own numerics): set rollout.correction=none "

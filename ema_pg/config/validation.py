@@ -210,6 +210,15 @@ def validate(cfg, vocab_size: int | None = None) -> Binding:
     if scheme is not None and (not scheme.spec.zero3 or an.path) and strategy == "deepspeed_stage_3":
         _bad(f"anchor={an.name}{' with anchor.path' if an.path else ''} is not built under deepspeed_stage_3 "
              "(its anchor is not partitioned); use deepspeed_stage_2, ddp or cpu")
+    if ro.workers > 1 and not ro.max_staleness:
+        _bad(f"rollout.workers={ro.workers} is a pool of rollout workers sampling ahead of the trainer; a synchronous "
+             "run starts none: set rollout.max_staleness >= 1, or rollout.workers=1")
+    if ro.workers > 1 and a.prompts_per_step % ro.workers:
+        _bad(f"algo.prompts_per_step={a.prompts_per_step} must be divisible by rollout.workers={ro.workers}: each "
+             "worker samples an equal block of whole prompt groups")
+    if ro.workers > 1 and a.dynamic_sampling:
+        _bad("algo.dynamic_sampling refills a batch by the groups it kept, which no worker of a pool sees whole "
+             "(each samples its block); use rollout.workers=1 with it, or algo.dynamic_sampling=false")
     if a.decoupled and not ro.max_staleness:
         _bad("algo.decoupled=true clips around the policy as a step starts and reweights a batch an older policy "
              "sampled; without one it changes nothing: set rollout.max_staleness >= 1, or algo.decoupled=false")

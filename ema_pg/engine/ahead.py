@@ -12,6 +12,10 @@ Checkpoints: the batches in flight (t .. t + k - 1 after iteration t - 1) are aw
 checkpoint, as the worker returned them. Regenerating them instead would need the k older weights (and
 anchors) in the checkpoint: k model copies against k small batches.
 
+A pool (``rollout.workers = N``): N worker processes, each pushed every version, each sampling its block of
+whole prompt groups of every batch (block w: the prompts rank w of N processes would take, each prompt with its own
+seed), so the pool draws what one worker draws; the trainer joins the blocks (:meth:`ema_pg.step.Sampled.join`).
+
 Messages travel as ``torch.save`` bytes over a pipe: a snapshot of the weights at the moment of the push
 (the trainer goes on updating its own), and nothing shared between the processes.
 """
@@ -32,6 +36,7 @@ import torch
 
 from ..chunked import HeadChunk
 from ..config import build_estimator
+from ..dist import Share
 from ..rollout import build_sampler
 from ..step import Sampled, StepParts, sample_ahead
 from . import attention  # noqa: F401 - registers the attention kernel a policy may name
@@ -86,7 +91,8 @@ def _build(blank: dict) -> torch.nn.Module:
 
 
 def _serve(conn, threads: int) -> None:
-    """The worker: builds its models from the first message, then serves weights and sample requests in order."""
+    """The worker: builds its models from the first message, then serves weights and sample requests in order;
+    one of a pool samples its block of each batch (``spec["share"]``: its index and the pool's size)."""
     for sig in RUN_SIGNALS:  # the trainer's to handle (see RolloutsAhead._start): ignored, then let through, which
         signal.signal(sig, signal.SIG_IGN)  # discards any that reached this process while it started
     signal.pthread_sigmask(signal.SIG_UNBLOCK, RUN_SIGNALS)
@@ -102,6 +108,7 @@ def _serve(conn, threads: int) -> None:
             anchor = _build(spec["anchor"]) if spec["anchor"] is not None else None
         sampler = build_sampler(cfg.rollout, spec["tokenizer"], lora=bool(cfg.model.lora_rank))
         estimator = build_estimator(cfg.kl)
+        share = Share(*spec["share"])
         version = -1
         conn.send_bytes(_dumps(("ready", None)))
         while True:
@@ -125,7 +132,7 @@ def _serve(conn, threads: int) -> None:
                 if want != version:  # the schedule is the trainer's; a mismatch is a bug, never a silent race
                     raise RuntimeError(f"batch {t} asked for version {want}, but the worker holds version {version}")
                 parts = StepParts(policy, anchor, spec["task"], sampler, estimator, cfg.algo, cfg.rollout, cfg.seed,
-                                  spec["chunk"], encode=spec["encode"])
+                                  spec["chunk"], encode=spec["encode"], world=share)
                 out = sample_ahead(t, version, parts)
                 conn.send_bytes(_dumps(("batch", t, _dumps(out))))  # the batch stays bytes until the trainer takes it
     except Exception:  # noqa: BLE001 - reported to the trainer, which stops with it
@@ -153,16 +160,17 @@ def _stopped(pid: int) -> bool:
 
 
 class RolloutsAhead:
-    """The trainer's side of the rollout worker: pushes versions, asks for batches, takes them in order.
+    """The trainer's side of the rollout workers: pushes versions, asks for batches, takes them in order.
 
-    Both directions of the pipe are served by threads (a sender with a FIFO queue, a receiver that files each
-    batch as it arrives), so neither process ever blocks on a send while the other does: the trainer only
-    waits when it takes a batch that is not there yet. ``in_flight`` maps an iteration to its batch as the
-    worker's bytes (restored from a checkpoint, or received); ``asked`` holds the iterations asked for and not
-    yet received."""
+    Both directions of each worker's pipe are served by threads (a sender with a FIFO queue, a receiver that files
+    each block as it arrives), so neither process ever blocks on a send while the other does: the trainer only
+    waits when it takes a batch that is not there yet. ``in_flight`` maps an iteration to its batch as bytes
+    (restored from a checkpoint, or received whole: a pool's blocks are joined as the last arrives); ``asked``
+    holds the iterations asked for and not yet received whole."""
 
     def __init__(self, cfg, policy, anchor_model, tokenizer, task, encode, chunk: HeadChunk):
         self.cfg, self.k = cfg, int(cfg.rollout.max_staleness)
+        self.n = int(cfg.rollout.workers)  #: the pool's worker processes
         self.aligned = anchor_model is not None and cfg.anchor.align == "behaviour"
         self.device = str(next(policy.parameters()).device)  # where the batches are handed to the trainer
         #: a LoRA policy: the first push to a worker carries the whole model, later ones its adapters alone (the
@@ -171,89 +179,129 @@ class RolloutsAhead:
         anchor = (ANCHOR if self.lora else _blank(anchor_model)) if self.aligned else None
         self._spec = {"cfg": cfg, "policy": _blank(policy, cfg.model if self.lora else None), "anchor": anchor,
                       "tokenizer": tokenizer, "task": task, "encode": encode, "chunk": chunk}
-        self._whole_sent = False  # the worker process now running has the LoRA base
+        self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._whole_sent = False  # the worker processes now running have the LoRA base
         self.last_push_mb = 0.0
         self.in_flight: dict[int, bytes] = {}
         self.asked: set[int] = set()
-        self.proc = None
-        self.conn = None
+        self._blocks: dict[int, dict[int, bytes]] = {}  # a pool's blocks of a batch not yet whole
+        self.procs: list = []
+        self.conns: list = []
         self.last_wait_s = 0.0
         self._cond = threading.Condition()
-        self._outbox: queue.Queue = queue.Queue()
+        self._outboxes: list[queue.Queue] = []
         self._failure: RolloutWorkerError | None = None
-        self._ready = self._closing = False  # the worker has built its models; close() has begun
+        self._ready = 0  # the workers that have built their models
+        self._closing = False  # close() has begun
         self._threads: list[threading.Thread] = []
+
+    @property
+    def proc(self):
+        """The first worker process (the only one without a pool); None before the start."""
+        return self.procs[0] if self.procs else None
 
     def version_of(self, t: int) -> int:
         """The version that samples batch t: max(0, t - k)."""
         return max(0, t - self.k)
 
-    # ------------------------------------------------------------------ the process and its pipe
+    def _name(self, w: int) -> str:
+        return "the rollout worker" if self.n == 1 else f"rollout worker {w + 1} of {self.n}"
+
+    # ------------------------------------------------------------------ the processes and their pipes
     def _start(self) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked threads, locks or CUDA state
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, int(self.cfg.rollout.worker_threads)), daemon=True,
-                                name="ema-pg-rollout-worker")
         # the run's signals are the trainer's: a scheduler's SIGTERM or a Ctrl-C to the whole process group must not
-        # kill the worker before the trainer has taken the batches in flight into its checkpoint (the trainer stops
-        # the worker itself, and a trainer that dies closes the pipe, which ends it). They are blocked while the
-        # worker is spawned: a blocked signal stays blocked across the spawn's exec, so the worker is shielded from
+        # kill a worker before the trainer has taken the batches in flight into its checkpoint (the trainer stops
+        # the workers itself, and a trainer that dies closes the pipes, which ends them). They are blocked while the
+        # workers are spawned: a blocked signal stays blocked across the spawn's exec, so a worker is shielded from
         # its first instruction, imports included, until it ignores them; and one that reaches the trainer in that
         # moment waits, and is handled when they are let through again (ignoring them here instead lost it).
         # (multiprocessing's resource tracker, which a spawn starts, lets the two through when it has started: so
         # it is started first)
         resource_tracker.ensure_running()
+        children = []
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, RUN_SIGNALS)
         try:
-            self.proc.start()
+            for _ in range(self.n):
+                conn, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve, args=(child, int(self.cfg.rollout.worker_threads)), daemon=True,
+                                   name="ema-pg-rollout-worker")
+                proc.start()
+                self.procs.append(proc)
+                self.conns.append(conn)
+                children.append(child)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        child.close()
-        self._threads = [threading.Thread(target=self._sending, daemon=True, name="rollout-send"),
-                         threading.Thread(target=self._receiving, daemon=True, name="rollout-receive")]
+        for child in children:
+            child.close()
+        self._outboxes = [queue.Queue() for _ in range(self.n)]
+        self._threads = [threading.Thread(target=f, args=(w,), daemon=True, name=f"rollout-{what}-{w}")
+                         for w in range(self.n) for f, what in ((self._sending, "send"), (self._receiving, "receive"))]
         for th in self._threads:
             th.start()
         self._whole_sent = False
-        self._send(self._spec)
+        for w, box in enumerate(self._outboxes):  # each worker its share of every batch
+            box.put(_dumps({**self._spec, "share": (w, self.n)}))
         with self._cond:  # "ready": the models are built
-            self._wait(lambda: self._ready)
+            self._wait(lambda: self._ready == self.n)
 
     def _send(self, obj) -> None:
-        """Queue a message (serialized now: a snapshot of whatever tensors it holds)."""
-        self._outbox.put(_dumps(obj))
+        """Queue a message for every worker (serialized now, once: a snapshot of whatever tensors it holds)."""
+        data = _dumps(obj)
+        for box in self._outboxes:
+            box.put(data)
 
-    def _sending(self) -> None:
+    def _sending(self, w: int) -> None:
         while True:
-            data = self._outbox.get()
+            data = self._outboxes[w].get()
             if data is None:
                 return
             try:
-                self.conn.send_bytes(data)
+                self.conns[w].send_bytes(data)
             except (BrokenPipeError, OSError) as e:
-                self._fail(f"the rollout worker is gone (exit code {self.proc.exitcode}): {e}")
+                self._fail(f"{self._name(w)} is gone (exit code {self.procs[w].exitcode}): {e}")
                 return
 
-    def _receiving(self) -> None:
+    def _receiving(self, w: int) -> None:
         while True:
             try:
-                kind, *rest = _loads(self.conn.recv_bytes())
+                kind, *rest = _loads(self.conns[w].recv_bytes())
             except (EOFError, OSError):
-                self.proc.join(5)
-                self._fail(f"the rollout worker died (exit code {self.proc.exitcode}) before answering; its batches "
+                self.procs[w].join(5)
+                self._fail(f"{self._name(w)} died (exit code {self.procs[w].exitcode}) before answering; its batches "
                            "in flight are lost, the run stops at its last checkpoint")
                 return
+            if kind == "batch":
+                self._file(w, *rest)
+                continue
             with self._cond:
                 if kind == "error":
-                    self._failure = RolloutWorkerError("the rollout worker failed:\n" + rest[0])
+                    self._failure = RolloutWorkerError(f"{self._name(w)} failed:\n" + rest[0])
                 elif kind == "ready":
-                    self._ready = True
-                else:
-                    t, data = rest
-                    self.asked.discard(t)
-                    self.in_flight[t] = data
+                    self._ready += 1
                 self._cond.notify_all()
             if kind == "error":
                 return
+
+    def _file(self, w: int, t: int, data: bytes) -> None:
+        """File worker ``w``'s block of batch ``t``; the last block makes the batch whole (joined in this thread,
+        while the trainer updates)."""
+        with self._cond:
+            got = self._blocks.setdefault(t, {})
+            got[w] = data
+            if len(got) < self.n:
+                return
+            del self._blocks[t]
+        if self.n > 1:
+            try:
+                data = _dumps(Sampled.join([_loads(got[i]) for i in range(self.n)], self._pad))
+            except Exception:  # noqa: BLE001 - the trainer stops with it, as with a worker's own failure
+                self._fail(f"the blocks of batch {t} could not be joined:\n{traceback.format_exc()}")
+                return
+        with self._cond:
+            self.asked.discard(t)
+            self.in_flight[t] = data
+            self._cond.notify_all()
 
     def _fail(self, message: str) -> None:
         with self._cond:
@@ -270,14 +318,15 @@ class RolloutsAhead:
         between them, and a worker that stays stopped for :data:`STOPPED_GRACE_S` is a failure, not a wait forever."""
         since = None
         while not self._cond.wait_for(lambda: ready() or self._failure is not None, timeout=1.0):
-            if not _stopped(self.proc.pid):
+            stopped = [w for w, proc in enumerate(self.procs) if _stopped(proc.pid)]
+            if not stopped:
                 since = None
                 continue
             since = since or time.monotonic()
             if time.monotonic() - since > STOPPED_GRACE_S:
-                pid = self.proc.pid
+                w, pid = stopped[0], self.procs[stopped[0]].pid
                 self._failure = RolloutWorkerError(
-                    f"the rollout worker (pid {pid}) is stopped (SIGSTOP, a debugger) and has not answered for "
+                    f"{self._name(w)} (pid {pid}) is stopped (SIGSTOP, a debugger) and has not answered for "
                     f"{STOPPED_GRACE_S:g} s; the run stops at its last checkpoint: continue the worker (kill -CONT "
                     f"{pid}) next time, or resume the run")
         self._raise()
@@ -287,7 +336,7 @@ class RolloutsAhead:
         """The batches iteration t asks for: t + k and any batch before it that no one has asked for (at t = 0:
         batches 0 .. k, all of version 0), each checked against the schedule and marked as asked. Starts the
         worker at the first call."""
-        if self.proc is None:
+        if not self.procs:
             self._start()
         self.last_push_mb = 0.0
         with self._cond:  # the receiver moves batches from asked to in_flight under the same lock
@@ -349,19 +398,22 @@ class RolloutsAhead:
         self.in_flight = dict(saved)
 
     def close(self) -> None:
-        if self.proc is None:
+        if not self.procs:
             return
         self._closing = True
         self._send(("stop",))
-        self._outbox.put(None)
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        for box in self._outboxes:
+            box.put(None)
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
         for th in self._threads:
             th.join(5)
-        self.conn.close()
-        self.proc = None
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
 
 
 def _from_rank0(world, work):

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..scores import ScoreRequest, TokenScores
+from ..scores import ScoreRequest, TokenScores, pad_columns
 
 #: The environment's turn: called once for every row that ended its turn at a stop string, all together
 #: (one batched call per turn, as Search-R1's generation loop makes one batched search request), with
@@ -70,17 +70,8 @@ class Rollouts:
             left, right = P - p.prompt_len, T - (x.shape[1] - p.prompt_len)
             return torch.nn.functional.pad(x, (left, right), value=fill)
 
-        def grow_t(x: Tensor | None) -> Tensor | None:  # (N, T_p, ...) -> (N, T, ...)
-            if x is None:
-                return None
-            pad = [0, 0] * (x.dim() - 2) + [0, T - x.shape[1]]
-            return torch.nn.functional.pad(x, pad)
-
         olds = [p.old for p in parts]
-        old = None
-        if all(o is not None for o in olds):
-            old = TokenScores(**{f: None if getattr(olds[0], f) is None else torch.cat([grow_t(getattr(o, f)) for o in olds])
-                                 for f in ("logp", "index", "index_logp", "logits", "entropy")})
+        old = TokenScores.cat(olds, T) if all(o is not None for o in olds) else None
         cat_opt = lambda xs: None if any(x is None for x in xs) else torch.cat(xs)
         return Rollouts(
             input_ids=torch.cat([grow(p.input_ids, p, pad_id) for p in parts]),
@@ -88,7 +79,7 @@ class Rollouts:
             loss_mask=torch.cat([grow(p.loss_mask, p, 0) for p in parts]),
             prompt_len=P, prompt_index=[i for p in parts for i in p.prompt_index],
             responses=[r for p in parts for r in p.responses], old=old,
-            engine_logp=cat_opt([grow_t(p.engine_logp) for p in parts]),
+            engine_logp=cat_opt([pad_columns(p.engine_logp, T) for p in parts]),
             truncated=cat_opt([p.truncated for p in parts]),
         )
 

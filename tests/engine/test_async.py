@@ -300,6 +300,91 @@ def test_each_trainer_process_takes_its_block_of_whole_groups_of_the_workers_bat
     assert whole.share(World(), G) is whole
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_blocks_a_pool_samples_join_into_the_batch_one_worker_samples(world, n):
+    """``rollout.workers = n``: worker w samples the block of whole prompt groups that rank w of n would, and the
+    joined blocks are one worker's batch: the same prompts in the same order, the same sampled tokens (each prompt
+    has its own seed), the same rewards and version; pi_old's and the aligned anchor's scores, and the index set,
+    are each block's own forward pass (the same within rounding)."""
+    from ema_pg.dist import Share
+    from ema_pg.step import Sampled
+
+    policy, tok, task, base = world
+    cfg = copy.deepcopy(base)
+    cfg.algo.prompts_per_step = 4
+    anchor = frozen(moved(policy, 0.1, 1))
+
+    def sampled(world_):
+        return sample_ahead(5, 2, StepParts(policy, anchor, task, HFSampler(tok), get_estimator("topk_reverse", k=K),
+                                            cfg.algo, cfg.rollout, 0, lambda m: 7, world=world_))
+
+    whole = sampled(Share(0, 1))
+    joined = Sampled.join([sampled(Share(w, n)) for w in range(n)], tok.pad_token_id)
+    assert joined.version == whole.version == 2
+    assert torch.equal(joined.rewards, whole.rewards) and joined.rollouts.responses == whole.rollouts.responses
+    assert joined.rollouts.prompt_index == whole.rollouts.prompt_index
+    for f in ("input_ids", "attention_mask", "loss_mask"):
+        assert torch.equal(getattr(joined.rollouts, f), getattr(whole.rollouts, f)), f
+    mask = whole.rollouts.response_mask.bool()
+    assert torch.allclose(joined.rollouts.old.logp[mask], whole.rollouts.old.logp[mask], atol=1e-5)
+    assert torch.equal(joined.scores.index[mask], whole.scores.index[mask])
+    assert torch.allclose(joined.scores.anchor.logp[mask], whole.scores.anchor.logp[mask], atol=1e-5)
+    assert joined.metrics == pytest.approx(whole.metrics)
+
+
+def test_a_pool_of_two_worker_processes_hands_out_one_workers_batches_and_its_checkpoint(world):
+    """Two real worker processes against one, k = 1, four iterations of moving versions: the same batches
+    (tokens, rewards, versions) in the same order, and the batches in flight a checkpoint saves are whole batches
+    that a pool of another size takes back."""
+    policy, *_ = world
+    cfg = copy.deepcopy(world[3])
+    cfg.algo.prompts_per_step = 4
+    v = [policy] + [moved(policy, 0.2, 40 + i) for i in range(4)]
+
+    def run(n, saved=None, its=range(4)):
+        c = copy.deepcopy(cfg)
+        c.rollout.workers = n
+        w = _ahead(world, 1, policy, None, "current", cfg=c)
+        if saved is not None:
+            w.restore(saved)
+        try:
+            got = [w.next(t, v[t], None) for t in its]
+            return got, w.state()
+        finally:
+            w.close()
+
+    one, one_saved = run(1)
+    two, two_saved = run(2)
+    assert [b.version for b in two] == [b.version for b in one] == [0, 0, 1, 2]
+    for a, b in zip(one, two):
+        assert torch.equal(a.rewards, b.rewards) and torch.equal(a.rollouts.input_ids, b.rollouts.input_ids)
+    assert sorted(two_saved) == sorted(one_saved) == [4]
+    again, _ = run(1, saved=two_saved, its=[4])  # the pool's checkpoint, resumed by one worker
+    from ema_pg.engine.ahead import _loads
+
+    assert torch.equal(again[0].rollouts.input_ids, _loads(one_saved[4]).rollouts.input_ids)
+    assert torch.equal(again[0].rewards, _loads(one_saved[4]).rewards)
+
+
+def test_a_killed_worker_of_a_pool_stops_the_trainer_with_one_line_naming_it(world):
+    """kill -9 of the second of two workers: the trainer's next wait ends in one error that names that worker."""
+    import os
+    import signal
+
+    cfg = copy.deepcopy(world[3])
+    cfg.algo.prompts_per_step, cfg.rollout.workers = 4, 2
+    worker = _ahead(world, 1, world[0], None, "current", cfg=cfg)
+    try:
+        worker.next(0, world[0], None)
+        os.kill(worker.procs[1].pid, signal.SIGKILL)
+        worker.procs[1].join(10)
+        with pytest.raises(RolloutWorkerError, match=r"rollout worker 2 of 2 (died|is gone) \(exit code -9\)"):
+            for t in range(1, 4):
+                worker.next(t, world[0], None)
+    finally:
+        worker.close()
+
+
 def test_a_stop_signal_that_lands_while_the_worker_is_spawned_is_the_trainers_and_not_lost(world, monkeypatch):
     """SIGTERM to the trainer and to its new worker in the moment the worker is spawned: the trainer's handler runs
     once the spawn is done (it used to ignore the run's signals for that moment, so a scheduler's stop landing
@@ -342,6 +427,11 @@ def test_a_worker_without_the_batches_it_should_have_sampled_refuses_to_guess(wo
 @pytest.mark.parametrize("overrides, match", [
     (["rollout.max_staleness=-1"], "rollout.max_staleness"),
     (["anchor.align=old"], "anchor.align='old'; choose one of: current, behaviour"),
+    (["rollout.workers=0", "rollout.max_staleness=1"], "rollout.workers"),
+    (["rollout.workers=2"], "set rollout.max_staleness >= 1, or rollout.workers=1"),
+    (["rollout.workers=3", "rollout.max_staleness=1", "algo.prompts_per_step=4"], "divisible by rollout.workers=3"),
+    (["rollout.workers=2", "rollout.max_staleness=1", "algo.prompts_per_step=4", "algo.dynamic_sampling=true"],
+     "use rollout.workers=1 with it"),
 ])
 def test_bad_async_settings_stop_at_start_naming_the_knob(overrides, match):
     with pytest.raises(ConfigError, match=match):

@@ -195,6 +195,18 @@ def test_two_processes_with_one_rollout_worker_train_like_one_process_with_it(st
     assert staleness == [0.0] + [1.0] * 5
 
 
+@pytest.mark.parametrize("strategy", ["one", "ddp", "zero3"])
+def test_a_pool_of_two_rollout_workers_trains_like_one_worker(strategy, async_runs, tmp_path_factory, cache):
+    """``rollout.workers=2`` (each worker samples its block of whole prompt groups; the trainer joins them) with one
+    trainer process and with two: the one-worker, one-process run's batches (rewards), versions, first update and
+    weights."""
+    pooled = run(tmp_path_factory.mktemp(f"pool_{strategy}") / "run", TWO.get(strategy, []) + ASYNC +
+                 ["rollout.workers=2"], cache=cache)
+    assert_trains_alike(async_runs("one"), pooled)
+    staleness = pd.read_csv(pooled / "metrics.csv")["rollout/staleness"].dropna().tolist()
+    assert staleness == [0.0] + [1.0] * 5
+
+
 def test_zero3_with_a_rollout_worker_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(
         tmp_path, cache, async_runs):
     """The batches in flight are rank 0's, saved in the checkpoint DeepSpeed writes from rank 0; both ranks resume

@@ -132,6 +132,32 @@ def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_
     assert d["time/rollout_worker_s"].notna().sum() == 6 and d["time/rollout_s"].dropna().lt(0.01).all()  # a handoff
 
 
+def test_a_pool_of_two_vllm_workers_samples_what_one_vllm_worker_samples(tmp_path):
+    """``rollout=vllm rollout.workers=2``: two worker processes, each with an engine of its own, each sampling its
+    block of whole prompt groups with each prompt's own seed: the same rewards at every iteration as one worker, the
+    same schedule, and pi_old is still each engine's version (the gap is rounding)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    got = {}
+    for n in (1, 2):
+        run = tmp_path / f"workers{n}"
+        r = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm",
+                            "rollout.max_staleness=1", f"rollout.workers={n}", "algo.iterations=4", "algo.eval_every=4",
+                            "optim.lr=3e-3", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=50",
+                            "trainer.progress_bar=false", f"run_dir={run}", f"hydra.run.dir={run}"],
+                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+        got[n] = pd.read_csv(run / "metrics.csv")
+    for n, d in got.items():
+        assert d["rollout/staleness"].dropna().tolist() == [0, 1, 1, 1], n
+        assert d["rollout/logp_gap_max"].dropna().max() < 1e-3, n
+    assert got[2]["train/reward_mean"].dropna().tolist() == got[1]["train/reward_mean"].dropna().tolist()
+
+
 def test_a_synchronous_zero3_run_pushes_each_ranks_engine_the_gathered_weights_of_every_step(tmp_path):
     """``rollout=vllm`` on two ZeRO-3 trainers, synchronous: each rank's engine is pushed the policy's gathered weights
     whenever they changed (DeepSpeed updates the partitions through ``.data``, so the change is told by their

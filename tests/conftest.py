@@ -42,10 +42,27 @@ def finished_run(tmp_path_factory):
 
 
 @pytest.fixture
-def ray_cluster():
-    """A Ray cluster on this machine, started as a user starts one (``ray start --head``) and stopped after. Its
-    session folder is short: a Unix socket's path has at most 107 bytes, and pytest's tmp_path is longer. One at a
-    time on this machine (a lock across the suite's worker processes): ``ray stop`` stops every cluster here."""
+def ray_token(monkeypatch, tmp_path):
+    """Ray's token authentication on, with a token of the test's own (``RAY_AUTH_MODE=token``,
+    ``RAY_AUTH_TOKEN_PATH``) for this process and the commands it starts. Ray turns it on by itself once a token sits
+    in ``~/.ray/auth_token`` (the first ``ray.init`` that starts a cluster writes one there, and every ``ray start``
+    after it finds it), where a client given an explicit address sends none: the tests pin the mode rather than
+    depend on what an earlier test or user left in the home folder, and leave nothing there."""
+    import secrets
+
+    token = tmp_path / "ray_auth_token"
+    token.write_text(secrets.token_hex(32))
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    return token
+
+
+@pytest.fixture
+def ray_cluster(ray_token):
+    """A Ray cluster on this machine, started as a user starts one (``ray start --head``, token authentication on:
+    :func:`ray_token`) and stopped after. Its session folder is short: a Unix socket's path has at most 107 bytes,
+    and pytest's tmp_path is longer. One at a time on this machine (a lock across the suite's worker processes):
+    ``ray stop`` stops every cluster here."""
     import shutil
     import socket
     import subprocess

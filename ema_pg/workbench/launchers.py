@@ -288,9 +288,14 @@ class _RayLauncher(Launcher):
 def ray_init(address: str | None, num_cpus: int) -> None:
     """Join the Ray cluster at ``address`` (``auto``: the one ``ray start`` left on this node), or start one in this
     process with ``num_cpus`` CPUs; the cluster's own logs stay in its session folder, so the console keeps the
-    project's lines. A cluster that does not answer is one line. The caller's SIGTERM and SIGINT handlers are kept:
-    Ray's start puts its own in their place (a SIGTERM then aborts the process, exit 134, before the caller's cells
-    could save their checkpoints)."""
+    project's lines. A cluster that does not answer is one line; so is one that asks for a token this process does
+    not send (Ray's token authentication: a ``ray start`` finds the token an earlier ``ray.init`` left in
+    ``~/.ray/auth_token`` and turns it on, but a client given an explicit address sends it only under
+    ``RAY_AUTH_MODE=token``). Ray's core prints each of its connection retries (a line a second, for about 20
+    seconds) to this process's stderr: those lines are held back while it joins, and kept out of the console unless
+    the join fails for a reason they alone say. The caller's SIGTERM and SIGINT handlers are kept: Ray's start puts
+    its own in their place (a SIGTERM then aborts the process, exit 134, before the caller's cells could save their
+    checkpoints)."""
     import logging
     import signal
 
@@ -300,14 +305,49 @@ def ray_init(address: str | None, num_cpus: int) -> None:
         return
     kw = {"address": address} if address else {"num_cpus": num_cpus}
     mine = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        ray.init(**kw, log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
-    except ConnectionError as e:
-        raise SystemExit(f"Ray cluster {address}: it does not answer ({' '.join(str(e).split())[:160]}); start one "
-                         "(ray start --head) or give its address") from None
+    with _held_stderr() as held:
+        try:
+            ray.init(**kw, log_to_driver=False, logging_level=logging.ERROR, include_dashboard=False)
+            failed = None
+        except ConnectionError as e:
+            failed = " ".join(str(e).split())[:160]
+    if failed is not None:
+        if "InvalidAuthToken" in held.text or "Unauthenticated" in held.text:
+            raise SystemExit(f"Ray cluster {address}: it asks for a token this process does not send (its token "
+                             "authentication is on); set RAY_AUTH_MODE=token here, with the cluster's token in "
+                             "~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH")
+        raise SystemExit(f"Ray cluster {address}: it does not answer ({failed}); start one (ray start --head) or give "
+                         "its address")
     for s, handler in mine.items():
         if handler is not None:
             signal.signal(s, handler)
+
+
+class _held_stderr:
+    """File descriptor 2 sent to a temporary file while the block runs (what a library's C++ core prints there), its
+    text in ``.text`` after; the descriptor is restored however the block ends."""
+
+    def __enter__(self):
+        import sys
+        import tempfile
+
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile()
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        self.text = ""
+        return self
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.file.seek(0)
+        self.text = self.file.read().decode(errors="replace")
+        self.file.close()
+        return False
 
 
 def _last_job(runs: Path, cell: str, launcher: str) -> str | None:

@@ -141,6 +141,22 @@ def test_a_tiny_plan_reaches_the_same_ledger_through_local_processes_submitit_an
 
 
 @pytest.mark.slow
+def test_a_cluster_that_asks_for_a_token_this_process_does_not_send_is_one_line(tmp_path, ray_cluster):
+    """A cluster with token authentication on, joined by address without ``RAY_AUTH_MODE=token`` (Ray sends no token
+    to an explicit address unless told): one line that says what to set, none of the connection retries Ray's core
+    prints a second, and no cell started."""
+    plan = _tiny_plan(tmp_path / "plan", tmp_path / "runs", tmp_path / "cache")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    out = subprocess.run([sys.executable, "-m", "ema_pg.decide", str(plan), "--launcher", "ray", "--address",
+                          ray_cluster], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    said = [x for x in (out.stdout + out.stderr).splitlines() if x.strip()]  # no bar: it would start after the join
+    assert said and "set RAY_AUTH_MODE=token" in said[-1], said[-5:]
+    assert not [x for x in said if "gcs_client" in x or "InvalidAuthToken" in x], said[:5]
+    assert not launched(tmp_path / "runs")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "submitit"])
 def test_a_coordinator_killed_mid_look_resumes_without_running_a_cell_twice(launcher, tmp_path):
     """Killed (SIGKILL) when two cells had finished and another was running: the same command records the two,
@@ -195,7 +211,8 @@ def test_a_coordinator_killed_mid_look_resumes_without_running_a_cell_twice(laun
 
 
 @pytest.mark.slow
-def test_a_sigterm_to_a_coordinator_on_ray_stops_its_cells_at_a_checkpoint_and_the_same_command_resumes_them(tmp_path):
+def test_a_sigterm_to_a_coordinator_on_ray_stops_its_cells_at_a_checkpoint_and_the_same_command_resumes_them(
+        tmp_path, ray_token):
     """Ray's start put its own SIGTERM handler in place (it aborted the coordinator, exit 134), and a cancelled task's
     KeyboardInterrupt never reached a wrapper blocked on its cell (the cells ran on to their end). Now: the coordinator
     exits 75, each running cell saves its checkpoint, and the same command resumes them to the look."""

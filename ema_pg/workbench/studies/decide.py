@@ -588,6 +588,8 @@ class Workers:
         from tqdm.auto import tqdm
 
         queue = list(cells)
+        if queue:  # the launcher starts before the bar: a cluster that cannot be joined says so on a line of its own
+            self.launcher.capacity  # noqa: B018 - the lazy launcher's start
         bar = tqdm(total=len(queue), desc="cells of this look", unit="run")
         while queue or self.live:
             while queue and len(self.live) < self.launcher.capacity and not self.stopping:

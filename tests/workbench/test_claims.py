@@ -82,7 +82,7 @@ def test_plans_that_ran_side_by_side_are_each_a_latest_verdict_and_a_newer_one_s
     assert len(p1) == 2 and any("(table2/claims/looks.csv)" in ln for ln in p1) \
         and any("(table2/claims_base660/looks.csv)" in ln for ln in p1), p1
     assert "table2/decide_episode/results.md" in history and "claims_base660" not in history
-    assert "side by side (`table2/claims` and `table2/claims_base660`)" in page  # the reader is told why two rows
+    assert "side by side (`table2/claims` and `table2/claims_base660`" in page  # the reader is told why two rows
 
 
 def test_reasoning_gyms_verdicts_stand_beside_the_search_worlds_not_over_them(tmp_path, monkeypatch):

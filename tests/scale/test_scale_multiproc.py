@@ -195,11 +195,13 @@ def test_two_processes_with_one_rollout_worker_train_like_one_process_with_it(st
     assert staleness == [0.0] + [1.0] * 5
 
 
-@pytest.mark.parametrize("strategy", ["one", "ddp", "zero3"])
+@pytest.mark.parametrize("strategy", ["one", "zero3"])
 def test_a_pool_of_two_rollout_workers_trains_like_one_worker(strategy, async_runs, tmp_path_factory, cache):
     """``rollout.workers=2`` (each worker samples its block of whole prompt groups; the trainer joins them) with one
     trainer process and with two: the one-worker, one-process run's batches (rewards), versions, first update and
-    weights."""
+    weights. Two processes under ZeRO-3, the strategy whose push gathers the weights (DDP and ZeRO-2 hand rank 0's
+    pool the whole weights as they hand one worker them; the DDP case passed too, and was left out of the suite for
+    its time)."""
     pooled = run(tmp_path_factory.mktemp(f"pool_{strategy}") / "run", TWO.get(strategy, []) + ASYNC +
                  ["rollout.workers=2"], cache=cache)
     assert_trains_alike(async_runs("one"), pooled)

@@ -38,6 +38,7 @@ from ..chunked import HeadChunk
 from ..config import build_estimator
 from ..dist import Share
 from ..rollout import build_sampler
+from ..rollout.base import pad_id
 from ..step import Sampled, StepParts, sample_ahead
 from . import attention  # noqa: F401 - registers the attention kernel a policy may name
 from .console import quiet_third_party
@@ -179,7 +180,7 @@ class RolloutsAhead:
         anchor = (ANCHOR if self.lora else _blank(anchor_model)) if self.aligned else None
         self._spec = {"cfg": cfg, "policy": _blank(policy, cfg.model if self.lora else None), "anchor": anchor,
                       "tokenizer": tokenizer, "task": task, "encode": encode, "chunk": chunk}
-        self._pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._pad = pad_id(tokenizer)
         self._whole_sent = False  # the worker processes now running have the LoRA base
         self.last_push_mb = 0.0
         self.in_flight: dict[int, bytes] = {}

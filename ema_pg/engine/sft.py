@@ -26,6 +26,7 @@ from ..config import ARCH_KEYS, SFT_SCHEDULES, SFTConfig
 from .files import file_lock
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ..rollout import HFSampler
+from ..rollout.base import pad_id
 from ..tasks.base import Prompt, checked_reward
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def _sft_batch(tokenizer, batch, encode=None, mask_fn=None):
     from ..prompts import PromptEncoder
 
     encode = encode or PromptEncoder(tokenizer, "off")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_id(tokenizer)
     seqs, labs = [], []
     for p, r in batch:
         pid = encode.encode(Prompt(text=p, answer="") if isinstance(p, str) else p)

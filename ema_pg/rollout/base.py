@@ -84,6 +84,11 @@ class Rollouts:
         )
 
 
+def pad_id(tok) -> int:
+    """The id a batch pads with: the tokenizer's pad token, else its EOS."""
+    return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
 def prompt_seeds(seed: int | list[int], n_prompts: int) -> list[int]:
     """One sampling seed per prompt. A list is one seed per prompt already; an int gives
     ``seed`` * 1_000_003 + j to prompt j. Each prompt's samples come from its own random stream,

@@ -21,7 +21,7 @@ from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 from ..scores import ScoreRequest, TokenScores
 from ..prompts import prompt_ids
-from .base import OnStop, RowUniforms, Rollouts, prompt_seeds
+from .base import OnStop, RowUniforms, Rollouts, pad_id, prompt_seeds
 
 
 def draw(probs: Tensor, u: Tensor) -> Tensor:
@@ -325,7 +325,7 @@ class _Decoding:
         tok = self.tok = sampler.tok
         dev = self.dev = next(model.parameters()).device
         self.eos = tok.eos_token_id
-        pad = self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        pad = self.pad = pad_id(tok)
         self.rows = rows = [i for i in range(len(prompts)) for _ in range(n)]
         p_ids = prompt_ids(tok, prompts)
         N, P = self.N, self.P = len(rows), max(len(p_ids[i]) for i in rows)

@@ -79,8 +79,10 @@ def two_process(tmp_path_factory, cache, one_process):
     return get
 
 
-@pytest.mark.parametrize("strategy", list(TWO))
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_two_processes_train_like_one(strategy, one_process, two_process):
+    """ZeRO-2 is checked against the same one-process reference by the micro-batch test below (CI's time: every case
+    here is two runs of two processes)."""
     assert_trains_alike(one_process, two_process(strategy))
 
 
@@ -186,10 +188,12 @@ def async_runs(tmp_path_factory, cache):
     return get
 
 
-@pytest.mark.parametrize("strategy", list(TWO))
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_two_processes_with_one_rollout_worker_train_like_one_process_with_it(strategy, async_runs):
     """Rank 0's worker samples the whole batch with the weights of version t - 1 and every rank updates on its block
-    of groups: the same batches (rewards), first update and weights as the one-process asynchronous run."""
+    of groups: the same batches (rewards), first update and weights as the one-process asynchronous run. ZeRO-2 hands
+    the worker rank 0's whole weights as DDP does (ZeRO-3 gathers them), so DDP's case stands for its push; ZeRO-2's
+    update is checked above."""
     assert_trains_alike(async_runs("one"), async_runs(strategy))
     staleness = pd.read_csv(async_runs(strategy) / "metrics.csv")["rollout/staleness"].dropna().tolist()
     assert staleness == [0.0] + [1.0] * 5

@@ -221,8 +221,11 @@ def test_a_sigterm_to_a_coordinator_on_ray_stops_its_cells_at_a_checkpoint_and_t
     coord = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     runs = tmp_path / "runs"
     deadline = time.time() + 600
-    training = lambda: [g for g in runs.glob("*_s*/train.log") if "prompts as the model reads them" in g.read_text()]  # noqa: E731
-    while time.time() < deadline and len(training()) < 2:  # both first cells past their start, into RL
+    # both first cells into RL: their first metrics rows written (every 10 iterations), so that the trainer's SIGTERM
+    # handler is in place (the log's lines before it come seconds earlier on a loaded machine, where the signal
+    # would end a cell that has nothing to save yet)
+    training = lambda: [g for g in runs.glob("*_s*/metrics.csv") if len(g.read_text().splitlines()) > 1]  # noqa: E731
+    while time.time() < deadline and len(training()) < 2:
         time.sleep(0.2)
     coord.send_signal(signal.SIGTERM)
     out = coord.communicate(timeout=600)[0]

@@ -26,6 +26,7 @@ import io
 import logging
 import multiprocessing as mp
 from multiprocessing import resource_tracker
+from multiprocessing.connection import wait as wait_for
 import queue
 import signal
 import threading
@@ -205,6 +206,16 @@ class RolloutsAhead:
         """The version that samples batch t: max(0, t - k)."""
         return max(0, t - self.k)
 
+    def _exit_code(self, w: int, wait: float) -> int | None:
+        """Worker ``w``'s exit code once it has ended, waiting up to ``wait`` s for it. Another thread that joins the
+        same process (a caller's ``join``) may reap it between this thread's two reads, so it reads until it sees one:
+        a line that says "exit code None" of a process killed by a signal names nothing."""
+        proc, until = self.procs[w], time.monotonic() + wait
+        wait_for([proc.sentinel], wait)
+        while (code := proc.exitcode) is None and time.monotonic() < until:
+            time.sleep(0.05)
+        return code
+
     def _name(self, w: int) -> str:
         return "the rollout worker" if self.n == 1 else f"rollout worker {w + 1} of {self.n}"
 
@@ -260,7 +271,7 @@ class RolloutsAhead:
             try:
                 self.conns[w].send_bytes(data)
             except (BrokenPipeError, OSError) as e:
-                self._fail(f"{self._name(w)} is gone (exit code {self.procs[w].exitcode}): {e}")
+                self._fail(f"{self._name(w)} is gone (exit code {self._exit_code(w, 5)}): {e}")
                 return
 
     def _receiving(self, w: int) -> None:
@@ -268,8 +279,7 @@ class RolloutsAhead:
             try:
                 kind, *rest = _loads(self.conns[w].recv_bytes())
             except (EOFError, OSError):
-                self.procs[w].join(5)
-                self._fail(f"{self._name(w)} died (exit code {self.procs[w].exitcode}) before answering; its batches "
+                self._fail(f"{self._name(w)} died (exit code {self._exit_code(w, 5)}) before answering; its batches "
                            "in flight are lost, the run stops at its last checkpoint")
                 return
             if kind == "batch":

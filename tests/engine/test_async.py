@@ -385,6 +385,28 @@ def test_a_killed_worker_of_a_pool_stops_the_trainer_with_one_line_naming_it(wor
         worker.close()
 
 
+def test_a_dead_workers_exit_code_is_named_even_when_another_thread_reaps_it_first():
+    """CI saw "exit code None" for a worker killed by SIGKILL: the caller's ``join`` reaped the process while the
+    pool's thread read its code, and that read came back empty. The pool reads until the code is there."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    proc = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    proc.start()
+    os.kill(proc.pid, signal.SIGKILL)
+    poll, empty = proc._popen.poll, iter(range(3))
+
+    def raced(*a):  # the other thread's waitpid took the child: these reads see nothing yet
+        return None if next(empty, None) is not None else poll(*a)
+
+    proc._popen.poll = raced
+    pool = RolloutsAhead.__new__(RolloutsAhead)
+    pool.procs = [proc]
+    assert pool._exit_code(0, 5) == -signal.SIGKILL
+
+
 def test_a_stop_signal_that_lands_while_the_worker_is_spawned_is_the_trainers_and_not_lost(world, monkeypatch):
     """SIGTERM to the trainer and to its new worker in the moment the worker is spawned: the trainer's handler runs
     once the spawn is done (it used to ignore the run's signals for that moment, so a scheduler's stop landing

@@ -17,19 +17,35 @@ Exit codes: 0 finished, 1 failed or refused (one line says why), 75 stopped by S
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
 from .config import CONF_DIR, overrides_problem, register_configs
-from .engine.fit import command, train
+
+if TYPE_CHECKING:
+    from .engine.fit import train
 
 __all__ = ["main", "train"]
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    from .engine.fit import command
+
     return command(cfg)
+
+
+def __getattr__(name: str):
+    """``train`` is :func:`ema_pg.engine.fit.train`, imported when asked for: a rollout worker, spawned from this
+    command, imports this module again as its ``__main__`` and would otherwise pay for Lightning (and through it
+    torchmetrics and SciPy) at every start, for a trainer it never runs."""
+    if name == "train":
+        from .engine.fit import train
+
+        return train
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resume_argv(argv: list[str]) -> list[str]:

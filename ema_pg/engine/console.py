@@ -12,15 +12,19 @@ guess on a machine without CUDA (it is told ``DS_ACCELERATOR=cpu``, the answer i
 deprecation of the two torch.distributed collectives DeepSpeed calls (DeepSpeed's to change, not the user's), and
 the compiler command lines of DeepSpeed's build checks (distutils logs them on the root logger, which the run's
 log shows at INFO).
+
+This module imports no third-party package: every command calls :func:`quiet_third_party`, and a report, a claims
+ledger or a study's coordinator that imported Lightning (and so torchmetrics, SciPy and transformers) to silence it
+paid seconds at each start for lines it never prints. The run's progress bar lives with the trainer
+(:class:`ema_pg.engine.fit.IterationBar`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
-
-import lightning as L
 
 #: the messages of third-party warnings a run drops (regular expressions matched at the message's start)
 QUIET_WARNINGS = (
@@ -61,13 +65,19 @@ def quiet_third_party() -> None:
     root = logging.getLogger()
     if not any(isinstance(f, _DropDistutils) for f in root.filters):
         root.addFilter(_DropDistutils())
-    import transformers
+    # transformers' bars: a process that has not imported it yet reads the switch when it does (through
+    # huggingface_hub, which reads it at its own import); one that has is told now
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
 
-    transformers.utils.logging.disable_progress_bar()
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils.logging import disable_progress_bar
 
-        if not torch.cuda.is_available():
+        disable_progress_bar()
+    if "DS_ACCELERATOR" not in os.environ and "torch" in sys.modules:  # DeepSpeed runs where torch does
+        if not sys.modules["torch"].cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
 
 
@@ -78,36 +88,3 @@ def log_file_only(logger: logging.Logger, level: int, msg: str, *args) -> None:
     for h in logging.getLogger().handlers:
         if isinstance(h, logging.FileHandler) and record.levelno >= h.level:
             h.handle(record)
-
-
-class IterationBar(L.Callback):
-    """One bar over the run's RL iterations (``k/N``, with the batch's reward and KL), in place of Lightning's
-    epoch bar (an epoch here is an evaluation period, and Lightning counted them out of -1)."""
-
-    def __init__(self):
-        self.bar = None
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        from tqdm.auto import tqdm
-
-        if trainer.is_global_zero:
-            n = pl_module.cfg.algo.iterations
-            self.bar = tqdm(total=n, initial=min(pl_module.iteration, n), desc="RL iterations", dynamic_ncols=True)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.bar is not None:
-            m = pl_module.last_metrics
-            self.bar.set_postfix(reward=f"{m.get('train/reward_mean', float('nan')):.3f}",
-                                 kl=f"{m.get('train/kl', 0.0):.2e}", refresh=False)
-            self.bar.update(1)
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.close()
-
-    def on_exception(self, trainer, pl_module, exception) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None

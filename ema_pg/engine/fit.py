@@ -30,7 +30,7 @@ from ..tasks import ServiceError, build_task, task_metric
 from ..tasks.plugins import check_task
 from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
-from .console import IterationBar, log_file_only, quiet_third_party
+from .console import log_file_only, quiet_third_party
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
 from .install import check_head_dim
 from .models import ModelPathError, head_dim
@@ -43,6 +43,39 @@ from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multi
 from .strategies import build_strategy
 
 log = logging.getLogger("ema_pg")
+
+
+class IterationBar(L.Callback):
+    """One bar over the run's RL iterations (``k/N``, with the batch's reward and KL), in place of Lightning's
+    epoch bar (an epoch here is an evaluation period, and Lightning counted them out of -1)."""
+
+    def __init__(self):
+        self.bar = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from tqdm.auto import tqdm
+
+        if trainer.is_global_zero:
+            n = pl_module.cfg.algo.iterations
+            self.bar = tqdm(total=n, initial=min(pl_module.iteration, n), desc="RL iterations", dynamic_ncols=True)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.bar is not None:
+            m = pl_module.last_metrics
+            self.bar.set_postfix(reward=f"{m.get('train/reward_mean', float('nan')):.3f}",
+                                 kl=f"{m.get('train/kl', 0.0):.2e}", refresh=False)
+            self.bar.update(1)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:

@@ -25,7 +25,6 @@ from ..config import ARCH_KEYS, LOGGERS, Binding, ConfigError, fill_defaults, fl
 from .files import atomic_write
 from .install import check_config
 from .owner import CLAIM, claim_run_dir, own_run_dir
-from .policy import checkpoint_file, checkpoint_iteration, save_run_model
 from .sweeps import FAILED, failed_record
 
 log = logging.getLogger("ema_pg")
@@ -364,6 +363,7 @@ def record_failure(run_dir: str | os.PathLike, e: BaseException) -> None:
     """Write ``failed.json`` in the run folder: what stopped it (``kind``: diverged, service, disk, config) and
     where."""
     from ..update import NonFiniteUpdates
+    from .policy import checkpoint_iteration
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir() or not is_rank_zero():
@@ -407,6 +407,8 @@ STAGE_FIXED = ("model.name", "model.path", *(f"model.{k}" for k in ARCH_KEYS), "
 def stage_start(cfg: DictConfig, run_dir: Path) -> tuple[Path, int]:
     """The checkpoint a stage (``init_from=RUN``) starts from, and its iteration, after checking that the
     stage can continue that run: same network and task, more iterations, another folder."""
+    from .policy import checkpoint_file
+
     src = Path(cfg.init_from)
     if not (src / "config.yaml").is_file():
         raise ConfigError(f"init_from={cfg.init_from!r} is not a run folder (no config.yaml there)")
@@ -449,6 +451,8 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     and its defaults filled in here; rank 0 claims the folder (another process that started into the
     same folder at the same moment gets a fresh one) and tells the processes it launches.
     """
+    from .policy import checkpoint_file
+
     git_commit()  # read now, before a cold start of minutes: git.txt names the code this process loaded, not
     # the commit the repository had moved on to by the time the run wrote its folder
     composed = False  # True: this command composed the run's own config (a sweep continuing a killed run)
@@ -530,6 +534,8 @@ def check_trained_with(state: dict, cfg: DictConfig, ckpt: Path) -> None:
 
 def record_run(opened: OpenedRun, policy, tokenizer) -> None:
     """Rank 0 writes what the run is: its config and initial model (a new run only), the commit and the machine."""
+    from .policy import save_run_model
+
     if not is_rank_zero():
         return
     cfg, run_dir = opened.cfg, opened.run_dir

@@ -11,7 +11,7 @@
 Optuna search optimizes (the final ``eval/avg/<metric>``). Every run writes one folder: ``config.yaml``
 (resolved), ``metrics.csv``, ``checkpoints/``, ``eval.json``, ``curves.png``, ``git.txt``, ``machine.txt``.
 Exit codes: 0 finished, 1 failed or refused (one line says why), 75 stopped by SIGTERM after saving its checkpoint
-(the same command continues it).
+(the same command continues it), or outside the training loop with nothing more to save.
 """
 
 from __future__ import annotations
@@ -32,9 +32,12 @@ __all__ = ["main", "train"]
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    from .engine.fit import command
+    from .engine.runs import stop_on_sigterm_outside_training
 
-    return command(cfg)
+    with stop_on_sigterm_outside_training():  # from here on a SIGTERM ends the command with a line and exit 75
+        from .engine.fit import command
+
+        return command(cfg)
 
 
 def __getattr__(name: str):

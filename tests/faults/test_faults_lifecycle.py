@@ -271,6 +271,30 @@ def _steps(run: Path) -> list[int]:
 
 
 @pytest.mark.slow
+def test_a_sigterm_before_training_starts_ends_the_command_with_one_line_and_exit_75(tmp_path):
+    """A SIGTERM that came before Lightning's handler was in place (here: in a cold start's SFT, minutes long at a
+    real size) ended the command by the signal's default action: exit -15, no line, and a scheduler could not
+    tell it from a crash. Now it is exit 75 and one line, no traceback, and the cache holds no half-built policy."""
+    from ema_pg.engine.sft import LOCKS
+
+    run, cache = tmp_path / "run", tmp_path / "cache"
+    p = subprocess.Popen(PY + cli_tiny(tmp_path) + ["sft.steps=100000", f"run_dir={run}", f"hydra.run.dir={run}"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not list((cache / LOCKS).glob("*.lock")):  # held while the base policy is built: the SFT is under way
+        assert time.time() < deadline and p.poll() is None
+        time.sleep(0.1)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 75, out[-2000:]
+    assert ("stopped by SIGTERM outside the training loop; it had written no checkpoint: the same command starts it "
+            "again") in out
+    assert "Traceback" not in out
+    assert [f.name for f in cache.iterdir()] == [LOCKS]  # no base policy, whole or in part
+
+
+@pytest.mark.slow
 def test_sigterm_saves_the_iteration_exits_75_and_the_resume_repeats_the_uninterrupted_run(tmp_path):
     """SIGTERM inside an evaluation period (a scheduler's preemption): the run used to finish the period and exit 0
     with no checkpoint. Now it saves that iteration, exits 75, and the same command ends where an uninterrupted run

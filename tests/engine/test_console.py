@@ -62,6 +62,25 @@ def noise(console: str) -> list[str]:
     return [line for line in re.split(r"[\r\n]", console) if any(p.search(line) for p in NOISE)]
 
 
+START = """import sys
+import ema_pg.reports, ema_pg.workbench.claims, ema_pg.workbench.studies.decide
+from ema_pg.engine.console import quiet_third_party
+quiet_third_party()
+readers = [m for m in ("lightning", "torchmetrics", "scipy.signal", "transformers") if m in sys.modules]
+import ema_pg.train, ema_pg.engine.ahead
+print(readers, [m for m in ("lightning", "torchmetrics", "scipy.signal") if m in sys.modules])
+"""
+
+
+def test_commands_that_read_runs_and_the_rollout_worker_start_without_the_trainers_libraries():
+    """A report, the claims ledger and a study's coordinator read files: they imported Lightning (and through it
+    torchmetrics, SciPy and transformers) only to silence it, seconds at every start. A rollout worker, spawned
+    from ``python -m ema_pg.train``, imports that module again and paid for Lightning too. Neither does now."""
+    r = subprocess.run([sys.executable, "-c", START], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[] []", r.stdout
+
+
 def command(*args: str, ok: bool = True) -> str:
     r = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
     console = r.stdout + r.stderr

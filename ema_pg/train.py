@@ -26,6 +26,10 @@ from .config import CONF_DIR, overrides_problem, register_configs
 
 if TYPE_CHECKING:
     from .engine.fit import train
+if __name__ != "__mp_main__":  # the trainer, imported before Hydra sets up logging: Lightning's loggers keep their
+    from .engine import fit  # noqa: F401 - own handler, as they always had. A rollout worker spawned from this
+    # command imports this module again under that name: it runs no trainer and skips Lightning (torchmetrics,
+    # SciPy), seconds at each start
 
 __all__ = ["main", "train"]
 
@@ -41,9 +45,7 @@ def main(cfg: DictConfig) -> float:
 
 
 def __getattr__(name: str):
-    """``train`` is :func:`ema_pg.engine.fit.train`, imported when asked for: a rollout worker, spawned from this
-    command, imports this module again as its ``__main__`` and would otherwise pay for Lightning (and through it
-    torchmetrics and SciPy) at every start, for a trainer it never runs."""
+    """``train`` is :func:`ema_pg.engine.fit.train` (imported here when asked for in a rollout worker, above)."""
     if name == "train":
         from .engine.fit import train
 

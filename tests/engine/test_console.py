@@ -67,7 +67,9 @@ import ema_pg.reports, ema_pg.workbench.claims, ema_pg.workbench.studies.decide
 from ema_pg.engine.console import quiet_third_party
 quiet_third_party()
 readers = [m for m in ("lightning", "torchmetrics", "scipy.signal", "transformers") if m in sys.modules]
-import ema_pg.train, ema_pg.engine.ahead
+import runpy
+runpy.run_module("ema_pg.train", run_name="__mp_main__", alter_sys=True)  # as a spawned worker imports its parent's
+import ema_pg.engine.ahead
 print(readers, [m for m in ("lightning", "torchmetrics", "scipy.signal") if m in sys.modules])
 """
 

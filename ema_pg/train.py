@@ -17,19 +17,15 @@ Exit codes: 0 finished, 1 failed or refused (one line says why), 75 stopped by S
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
 from .config import CONF_DIR, overrides_problem, register_configs
 
-if TYPE_CHECKING:
-    from .engine.fit import train
-if __name__ != "__mp_main__":  # the trainer, imported before Hydra sets up logging: Lightning's loggers keep their
-    from .engine import fit  # noqa: F401 - own handler, as they always had. A rollout worker spawned from this
-    # command imports this module again under that name: it runs no trainer and skips Lightning (torchmetrics,
-    # SciPy), seconds at each start
+if __name__ != "__mp_main__":  # a rollout worker spawned from this command imports it again under that name: it
+    from .engine.fit import command, train  # runs no trainer and skips Lightning, seconds at each start. Here it
+    # comes before Hydra sets up logging, so that Lightning's loggers keep their own handler
 
 __all__ = ["main", "train"]
 
@@ -38,19 +34,8 @@ __all__ = ["main", "train"]
 def main(cfg: DictConfig) -> float:
     from .engine.runs import stop_on_sigterm_outside_training
 
-    with stop_on_sigterm_outside_training():  # from here on a SIGTERM ends the command with a line and exit 75
-        from .engine.fit import command
-
+    with stop_on_sigterm_outside_training():  # a SIGTERM outside the training loop: one line and exit 75
         return command(cfg)
-
-
-def __getattr__(name: str):
-    """``train`` is :func:`ema_pg.engine.fit.train` (imported here when asked for in a rollout worker, above)."""
-    if name == "train":
-        from .engine.fit import train
-
-        return train
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resume_argv(argv: list[str]) -> list[str]:

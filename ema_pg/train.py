@@ -24,16 +24,15 @@ from omegaconf import DictConfig
 from .config import CONF_DIR, overrides_problem, register_configs
 
 if __name__ != "__mp_main__":  # a rollout worker spawned from this command imports it again under that name: it
-    from .engine.fit import command, train  # runs no trainer and skips Lightning, seconds at each start. Here it
-    # comes before Hydra sets up logging, so that Lightning's loggers keep their own handler
+    # runs no trainer and skips Lightning, seconds at each start. Here it comes before Hydra sets up logging, so that
+    # Lightning's loggers keep their own handler
+    from .engine.fit import command, stop_on_sigterm_outside_training, train
 
 __all__ = ["main", "train"]
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    from .engine.runs import stop_on_sigterm_outside_training
-
     with stop_on_sigterm_outside_training():  # a SIGTERM outside the training loop: one line and exit 75
         return command(cfg)
 

@@ -31,6 +31,14 @@ def compose_cfg(overrides: list[str] = (), tmp_path: Path | None = None, tiny: b
     return cfg
 
 
+def wait_while_alive(proc: subprocess.Popen, ready, timeout: float = 300, every: float = 0.1) -> None:
+    """Poll ``ready()`` until it is true; fails if ``proc`` ends first or ``timeout`` seconds pass."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert time.time() < deadline and proc.poll() is None, f"not ready after {timeout} s, or the process ended"
+        time.sleep(every)
+
+
 def resolved(cfg):
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
 

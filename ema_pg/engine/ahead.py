@@ -206,7 +206,7 @@ class RolloutsAhead:
         """The version that samples batch t: max(0, t - k)."""
         return max(0, t - self.k)
 
-    def _exit_code(self, w: int, wait: float) -> int | None:
+    def _exit_code(self, w: int, wait: float = 5.0) -> int | None:
         """Worker ``w``'s exit code once it has ended, waiting up to ``wait`` s for it. Another thread that joins the
         same process (a caller's ``join``) may reap it between this thread's two reads, so it reads until it sees one:
         a line that says "exit code None" of a process killed by a signal names nothing."""
@@ -271,7 +271,7 @@ class RolloutsAhead:
             try:
                 self.conns[w].send_bytes(data)
             except (BrokenPipeError, OSError) as e:
-                self._fail(f"{self._name(w)} is gone (exit code {self._exit_code(w, 5)}): {e}")
+                self._fail(f"{self._name(w)} is gone (exit code {self._exit_code(w)}): {e}")
                 return
 
     def _receiving(self, w: int) -> None:
@@ -279,7 +279,7 @@ class RolloutsAhead:
             try:
                 kind, *rest = _loads(self.conns[w].recv_bytes())
             except (EOFError, OSError):
-                self._fail(f"{self._name(w)} died (exit code {self._exit_code(w, 5)}) before answering; its batches "
+                self._fail(f"{self._name(w)} died (exit code {self._exit_code(w)}) before answering; its batches "
                            "in flight are lost, the run stops at its last checkpoint")
                 return
             if kind == "batch":

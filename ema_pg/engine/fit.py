@@ -14,6 +14,7 @@ import math
 import os
 import signal
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -273,8 +274,13 @@ def command(cfg: DictConfig) -> float:
     return float(metrics[metric_key])
 
 
-def kept(run: str) -> str:
-    """What a stopped run leaves to go on from, read from its folder: its checkpoint's iteration, or none."""
+#: what a stop that leaves nothing to resume from says, where the same command then starts the run again
+STARTS_AGAIN = "it had written no checkpoint: the same command starts it again"
+
+
+def kept(run: str, none: str = "it had written no checkpoint: fix the cause and run the same command again (a new "
+                                 "run)") -> str:
+    """What a stopped run leaves to go on from, read from its folder: its checkpoint's iteration, or ``none``."""
     from .policy import checkpoint_iteration
 
     try:
@@ -282,8 +288,42 @@ def kept(run: str) -> str:
     except (ValueError, OSError):
         saved = None
     if saved is None:
-        return "it had written no checkpoint: fix the cause and run the same command again (a new run)"
+        return none
     return f"the run folder keeps its checkpoint of iteration {saved}: continue with python -m ema_pg.train resume={run}"
+
+
+class _StoppedOutsideTraining(BaseException):
+    """A SIGTERM outside the training loop (a BaseException, as KeyboardInterrupt is: no ``except Exception`` on the
+    way up may swallow it)."""
+
+
+@contextmanager
+def stop_on_sigterm_outside_training():
+    """``python -m ema_pg.train`` under a SIGTERM that comes before Lightning's handler is in place (a cold start's
+    SFT, building the models) or after Lightning has put this one back (the final evaluation): the command ends
+    with one line and exit 75, where the signal's default action ended it at -15 with none. Inside the training
+    loop Lightning's handler, which calls this one too, is the active one: this one then does nothing, and the run
+    saves its iteration (:class:`_CheckpointOnSigterm`)."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
+    before = os.environ.get(RUN_DIR_ENV)  # a sweep's earlier job set it: not this job's folder
+
+    def on_term(signum, frame):
+        if signal.getsignal(signal.SIGTERM) is on_term:
+            raise _StoppedOutsideTraining
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except _StoppedOutsideTraining:
+        run = os.environ.get(RUN_DIR_ENV)
+        this_job = run and (run != before or not in_multirun())
+        log.warning("stopped by SIGTERM outside the training loop; %s",
+                    kept(run, none=STARTS_AGAIN) if this_job else STARTS_AGAIN)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 class RunInterrupted(RuntimeError):
@@ -297,7 +337,7 @@ def interrupted_line(iteration: int, iterations: int, run_dir: Path) -> str:
     saved = checkpoint_iteration(run_dir)
     line = f"stopped by SIGTERM after iteration {iteration} of {iterations}; "
     if saved is None:
-        return line + "it had written no checkpoint: the same command starts it again"
+        return line + STARTS_AGAIN
     return line + f"it resumes from its checkpoint of iteration {saved}"
 
 

@@ -14,10 +14,7 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -320,50 +317,6 @@ def _release_log_files(folder: Path) -> list[logging.FileHandler]:
         root.removeHandler(h)
         h.close()
     return found
-
-
-class _StoppedOutsideTraining(BaseException):
-    """A SIGTERM outside the training loop (a BaseException, as KeyboardInterrupt is: no ``except Exception`` on the
-    way up may swallow it)."""
-
-
-@contextmanager
-def stop_on_sigterm_outside_training():
-    """``python -m ema_pg.train`` under a SIGTERM that comes before Lightning's handler is in place (the imports, a
-    cold start's SFT, building the models) or after Lightning has put this one back (the final evaluation): the
-    command ends with one line and exit 75, where the signal's default action ended it at -15 with none. Inside
-    the training loop Lightning's handler, which calls this one too, is the active one: this one then does nothing,
-    and the run saves its iteration (:class:`ema_pg.engine.fit._CheckpointOnSigterm`)."""
-    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
-        yield
-        return
-    before = os.environ.get(RUN_DIR_ENV)  # a sweep's earlier job set it: not this job's folder
-
-    def on_term(signum, frame):
-        if signal.getsignal(signal.SIGTERM) is on_term:
-            raise _StoppedOutsideTraining
-
-    old = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    except _StoppedOutsideTraining:
-        from .policy import checkpoint_iteration
-
-        run = os.environ.get(RUN_DIR_ENV)
-        try:
-            saved = checkpoint_iteration(run) if run and (run != before or not in_multirun()) else None
-        except (ValueError, OSError):
-            saved = None
-        if saved is None:
-            line = "stopped by SIGTERM outside the training loop; it had written no checkpoint: the same command " \
-                   "starts it again"
-        else:
-            line = (f"stopped by SIGTERM outside the training loop; the run folder keeps its checkpoint of iteration "
-                    f"{saved}: continue with python -m ema_pg.train resume={run}")
-        log.warning("%s", line)
-        raise SystemExit(EXIT_INTERRUPTED) from None
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def in_multirun() -> bool:

@@ -404,7 +404,7 @@ def test_a_dead_workers_exit_code_is_named_even_when_another_thread_reaps_it_fir
     proc._popen.poll = raced
     pool = RolloutsAhead.__new__(RolloutsAhead)
     pool.procs = [proc]
-    assert pool._exit_code(0, 5) == -signal.SIGKILL
+    assert pool._exit_code(0) == -signal.SIGKILL
 
 
 def test_a_stop_signal_that_lands_while_the_worker_is_spawned_is_the_trainers_and_not_lost(world, monkeypatch):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
+from helpers import wait_while_alive
 from test_faults import cli_tiny
 
 from ema_pg.config import ConfigError
@@ -280,10 +281,7 @@ def test_a_sigterm_before_training_starts_ends_the_command_with_one_line_and_exi
     run, cache = tmp_path / "run", tmp_path / "cache"
     p = subprocess.Popen(PY + cli_tiny(tmp_path) + ["sft.steps=100000", f"run_dir={run}", f"hydra.run.dir={run}"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not list((cache / LOCKS).glob("*.lock")):  # held while the base policy is built: the SFT is under way
-        assert time.time() < deadline and p.poll() is None
-        time.sleep(0.1)
+    wait_while_alive(p, lambda: list((cache / LOCKS).glob("*.lock")))  # held while the base policy is built: in SFT
     time.sleep(1.0)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=120)
@@ -306,10 +304,7 @@ def test_sigterm_saves_the_iteration_exits_75_and_the_resume_repeats_the_uninter
     assert _run(args + [f"run_dir={ref}", f"hydra.run.dir={ref}"]).returncode == 0
     p = subprocess.Popen(PY + args + [f"run_dir={run}", f"hydra.run.dir={run}"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not (run / "model" / "config.json").is_file():  # written just before training starts
-        assert time.time() < deadline and p.poll() is None
-        time.sleep(0.1)
+    wait_while_alive(p, lambda: (run / "model" / "config.json").is_file())  # written just before training starts
     time.sleep(2.0)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
@@ -332,10 +327,7 @@ def test_two_writers_of_one_folder_the_second_refused_and_no_step_written_twice(
     assert _run(args + ["algo.iterations=2", f"run_dir={run}", f"hydra.run.dir={run}"]).returncode == 0
     first = subprocess.Popen(PY + [f"resume={run}", "algo.iterations=400", f"hydra.run.dir={tmp_path / 'h1'}"],
                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while "resuming" not in (run / "train.log").read_text():
-        assert time.time() < deadline and first.poll() is None
-        time.sleep(0.1)
+    wait_while_alive(first, lambda: "resuming" in (run / "train.log").read_text())
     second = _run([f"resume={run}", "algo.iterations=400", f"hydra.run.dir={tmp_path / 'h2'}"])
     first.wait(600)
     assert second.returncode == 1 and f"process {first.pid} on" in second.stderr, second.stderr[-2000:]
@@ -437,10 +429,7 @@ def test_a_sigtermed_sweep_exits_75_and_the_same_command_finishes_it(tmp_path):
     args = ["-m", *cli_tiny(tmp_path), "algo.iterations=300", "algo.eval_every=150", "if_exists=resume", "seed=0,1",
             f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     p = subprocess.Popen(PY + args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not list((tmp_path / "sweep").glob("0_*/model/config.json")):  # job 0 is about to train
-        assert time.time() < deadline and p.poll() is None
-        time.sleep(0.1)
+    wait_while_alive(p, lambda: list((tmp_path / "sweep").glob("0_*/model/config.json")))  # job 0 is about to train
     time.sleep(2.0)
     p.send_signal(signal.SIGTERM)
     assert p.wait(300) == 75

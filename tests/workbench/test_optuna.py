@@ -10,7 +10,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from helpers import TINY
+from helpers import TINY, wait_while_alive
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
@@ -244,10 +244,8 @@ def test_a_sigtermed_worker_saves_its_trials_iteration_exits_75_and_the_same_com
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "ema_pg.hpo", str(f)]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run, deadline = load_study_spec(f).trials_dir / "trial_0000", time.time() + 300
-    while not (run / "model" / "config.json").is_file():  # written just before training starts
-        assert time.time() < deadline and p.poll() is None
-        time.sleep(0.2)
+    run = load_study_spec(f).trials_dir / "trial_0000"
+    wait_while_alive(p, lambda: (run / "model" / "config.json").is_file(), every=0.2)  # just before training starts
     time.sleep(2.0)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=300)

@@ -76,6 +76,8 @@ def rl_step(iteration: int, parts: StepParts, *, grad_ratio: bool = False, sampl
         rollouts, rewards = sampled.rollouts, sampled.rewards.to(parts.device)
         sampling = {**sampled.metrics, "rollout/staleness": float(iteration - sampled.version),
                     "time/rollout_worker_s": sampled.rollout_s}
+        if sampled.token_version is not None:  # partial rollouts: each token's own sampling version
+            sampling.update(token_staleness(iteration, sampled.token_version, rollouts.response_mask))
     mask = rollouts.response_mask  # (N, T): policy tokens only (no prompt, observation or padding)
     if algo.mask_truncated and rollouts.truncated is not None:  # DAPO's overlong filtering: no loss on them
         mask = mask * (~rollouts.truncated).to(mask.dtype)[:, None]
@@ -309,6 +311,16 @@ def _decoupled(parts: StepParts, scorer: OldAndAnchorScorer, rollouts: Rollouts,
 
 
 # ---------------------------------------------------------------------- 4. metrics
+def token_staleness(iteration: int, token_version: Tensor, mask: Tensor) -> dict[str, float]:
+    """The staleness of a partial-rollout batch's tokens at its update (:mod:`ema_pg.partial`): the mean and the
+    largest of ``iteration`` minus each token's sampling version, over the tokens of ``mask``."""
+    m = mask.bool()
+    lag = (iteration - token_version.to(m.device))[m].float()
+    if not lag.numel():
+        return {}
+    return {"rollout/staleness_token_mean": float(lag.mean()), "rollout/staleness_token_max": float(lag.max())}
+
+
 def _batch_metrics(rollouts, rewards, scores: OldAndAnchor, mask, world) -> dict[str, float]:
     """What the batch was: rewards, entropy, length, KL(pi_old || anchor) from the samples, the engine's gap."""
     old, anchor = scores.old, scores.anchor
@@ -384,6 +396,11 @@ class Sampled:
     version: int  # RL iterations applied to the weights that sampled it
     scores: OldAndAnchor | None = None
     rollout_s: float = 0.0  # the worker's time to sample and score it
+    #: partial rollouts (ema_pg.partial): (N, T) the version that sampled each response token (where the mask is 1);
+    #: None: every token is ``version``'s
+    token_version: Tensor | None = None
+    #: partial rollouts: each worker's stream state after this batch (bytes; what a resumed worker continues from)
+    carry: list[bytes] | None = None
 
     def share(self, world: World, group_size: int) -> Sampled:
         """This rank's block of whole groups of a batch the worker sampled whole (several trainer processes, one
@@ -394,7 +411,8 @@ class Sampled:
         groups = world.block(len(self.rewards) // group_size)
         rows = torch.arange(groups.start * group_size, groups.stop * group_size)
         return Sampled(self.rollouts.select(rows), self.rewards[rows.to(self.rewards.device)], self.metrics,
-                       self.version, None if self.scores is None else self.scores.select(rows), self.rollout_s)
+                       self.version, None if self.scores is None else self.scores.select(rows), self.rollout_s,
+                       None if self.token_version is None else self.token_version[rows], self.carry)
 
     @staticmethod
     def join(blocks: list[Sampled], pad_id: int = 0) -> Sampled:
@@ -413,8 +431,11 @@ class Sampled:
         rollouts = Rollouts.cat(parts, pad_id)
         width = rollouts.response_mask.shape[1]
         scores = None if blocks[0].scores is None else OldAndAnchor.cat([b.scores for b in blocks], width)
+        token_version = None if blocks[0].token_version is None else \
+            torch.cat([pad_columns(b.token_version, width) for b in blocks])
+        carry = None if blocks[0].carry is None else [c for b in blocks for c in b.carry]
         return Sampled(rollouts, torch.cat([b.rewards for b in blocks]), join_metrics([b.metrics for b in blocks]),
-                       blocks[0].version, scores, max(b.rollout_s for b in blocks))
+                       blocks[0].version, scores, max(b.rollout_s for b in blocks), token_version, carry)
 
 
 @torch.no_grad()

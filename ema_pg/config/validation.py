@@ -219,6 +219,8 @@ def validate(cfg, vocab_size: int | None = None) -> Binding:
     if ro.workers > 1 and a.dynamic_sampling:
         _bad("algo.dynamic_sampling refills a batch by the groups it kept, which no worker of a pool sees whole "
              "(each samples its block); use rollout.workers=1 with it, or algo.dynamic_sampling=false")
+    if ro.partial:
+        _check_partial(cfg)
     if a.decoupled and not ro.max_staleness:
         _bad("algo.decoupled=true clips around the policy as a step starts and reweights a batch an older policy "
              "sampled; without one it changes nothing: set rollout.max_staleness >= 1, or algo.decoupled=false")
@@ -265,3 +267,27 @@ def validate_model(cfg, bound: Binding, vocab_size: int | None = None) -> None:
     est = bound.estimator
     if vocab_size is not None and est.k > vocab_size:
         _bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
+
+
+def _check_partial(cfg) -> None:
+    """rollout.partial=true: what partial rollouts are built for (ema_pg.partial), one line for each thing they are not."""
+    a, ro = cfg.algo, cfg.rollout
+    if not ro.max_staleness:
+        _bad("rollout.partial=true continues a rollout worker's responses across weight updates; a synchronous run "
+             "has no worker: set rollout.max_staleness >= 1, or rollout.partial=false")
+    if ro.name != "hf":
+        _bad(f"rollout.partial=true is built for the HF sampler (rollout=hf); continuing responses on rollout={ro.name} "
+             "is not built: use rollout=hf, or rollout.partial=false")
+    if list(ro.stop):
+        _bad("rollout.partial=true is built for single-turn tasks; rollout.stop makes a multi-turn task (its "
+             "environment's turns are not continued across versions): drop rollout.stop, or rollout.partial=false")
+    if a.dynamic_sampling:
+        _bad("algo.dynamic_sampling refills a batch by its rewards; partial rollouts hand over the groups that ended "
+             "first: use one of the two")
+    if a.decoupled and a.prox_logp == "loglinear":
+        _bad("algo.prox_logp=loglinear interpolates with one lag per batch; a partial-rollout batch's tokens come from "
+             "several versions: use algo.prox_logp=recompute with rollout.partial=true")
+    if build_estimator(cfg.kl).needs_full_logits:
+        _bad(f"kl={cfg.kl.name} reads the full logits of pi_old, which partial rollouts do not keep per pass; use a "
+             "top-k or sampled estimator with rollout.partial=true")
+

@@ -38,6 +38,7 @@ import torch
 from ..chunked import HeadChunk
 from ..config import build_estimator
 from ..dist import Share
+from ..partial import PartialStream
 from ..rollout import build_sampler
 from ..rollout.base import pad_id
 from ..step import Sampled, StepParts, sample_ahead
@@ -111,6 +112,13 @@ def _serve(conn, threads: int) -> None:
         sampler = build_sampler(cfg.rollout, spec["tokenizer"], lora=bool(cfg.model.lora_rank))
         estimator = build_estimator(cfg.kl)
         share = Share(*spec["share"])
+        stream = None
+        if cfg.rollout.partial:  # partial rollouts: this worker's groups in flight, continued from a checkpoint's
+            block = cfg.algo.prompts_per_step // share.size
+            spare = block if cfg.rollout.partial_spare is None else int(cfg.rollout.partial_spare)
+            carry = spec.get("carry")
+            stream = PartialStream(block, spare, int(cfg.rollout.partial_tokens),
+                                   None if carry is None else _loads(carry))
         version = -1
         conn.send_bytes(_dumps(("ready", None)))
         while True:
@@ -135,7 +143,11 @@ def _serve(conn, threads: int) -> None:
                     raise RuntimeError(f"batch {t} asked for version {want}, but the worker holds version {version}")
                 parts = StepParts(policy, anchor, spec["task"], sampler, estimator, cfg.algo, cfg.rollout, cfg.seed,
                                   spec["chunk"], encode=spec["encode"], world=share)
-                out = sample_ahead(t, version, parts)
+                if stream is None:
+                    out = sample_ahead(t, version, parts)
+                else:
+                    out = stream.batch(t, version, parts)
+                    out.carry = [_dumps(stream.state())]
                 conn.send_bytes(_dumps(("batch", t, _dumps(out))))  # the batch stays bytes until the trainer takes it
     except Exception:  # noqa: BLE001 - reported to the trainer, which stops with it
         try:
@@ -230,6 +242,7 @@ class RolloutsAhead:
         # moment waits, and is handled when they are let through again (ignoring them here instead lost it).
         # (multiprocessing's resource tracker, which a spawn starts, lets the two through when it has started: so
         # it is started first)
+        carry = self._carry()  # a checkpoint's partial-rollout streams, checked before any process starts
         resource_tracker.ensure_running()
         children = []
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, RUN_SIGNALS)
@@ -253,9 +266,21 @@ class RolloutsAhead:
             th.start()
         self._whole_sent = False
         for w, box in enumerate(self._outboxes):  # each worker its share of every batch
-            box.put(_dumps({**self._spec, "share": (w, self.n)}))
+            box.put(_dumps({**self._spec, "share": (w, self.n), "carry": carry[w]}))
         with self._cond:  # "ready": the models are built
             self._wait(lambda: self._ready == self.n)
+
+    def _carry(self) -> list[bytes | None]:
+        """Partial rollouts: each worker's stream state to continue from, the one saved with the last batch in flight
+        (a resumed run's); None each for a fresh start, or without partial rollouts."""
+        if not self.cfg.rollout.partial or not self.in_flight:
+            return [None] * self.n
+        carry = _loads(self.in_flight[max(self.in_flight)]).carry
+        if carry is None or len(carry) != self.n:
+            raise RolloutWorkerError(
+                f"the checkpoint's batches in flight were sampled by {'whole rollouts' if carry is None else f'{len(carry)} partial-rollout workers'}; "
+                f"this run asks for partial rollouts on {self.n}: resume with the run's rollout.workers and rollout.partial")
+        return carry
 
     def _send(self, obj) -> None:
         """Queue a message for every worker (serialized now, once: a snapshot of whatever tensors it holds)."""

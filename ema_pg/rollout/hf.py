@@ -262,7 +262,8 @@ class HFSampler:
     @torch.no_grad()
     def sample(self, model, prompts: list[str] | list[list[int]], n: int = 1, *, temperature: float = 1.0,
                top_p: float = 1.0, max_new_tokens: int = 32, stop: list[str] | None = None,
-               on_stop: OnStop | None = None, seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts:
+               on_stop: OnStop | None = None, seed: int | list[int] = 0, score: ScoreRequest | None = None,
+               prefix: list[list[int]] | None = None, budget: list[int] | None = None) -> Rollouts:
         """Sample ``n`` responses per prompt. The sampler sees pi_old's whole next-token distribution
         at every step, so with ``score`` it also returns pi_old's scores in ``Rollouts.old``: log
         pi_old(y_n), and as asked its top-k (index set and log-probs) and entropy. The training step
@@ -279,12 +280,22 @@ class HFSampler:
         the cache's Python bookkeeping (its fill, each layer's index into it) specialized a graph per layer and
         per prefill / decode / observation block, 28 graphs for a two-layer model, past dynamo's recompile limit,
         after which the layers fell back to eager for the update's passes too. The static cache's decode step
-        (CUDA) keeps its own compiled graph."""
+        (CUDA) keeps its own compiled graph.
+
+        Continuing responses (partial rollouts, :mod:`ema_pg.partial`; single-turn): ``prefix`` gives each row the
+        response tokens it has already (row r: the r-th of the n rows of prompt r // n), sampled earlier, perhaps by
+        other weights; they are prefilled with the prompt and the row samples on from there, its policy-token count
+        and its uniforms (:class:`RowUniforms`, by position) where the prefix ends: a response continued with the
+        same weights is the response sampled whole. ``budget``: the most new tokens each row samples in this call
+        (0: the row only waits); a row that reaches it stops without ending (neither EOS nor truncated). The
+        result's prompt columns hold prompt and prefix; its response columns the new tokens alone."""
+        if prefix is not None and stop:
+            raise ValueError("continuing responses (prefix) is built for single-turn sampling: no stop strings")
         was_training = model.training
         model.eval()
         with torch.compiler.set_stance("force_eager"):  # a compiled body (model.compile) runs eagerly here: see below
             d = _Decoding(self, model, prompts, n, _Call(temperature, top_p, max_new_tokens, list(stop or []), on_stop,
-                                                         seed, score))
+                                                         seed, score, prefix, budget))
             while self._any(bool(d.active.any())):
                 d.environment_turn()
                 nxt, a, sampling = d.token_step()
@@ -308,6 +319,8 @@ class _Call(NamedTuple):
     on_stop: OnStop | None
     seed: int | list[int]
     score: ScoreRequest | None
+    prefix: list[list[int]] | None = None  #: per row, the response so far (partial rollouts)
+    budget: list[int] | None = None  #: per row, the most new tokens of this call
 
 
 class _Decoding:
@@ -328,12 +341,16 @@ class _Decoding:
         pad = self.pad = pad_id(tok)
         self.rows = rows = [i for i in range(len(prompts)) for _ in range(n)]
         p_ids = prompt_ids(tok, prompts)
-        N, P = self.N, self.P = len(rows), max(len(p_ids[i]) for i in rows)
+        before = call.prefix or [[] for _ in rows]  # each row's response so far (partial rollouts)
+        if len(before) != len(rows):
+            raise ValueError(f"{len(before)} prefixes for {len(rows)} rows: give one per row (prompt r // n)")
+        heads = [p_ids[i] + [int(t) for t in before[r]] for r, i in enumerate(rows)]
+        N, P = self.N, self.P = len(rows), max(len(h) for h in heads)
         ids = torch.full((N, P), pad, dtype=torch.long)
         am = torch.zeros((N, P), dtype=torch.long)
-        for r, i in enumerate(rows):  # left-padded
-            if p_ids[i]:
-                ids[r, P - len(p_ids[i]):], am[r, P - len(p_ids[i]):] = torch.tensor(p_ids[i]), 1
+        for r, h in enumerate(heads):  # left-padded
+            if h:
+                ids[r, P - len(h):], am[r, P - len(h):] = torch.tensor(h), 1
         self.ids, self.am = ids, am = ids.to(dev), am.to(dev)
         self.uniforms = RowUniforms([torch.Generator(device=dev).manual_seed(s) for s in prompt_seeds(seed, len(prompts))],
                                     n, dev)
@@ -360,10 +377,15 @@ class _Decoding:
         self.cols_ids, self.cols_am, self.cols_lm, self.cols_lp = [], [], [], []
         self.cols_ti, self.cols_tl, self.cols_en = [], [], []
         self.active = torch.ones(N, dtype=torch.bool, device=dev)
+        #: the most new tokens per row in this call (None: up to max_new_tokens); a row at 0 only waits
+        self.budget = None if call.budget is None else torch.tensor(call.budget, dtype=torch.long, device=dev)
+        if self.budget is not None:
+            self.active &= self.budget > 0
         self.waiting = torch.zeros(N, dtype=torch.bool, device=dev)  # at a stop string, for the environment's turn
         self.truncated = torch.zeros(N, dtype=torch.bool, device=dev)  # (N,) ran out of policy tokens
-        self.n_policy = torch.zeros(N, dtype=torch.long, device=dev)
-        self.resp_ids: list[list[int]] = [[] for _ in range(N)]
+        self.n_before = torch.tensor([len(b) for b in before], dtype=torch.long, device=dev)
+        self.n_policy = self.n_before.clone()  # policy tokens so far: the prefix's count on
+        self.resp_ids: list[list[int]] = [[int(t) for t in b] for b in before]
         self.turn_start = [0] * N  # where each row's current turn begins in resp_ids
         self.last_pos = pos[:, -1].clone()
 
@@ -529,6 +551,8 @@ class _Decoding:
             if counts[r] >= self.max_new_tokens:
                 self.active[r] = False
                 self.truncated[r] = True  # it wanted to go on: no EOS, not ended by the environment
+            elif self.budget is not None and counts[r] - int(self.n_before[r]) >= int(self.budget[r]):
+                self.active[r] = False  # this call's share sampled: it goes on in a later call (partial rollouts)
         return nxt, a, sampling
 
     def extend_cache(self, nxt: Tensor, a: Tensor, sampling: Tensor) -> None:

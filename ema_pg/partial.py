@@ -6,12 +6,12 @@ with its own seed: the prompts and seeds a whole-rollout run starts at that batc
 version v = max(0, t - k) (the schedule of :mod:`ema_pg.engine.ahead`, unchanged):
 
 1. the groups in flight are topped up from the stream to ``block + spare`` (``rollout.partial_spare``);
-2. a *pass* advances every response not yet ended by up to ``rollout.partial_tokens`` tokens, with version v
-   (:meth:`ema_pg.rollout.hf.HFSampler.sample` continues each response from its prefix), and scores the new tokens
-   with version v's policy and, under ``anchor.align=behaviour``, its anchor; a group is ready when its G responses
-   have ended (EOS or ``max_new_tokens``);
-3. passes repeat until ``block`` groups are ready; the batch is the first ``block`` of them, in the order they
-   entered the stream. The rest stay in flight and go on with the next version.
+2. version v continues every response not yet ended, all of them a token at a time together
+   (:meth:`ema_pg.rollout.hf.HFSampler.sample` from each response's prefix, with pi_old's scores of the new tokens),
+   and stops at the first token step after which ``block`` groups are ready: a group is ready when its G responses
+   have ended (EOS or ``max_new_tokens``). Under ``anchor.align=behaviour`` version v's anchor scores the new tokens;
+3. the batch is the first ``block`` ready groups, in the order they entered the stream. The rest stay in flight and
+   go on with the next version.
 
 Every token records the version that sampled it (``Sampled.token_version``). pi_old of a token, the loss's behaviour
 log-prob, is its sampling version's, token by token, and so is its top-k index set; under ``anchor.align=behaviour``
@@ -20,8 +20,8 @@ stream's state after each batch travels with the batch (``Sampled.carry``), so a
 in flight, keeps it too: a resumed run repeats the uninterrupted one. Nothing here races: which tokens a version
 samples is a function of token counts, never of time.
 
-With ``spare = 0`` every group in flight must end before its batch is handed over, one version samples it all, and
-the batch is the whole-rollout batch (a test checks it token for token).
+With ``spare = 0`` every group in flight must end before its batch is handed over, one version samples it all in one
+call, and the batch is the whole-rollout batch (a test checks it bit for bit).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from .dist import World
 from .packing import packer
 from .prompts import prompt_ids, sampler_prompts
 from .rollout.base import Rollouts, pad_id, prompt_seeds
+from .scores import TokenScores
 from .step import OldAndAnchor, OldAndAnchorScorer, Sampled, StepParts, step_seed
 from .tasks.base import checked_reward
 
@@ -48,7 +49,7 @@ class Group:
     seed: int  #: its sampling seed (prompt_seeds of its batch)
     source: tuple[int, int]  #: (the batch of the stream it came from, its place in this worker's block)
     tokens: list[list[int]]  #: per response, its tokens so far
-    pieces: list[list[OldAndAnchor]] = field(default_factory=list)  #: per response, each pass's scores (1 row)
+    pieces: list[list[OldAndAnchor]] = field(default_factory=list)  #: per response, each version's scores (1 row)
     versions: list[list[int]] = field(default_factory=list)  #: per response, each token's sampling version
     ended: list[bool] = field(default_factory=list)  #: per response: EOS or max_new_tokens reached
 
@@ -77,6 +78,12 @@ def cat_columns(pieces: list):
     return type(first)(**{f.name: cat_columns([getattr(p, f.name) for p in pieces]) for f in fields(first)})
 
 
+def _shift(x: Tensor, a: int) -> Tensor:
+    """``x`` (1, T, ...) moved ``a`` columns to the right (zeros in front): a row's new-token scores placed after its
+    prefix."""
+    return torch.nn.functional.pad(x, [0, 0] * (x.dim() - 2) + [a, 0])
+
+
 def row_rollouts(heads: list[list[int]], responses: list[list[int]], prompt_index: list[int], tok,
                  max_new_tokens: int) -> Rollouts:
     """A single-turn batch from token lists: prompts (``heads``) left-padded, responses right-padded, the loss on
@@ -98,23 +105,23 @@ def row_rollouts(heads: list[list[int]], responses: list[list[int]], prompt_inde
 
 class PartialStream:
     """One worker's stream of prompt groups in flight (module docstring). ``block``: the groups it hands over per
-    batch; ``spare``: the groups it keeps in flight beyond them; ``tokens``: the most tokens a pass adds to a
-    response. ``state``: a saved :meth:`state` to continue from (a resumed run)."""
+    batch; ``spare``: the groups it keeps in flight beyond them. ``state``: a saved :meth:`state` to continue from (a
+    resumed run)."""
 
-    def __init__(self, block: int, spare: int, tokens: int, state: dict | None = None):
-        self.block, self.spare, self.tokens = block, spare, tokens
+    def __init__(self, block: int, spare: int, state: dict | None = None):
+        self.block, self.spare = block, spare
         self.cursor: tuple[int, int] = (0, 0)  #: the stream's next prompt: (batch, place in this worker's block)
         self.groups: list[Group] = []  #: in flight, in stream order
         if state is not None:
-            if (state["block"], state["spare"], state["tokens"]) != (block, spare, tokens):
-                raise ValueError(f"the saved partial-rollout stream has block {state['block']}, spare "
-                                 f"{state['spare']} and {state['tokens']} tokens a pass; this run asks for {block}, "
-                                 f"{spare} and {tokens}: resume with the run's own rollout settings")
+            if (state["block"], state["spare"]) != (block, spare):
+                raise ValueError(f"the saved partial-rollout stream has block {state['block']} and spare "
+                                 f"{state['spare']}; this run asks for {block} and {spare}: resume with the run's own "
+                                 "rollout settings")
             self.cursor, self.groups = tuple(state["cursor"]), state["groups"]
 
     def state(self) -> dict:
         """What a resume continues from: the cursor and the groups in flight."""
-        return {"block": self.block, "spare": self.spare, "tokens": self.tokens, "cursor": self.cursor,
+        return {"block": self.block, "spare": self.spare, "cursor": self.cursor,
                 "groups": self.groups}
 
     # ------------------------------------------------------------------ the stream
@@ -139,43 +146,59 @@ class PartialStream:
         return prompt_ids(parts.sampler.tok, sampler_prompts([g.prompt for g in groups], parts.encode))
 
     @torch.no_grad()
-    def _pass(self, parts: StepParts, version: int, scorer: OldAndAnchorScorer) -> None:
-        """Every response not yet ended, advanced by up to ``tokens`` tokens with ``parts.policy`` (version
-        ``version``), its new tokens scored by that policy and anchor."""
+    def _continue(self, parts: StepParts, version: int, scorer: OldAndAnchorScorer) -> int:
+        """Every response not yet ended, continued by ``parts.policy`` (version ``version``) until ``block`` groups
+        are ready; its new tokens' pi_old scores are the sampler's, their anchor scores (aligned) that version's anchor's.
+        Returns the token steps taken."""
         ro_cfg, G, eos = parts.rollout, parts.algo.group_size, parts.sampler.tok.eos_token_id
         going = [g for g in self.groups if not g.ready]
         heads = self._heads(parts, going)
         before = [list(y) for g in going for y in g.tokens]
-        budget = [0 if e else self.tokens for g in going for e in g.ended]
+        need = self.block - (len(self.groups) - len(going))  # groups still to become ready
+        steps = [0]
+
+        def enough(active: Tensor) -> bool:
+            steps[0] += 1
+            return int((~active.view(-1, G)).all(-1).sum()) >= need
+
         ro = parts.sampler.generate(parts.policy, heads, G, temperature=ro_cfg.temperature, top_p=ro_cfg.top_p,
                                     max_new_tokens=ro_cfg.max_new_tokens, seed=[g.seed for g in going],
-                                    prefix=before, budget=budget)
-        resp, mask = ro.input_ids[:, ro.prompt_len:], ro.loss_mask[:, ro.prompt_len:].bool()
-        after = [b + resp[r][mask[r]].tolist() for r, b in enumerate(before)]
-        moved = [r for r in range(len(after)) if len(after[r]) > len(before[r])]
-        full = row_rollouts([heads[r // G] for r in moved], [after[r] for r in moved], [r // G for r in moved],
-                            parts.sampler.tok, ro_cfg.max_new_tokens)
-        scores = scorer(parts.policy, parts.anchor_model, full)  # the whole responses so far, by this version
+                                    score=scorer.request(), prefix=before, until=enough)
+        mask = ro.response_mask.bool()
+        new = [ro.input_ids[r, ro.prompt_len:][mask[r]].tolist() for r in range(len(before))]
+        moved = [r for r in range(len(new)) if new[r]]
+        old = ro.old  # pi_old of the new tokens, by the sampler: their columns are each row's first len(new[r])
+        anchor = None
+        if parts.anchor_model is not None:  # aligned: this version's anchor scores the new tokens (in their context)
+            full = row_rollouts([heads[r // G] for r in moved], [before[r] + new[r] for r in moved],
+                                [r // G for r in moved], parts.sampler.tok, ro_cfg.max_new_tokens)
+            full.old = TokenScores.cat([map_scores(old.select(torch.tensor([r])),
+                                                   lambda x, r=r: _shift(x, len(before[r]))) for r in moved],
+                                       full.response_mask.shape[1])
+            anchor = scorer(parts.policy, parts.anchor_model, full)
         for i, r in enumerate(moved):
             g, y = going[r // G], r % G
-            a, b = len(before[r]), len(after[r])
-            g.pieces[y].append(map_scores(scores, lambda x, i=i, a=a, b=b: x[i:i + 1, a:b].clone()))
-            g.versions[y].extend([version] * (b - a))
-            g.tokens[y] = after[r]
-            g.ended[y] = after[r][-1] == eos or b >= ro_cfg.max_new_tokens
+            a, n = len(before[r]), len(new[r])
+            piece = OldAndAnchor(map_scores(old.select(torch.tensor([r])), lambda x, n=n: x[:, :n].clone()),
+                                 None, None, None)
+            if anchor is not None:
+                cut = map_scores(anchor.select(torch.tensor([i])), lambda x, a=a, n=n: x[:, a:a + n].clone())
+                piece = OldAndAnchor(piece.old, cut.anchor, cut.index, cut.anchor_index_logp)
+            g.pieces[y].append(piece)
+            g.versions[y].extend([version] * n)
+            g.tokens[y] = before[r] + new[r]
+            g.ended[y] = g.tokens[y][-1] == eos or len(g.tokens[y]) >= ro_cfg.max_new_tokens
+        return steps[0]
 
     # ------------------------------------------------------------------ one batch
     def batch(self, t: int, version: int, parts: StepParts) -> Sampled:
-        """Batch ``t``, its passes sampled by ``parts.policy``, the weights of version ``version`` (module docstring)."""
+        """Batch ``t``, its new tokens sampled by ``parts.policy``, the weights of version ``version`` (module docstring)."""
         t0 = time.perf_counter()
         algo, world = parts.algo, parts.world
         scorer = OldAndAnchorScorer(parts.estimator, parts.rollout.temperature, parts.chunk, packer(algo, parts.policy),
                                     algo.max_tokens_per_microbatch)
         self._top_up(parts, world)
-        passes = 0
-        while sum(g.ready for g in self.groups) < self.block:
-            self._pass(parts, version, scorer)
-            passes += 1
+        steps = self._continue(parts, version, scorer) if sum(g.ready for g in self.groups) < self.block else 0
         out = [g for g in self.groups if g.ready][: self.block]
         self.groups = [g for g in self.groups if not any(g is o for o in out)]
         G, tok = algo.group_size, parts.sampler.tok
@@ -194,7 +217,7 @@ class PartialStream:
                                 in zip(rows, rollouts.responses)], dtype=torch.float32)
         mixed = [len(set(out[k].versions[y])) > 1 for k, y in rows]
         metrics = {"train/frac_groups_zero_std": float((rewards.view(-1, G).std(-1) == 0).float().mean()),
-                   "rollout/partial_passes": float(passes), "rollout/partial_in_flight": float(len(self.groups)),
+                   "rollout/partial_steps": float(steps), "rollout/partial_in_flight": float(len(self.groups)),
                    "rollout/frac_mixed_versions": sum(mixed) / len(mixed)}
         return Sampled(rollouts, rewards, metrics, version, scores if parts.anchor_model is not None else None,
                        time.perf_counter() - t0, token_version=token_version)

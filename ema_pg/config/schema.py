@@ -149,7 +149,6 @@ class RolloutConfig:
     #: max_staleness > 0: partial rollouts (ema_pg.partial): a response still running at a weight update is continued
     #: by the next version; each token records its sampling version, and pi_old is that version's, token by token
     partial: bool = False
-    partial_tokens: int = 16  #: partial: the most tokens one pass (one version) adds to a response
     partial_spare: int | None = None  #: partial: groups a worker keeps in flight beyond its block (None = its block)
 
     def check(self) -> None:
@@ -184,7 +183,7 @@ class RolloutConfig:
         if not self.correction_cap > 1:
             _bad(f"rollout.correction_cap must be > 1 (the band is [1/C, C]; peers use 2-5); got {self.correction_cap}")
         _at_least(("rollout.max_staleness", self.max_staleness, 0), ("rollout.worker_threads", self.worker_threads, 1),
-                  ("rollout.workers", self.workers, 1), ("rollout.partial_tokens", self.partial_tokens, 1))
+                  ("rollout.workers", self.workers, 1))
         if self.partial_spare is not None:
             _at_least(("rollout.partial_spare", self.partial_spare, 0))
         if self.correction != "none" and self.name == "hf":

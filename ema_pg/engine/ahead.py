@@ -117,8 +117,7 @@ def _serve(conn, threads: int) -> None:
             block = cfg.algo.prompts_per_step // share.size
             spare = block if cfg.rollout.partial_spare is None else int(cfg.rollout.partial_spare)
             carry = spec.get("carry")
-            stream = PartialStream(block, spare, int(cfg.rollout.partial_tokens),
-                                   None if carry is None else _loads(carry))
+            stream = PartialStream(block, spare, None if carry is None else _loads(carry))
         version = -1
         conn.send_bytes(_dumps(("ready", None)))
         while True:

@@ -10,6 +10,7 @@ sampler's log-probs and the scorer's agree to float rounding.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import inspect
 import weakref
 from typing import NamedTuple
@@ -263,7 +264,7 @@ class HFSampler:
     def sample(self, model, prompts: list[str] | list[list[int]], n: int = 1, *, temperature: float = 1.0,
                top_p: float = 1.0, max_new_tokens: int = 32, stop: list[str] | None = None,
                on_stop: OnStop | None = None, seed: int | list[int] = 0, score: ScoreRequest | None = None,
-               prefix: list[list[int]] | None = None, budget: list[int] | None = None) -> Rollouts:
+               prefix: list[list[int]] | None = None, until: Callable[[Tensor], bool] | None = None) -> Rollouts:
         """Sample ``n`` responses per prompt. The sampler sees pi_old's whole next-token distribution
         at every step, so with ``score`` it also returns pi_old's scores in ``Rollouts.old``: log
         pi_old(y_n), and as asked its top-k (index set and log-probs) and entropy. The training step
@@ -286,16 +287,18 @@ class HFSampler:
         response tokens it has already (row r: the r-th of the n rows of prompt r // n), sampled earlier, perhaps by
         other weights; they are prefilled with the prompt and the row samples on from there, its policy-token count
         and its uniforms (:class:`RowUniforms`, by position) where the prefix ends: a response continued with the
-        same weights is the response sampled whole. ``budget``: the most new tokens each row samples in this call
-        (0: the row only waits); a row that reaches it stops without ending (neither EOS nor truncated). The
-        result's prompt columns hold prompt and prefix; its response columns the new tokens alone."""
+        same weights is the response sampled whole; a row whose prefix has ended (EOS or ``max_new_tokens``) only
+        waits. ``until``: called after each token step with the (N,) rows still going (neither ended nor waiting to
+        be answered); True stops the call there, and the rows still going stop without ending (neither EOS nor
+        truncated), to be continued by a later call. The result's prompt columns hold prompt and prefix; its
+        response columns the new tokens alone (their scores, as asked, in ``old``)."""
         if prefix is not None and stop:
             raise ValueError("continuing responses (prefix) is built for single-turn sampling: no stop strings")
         was_training = model.training
         model.eval()
         with torch.compiler.set_stance("force_eager"):  # a compiled body (model.compile) runs eagerly here: see below
             d = _Decoding(self, model, prompts, n, _Call(temperature, top_p, max_new_tokens, list(stop or []), on_stop,
-                                                         seed, score, prefix, budget))
+                                                         seed, score, prefix))
             while self._any(bool(d.active.any())):
                 d.environment_turn()
                 nxt, a, sampling = d.token_step()
@@ -305,6 +308,8 @@ class HFSampler:
                     # keys one column off, so pi_old's scores and the samples of every multi-turn batch after such a
                     # step were not the policy's. Found by scoring the sampler's batches with the log-prob head: up to
                     # 1.8 nats apart.)
+                    if until is not None and until(d.active.clone()):  # the caller's stop: the rest goes on later
+                        break
                     d.extend_cache(nxt, a, sampling)
         model.train(was_training)
         return d.result()
@@ -320,7 +325,6 @@ class _Call(NamedTuple):
     seed: int | list[int]
     score: ScoreRequest | None
     prefix: list[list[int]] | None = None  #: per row, the response so far (partial rollouts)
-    budget: list[int] | None = None  #: per row, the most new tokens of this call
 
 
 class _Decoding:
@@ -376,11 +380,10 @@ class _Decoding:
         self.next_logits = out.logits[:, -1].float()  # (N, V)
         self.cols_ids, self.cols_am, self.cols_lm, self.cols_lp = [], [], [], []
         self.cols_ti, self.cols_tl, self.cols_en = [], [], []
-        self.active = torch.ones(N, dtype=torch.bool, device=dev)
-        #: the most new tokens per row in this call (None: up to max_new_tokens); a row at 0 only waits
-        self.budget = None if call.budget is None else torch.tensor(call.budget, dtype=torch.long, device=dev)
-        if self.budget is not None:
-            self.active &= self.budget > 0
+        eos = self.eos
+        #: a row whose prefix has ended (EOS, or max_new_tokens) only waits
+        self.active = torch.tensor([not (b and (int(b[-1]) == eos or len(b) >= self.max_new_tokens)) for b in before],
+                                   dtype=torch.bool, device=dev)
         self.waiting = torch.zeros(N, dtype=torch.bool, device=dev)  # at a stop string, for the environment's turn
         self.truncated = torch.zeros(N, dtype=torch.bool, device=dev)  # (N,) ran out of policy tokens
         self.n_before = torch.tensor([len(b) for b in before], dtype=torch.long, device=dev)
@@ -551,8 +554,6 @@ class _Decoding:
             if counts[r] >= self.max_new_tokens:
                 self.active[r] = False
                 self.truncated[r] = True  # it wanted to go on: no EOS, not ended by the environment
-            elif self.budget is not None and counts[r] - int(self.n_before[r]) >= int(self.budget[r]):
-                self.active[r] = False  # this call's share sampled: it goes on in a later call (partial rollouts)
         return nxt, a, sampling
 
     def extend_cache(self, nxt: Tensor, a: Tensor, sampling: Tensor) -> None:

@@ -61,7 +61,7 @@ def world():
     policy = eos_prone(build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=0,
                                         tokenizer=tok), tok, task)
     cfg = compose_cfg(["algo.prompts_per_step=4", "algo.group_size=2", "rollout.max_new_tokens=9", "algo.beta=1.0",
-                       f"kl.k={K}", "rollout.max_staleness=1", "rollout.partial=true", "rollout.partial_tokens=2"])
+                       f"kl.k={K}", "rollout.max_staleness=1", "rollout.partial=true"])
     return policy, tok, task, cfg
 
 
@@ -73,8 +73,9 @@ def parts(world, policy, anchor=None, cfg=None):
 
 
 def test_a_response_continued_with_the_same_weights_is_the_response_sampled_whole(world):
-    """The sampler's continuation: responses sampled 3 tokens at a time, each call prefilling the tokens so far, are the
-    responses one call samples whole (each token's uniform is fixed by its prompt's seed and its position)."""
+    """The sampler's continuation: responses sampled in calls stopped after 3 token steps (``until``), each call
+    prefilling the tokens so far, are the responses one call samples whole (each token's uniform is fixed by its prompt's
+    seed and its position), and a response that ended only waits."""
     policy, tok, task, _ = world
     s, prompts = HFSampler(tok), [p.text for p in task.sample(3, seed=5)]
     kw = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 9, "seed": [11, 12, 13]}
@@ -86,7 +87,13 @@ def test_a_response_continued_with_the_same_weights_is_the_response_sampled_whol
         ended = [bool(y) and (y[-1] == tok.eos_token_id or len(y) >= 9) for y in got]
         if all(ended):
             break
-        ro = s.generate(policy, prompts, 2, **kw, prefix=got, budget=[0 if e else 3 for e in ended])
+        steps = [0]
+
+        def three(active):
+            steps[0] += 1
+            return steps[0] == 3
+
+        ro = s.generate(policy, prompts, 2, **kw, prefix=got, until=three)
         calls += 1
         for r in range(len(got)):
             got[r] = got[r] + ro.input_ids[r, ro.prompt_len:][ro.loss_mask[r, ro.prompt_len:].bool()].tolist()
@@ -96,29 +103,29 @@ def test_a_response_continued_with_the_same_weights_is_the_response_sampled_whol
 
 def test_with_no_spare_groups_the_stream_hands_over_the_whole_rollout_batches(world):
     """``rollout.partial_spare=0``: every group in flight ends before its batch is handed over, so batch t is the batch
-    a whole-rollout worker samples at t with the same weights: its prompts, tokens, rewards and pi_old."""
+    a whole-rollout worker samples at t with the same weights, bit for bit: its prompts, tokens, rewards and pi_old."""
     policy = world[0]
     p = parts(world, policy)
-    stream = PartialStream(4, 0, 2)
+    stream = PartialStream(4, 0)
     for t in range(3):
         got, whole = stream.batch(t, 0, p), sample_ahead(t, 0, p)
         assert torch.equal(got.rollouts.input_ids, whole.rollouts.input_ids)
         assert torch.equal(got.rollouts.loss_mask, whole.rollouts.loss_mask)
         assert torch.equal(got.rewards, whole.rewards) and got.rollouts.responses == whole.rollouts.responses
         mask = whole.rollouts.response_mask.bool()
-        assert torch.allclose(got.rollouts.old.logp[mask], whole.rollouts.old.logp[mask], atol=1e-5)
-        assert torch.equal(got.rollouts.old.index[mask], whole.rollouts.old.index[mask])
-        assert got.metrics["rollout/partial_passes"] > 1 and stream.groups == []
+        for f in ("logp", "index", "index_logp", "entropy"):
+            assert torch.equal(getattr(got.rollouts.old, f)[mask], getattr(whole.rollouts.old, f)[mask]), f
+        assert stream.groups == [] and got.metrics["rollout/frac_mixed_versions"] == 0
 
 
 def test_each_token_carries_its_versions_logprobs_index_set_and_aligned_anchor(world):
-    """Versions 0..4 of moving weights (and anchors, aligned), two spare groups: responses cross versions. Each token
-    records the version of the pass that sampled it, and its pi_old log-prob, top-k index set and anchor score are
-    that version's policy and anchor scoring the whole response, at that token."""
+    """Versions 0..4 of moving weights (and anchors, aligned), a block of spare groups: responses cross versions. Each
+    token records the version that sampled it, and its pi_old log-prob, top-k index set and anchor score are that
+    version's policy and anchor scoring the whole response, at that token."""
     policy, tok, _, cfg = world
     v = [policy] + [moved(policy, 0.3, 10 + i) for i in range(4)]
     anchors = [frozen(moved(policy, 0.3, 30 + i)) for i in range(5)]
-    stream, mixed = PartialStream(4, 4, 2), 0
+    stream, mixed = PartialStream(4, 4), 0
     for t in range(5):
         b = stream.batch(t, t, parts(world, v[t], anchors[t]))
         ro, tv = b.rollouts, b.token_version
@@ -128,10 +135,14 @@ def test_each_token_carries_its_versions_logprobs_index_set_and_aligned_anchor(w
             at = mask & (tv == j)
             with torch.no_grad():
                 old = head(v[j], ro, temperature=1.0, chunk=7, topk=K)
-                anc = head(anchors[j], ro, temperature=1.0, chunk=7, index=old.index)
+                anc = head(anchors[j], ro, temperature=1.0, chunk=7, index=ro.old.index)
             assert torch.allclose(ro.old.logp[at], old.logp[at], atol=1e-5)
-            assert torch.equal(ro.old.index[at], old.index[at])
+            # the top-k of the same distribution: the same values (an index may swap places with a near-tie's)
+            assert torch.allclose(ro.old.index_logp[at], old.index_logp[at], atol=1e-5)
+            at_index = head(v[j], ro, temperature=1.0, chunk=7, index=ro.old.index).index_logp
+            assert torch.allclose(ro.old.index_logp[at], at_index[at], atol=1e-5)  # the version's log-probs there
             assert torch.allclose(b.scores.anchor.logp[at], anc.logp[at], atol=1e-5)
+            assert torch.allclose(b.scores.anchor_index_logp[at], anc.index_logp[at], atol=1e-5)
         rows = [set(tv[r][mask[r]].tolist()) for r in range(len(ro))]
         mixed += sum(len(s) > 1 for s in rows)
         assert b.metrics["rollout/frac_mixed_versions"] == pytest.approx(sum(len(s) > 1 for s in rows) / len(rows))
@@ -143,7 +154,7 @@ def test_each_token_carries_its_versions_logprobs_index_set_and_aligned_anchor(w
 def test_the_update_reads_each_tokens_own_staleness(world):
     """The trainer's step on a partial batch logs the staleness of its tokens (iteration minus each token's version)."""
     policy, tok, _, cfg = world
-    stream = PartialStream(4, 4, 2)
+    stream = PartialStream(4, 4)
     batches = [stream.batch(t, t, parts(world, moved(policy, 0.3, t))) for t in range(3)]
     b = batches[2]
     mask = b.rollouts.response_mask.bool()
@@ -224,10 +235,21 @@ def test_a_pool_of_two_workers_continues_its_streams_and_resumes_them_exactly(wo
     (["algo.dynamic_sampling=true"], "dynamic_sampling"),
     (["algo.decoupled=true", "algo.prox_logp=loglinear"], "prox_logp=recompute"),
     (["kl=exact_reverse"], "full logits"),
-    (["rollout.partial_tokens=0"], "partial_tokens"),
     (["rollout.partial_spare=-1"], "partial_spare"),
 ])
 def test_settings_partial_rollouts_are_not_built_for_stop_at_start_naming_the_knob(overrides, match):
     cfg = compose_cfg(["rollout.max_staleness=1", "rollout.partial=true", *overrides])
     with pytest.raises(ConfigError, match=match):
         validate(cfg)
+
+
+def test_each_trainer_process_takes_its_groups_token_versions_with_them(world):
+    """Several trainer processes, one worker: each rank's block of whole groups keeps its rows' token versions."""
+    from ema_pg.dist import World
+
+    policy, _, _, cfg = world
+    stream = PartialStream(4, 4)
+    b = [stream.batch(t, t, parts(world, moved(policy, 0.3, t))) for t in range(3)][2]
+    shares = [b.share(World(r, 2), cfg.algo.group_size) for r in range(2)]
+    assert torch.equal(torch.cat([s.token_version for s in shares]), b.token_version)
+    assert torch.equal(torch.cat([s.rollouts.input_ids for s in shares]), b.rollouts.input_ids)

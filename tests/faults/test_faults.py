@@ -335,7 +335,7 @@ def test_a_sweep_with_a_group_overlay_continues_its_killed_run(tmp_path):
 @pytest.mark.parametrize("extra", [[], ["model.compile=true"], ["rollout.max_staleness=2", "anchor.align=behaviour"],
                                    ["rollout.max_staleness=2", "anchor.align=behaviour", "rollout.workers=2"],
                                    ["rollout.max_staleness=2", "anchor.align=behaviour", "rollout.partial=true",
-                                    "rollout.partial_tokens=2"]],
+                                    "rollout.partial_spare=2"]],
                          ids=["eager", "compiled", "async", "async_pool", "async_partial"])
 def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrupted_run_does(tmp_path, extra):
     """Three runs each SIGKILLed once at a random moment (cold start, an iteration, an evaluation or a

@@ -349,7 +349,12 @@ class _Decoding:
         if len(before) != len(rows):
             raise ValueError(f"{len(before)} prefixes for {len(rows)} rows: give one per row (prompt r // n)")
         heads = [p_ids[i] + [int(t) for t in before[r]] for r, i in enumerate(rows)]
-        N, P = self.N, self.P = len(rows), max(len(h) for h in heads)
+        #: a row whose prefix has ended (EOS, or max_new_tokens) only waits: it is not prefilled, and its prompt columns
+        #: are cut to the width of the rows that go on
+        going = [not (b and (int(b[-1]) == self.eos or len(b) >= self.max_new_tokens)) for b in before]
+        N, P = self.N, self.P = len(rows), max((len(h) for h, g in zip(heads, going) if g),
+                                               default=max(len(h) for h in heads))
+        heads = [h[len(h) - P:] if len(h) > P else h for h in heads]
         ids = torch.full((N, P), pad, dtype=torch.long)
         am = torch.zeros((N, P), dtype=torch.long)
         for r, h in enumerate(heads):  # left-padded
@@ -371,7 +376,11 @@ class _Decoding:
             out = model(input_ids=ids, attention_mask=self.mask_buf, position_ids=pos, use_cache=True, **{kv: self.cache})
         else:
             self.cache = new_cache(model)
-            out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **{kv: self.cache})
+            if call.prefix is not None and any(going) and sampler.lockstep is None and \
+                    all(isinstance(layer, GrowingLayer) for layer in self.cache.layers):
+                out = self._prefill_going(torch.tensor([r for r in range(N) if going[r]], device=dev), pos)
+            else:
+                out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True, **{kv: self.cache})
         #: observations go through the model for the rows that have one, once per distinct history (a GrowingLayer
         #: cache; ZeRO-3's lockstep runs every rank's forwards alike, so there the whole block goes)
         self.by_rows = not self.static and sampler.lockstep is None and \
@@ -380,10 +389,7 @@ class _Decoding:
         self.next_logits = out.logits[:, -1].float()  # (N, V)
         self.cols_ids, self.cols_am, self.cols_lm, self.cols_lp = [], [], [], []
         self.cols_ti, self.cols_tl, self.cols_en = [], [], []
-        eos = self.eos
-        #: a row whose prefix has ended (EOS, or max_new_tokens) only waits
-        self.active = torch.tensor([not (b and (int(b[-1]) == eos or len(b) >= self.max_new_tokens)) for b in before],
-                                   dtype=torch.bool, device=dev)
+        self.active = torch.tensor(going, dtype=torch.bool, device=dev)
         self.waiting = torch.zeros(N, dtype=torch.bool, device=dev)  # at a stop string, for the environment's turn
         self.truncated = torch.zeros(N, dtype=torch.bool, device=dev)  # (N,) ran out of policy tokens
         self.n_before = torch.tensor([len(b) for b in before], dtype=torch.long, device=dev)
@@ -393,6 +399,35 @@ class _Decoding:
         self.last_pos = pos[:, -1].clone()
 
     # ------------------------------------------------------------------ the cache's forwards
+    def _prefill_going(self, act: Tensor, pos: Tensor):
+        """Continuing responses: the prefill of rows ``act`` alone (the others' prefixes have ended: they only wait), into
+        the whole batch's cache; returns an output whose last logits are those rows' (zeros for the others, never sampled from).
+
+        The rows go in buckets of similar length (their heads' lengths rounded up to a power of two), each over its own
+        last columns: a continued response's long prefix does not pad a new prompt's short one. The columns a bucket
+        leaves out, and the rows that wait, are zeros in the cache, where the masks never attend."""
+        P, am = self.P, self.am
+        lengths = am.sum(-1)
+        width = {r: min(P, 1 << max(int(lengths[r]) - 1, 0).bit_length()) for r in act.tolist()}
+        keys = values = logits = None
+        for w in sorted(set(width.values())):
+            rows = torch.tensor([r for r, x in width.items() if x == w], device=act.device)
+            sub = new_cache(self.model)
+            o = self.model(input_ids=self.ids[rows, P - w:], attention_mask=am[rows, P - w:],
+                           position_ids=pos[rows, P - w:], use_cache=True, **{self.kv: sub})
+            if keys is None:
+                k0, v0 = sub.layers[0].keys, sub.layers[0].values
+                keys = [k0.new_zeros(self.N, k0.shape[1], P, k0.shape[-1]) for _ in sub.layers]
+                values = [v0.new_zeros(self.N, v0.shape[1], P, v0.shape[-1]) for _ in sub.layers]
+                logits = o.logits.new_zeros(self.N, 1, o.logits.shape[-1])
+            for i, part in enumerate(sub.layers):
+                keys[i][rows, :, P - w:] = part.keys
+                values[i][rows, :, P - w:] = part.values
+            logits[rows] = o.logits[:, -1:]
+        for layer, k, v in zip(self.cache.layers, keys, values):
+            layer.update(k, v)
+        return type(o)(logits=logits)
+
     def _positions(self, block_am: Tensor) -> Tensor:
         """A block's position ids: they continue past real tokens only."""
         bpos = self.last_pos[:, None] + block_am.cumsum(-1)

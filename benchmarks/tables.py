@@ -351,6 +351,21 @@ def async_step(files):
                   "completion tokens/s", "vs sync 2 threads", "whole run (s)"], rows, ["---"] + ["---:"] * 10)
 
 
+def partial_rollouts(files):
+    d = load(files[0])
+    rows = []
+    for name, r in d["rows"].items():
+        partial = name.startswith("partial")
+        rows.append([name, f"{r['step_s_mean']:.3f}", f"{r['wait_s_mean']:.3f}", f"{r['worker_s']:.3f}",
+                     f"{r['update_s']:.3f}", f"{r['response_len_mean']:.1f}", f"{r['staleness_token_mean']:.2f}",
+                     f"{r['frac_mixed_versions_mean']:.2f}" if partial else "",
+                     f"{r['wait_vs_whole']:.2f}x" if partial and r.get("wait_vs_whole") is not None else "",
+                     f"{r['reward_mean']:.3f}", f"{r['wall_s']:.0f}"])
+    return table(["row", "step (mean)", "waited (mean)", "worker (median)", "update (median)", "response length",
+                  "token staleness", "responses across versions", "wait vs whole", "reward", "whole run (s)"], rows,
+                 ["---"] + ["---:"] * 10)
+
+
 PORTABLE = {"default": ("default", "(`MKL_CBWR=AUTO,STRICT`, set by `ema_pg`)"),
             "mkl_avx2": ("MKL held to AVX2", "`MKL_ENABLE_INSTRUCTIONS=AVX2`"),
             "neutral": ("vendor-neutral", "`MKL_CBWR=COMPATIBLE,STRICT`, `ATEN_CPU_CAPABILITY=default`"),
@@ -482,7 +497,7 @@ def gpu_line(files):
 
 BUILDERS = {f.__name__: f for f in (rl_step, rl_step_phases, rl_step_gpu, rl_step_curve, rl_step_curve_log,
                                     kl_head_cpu, kl_head_gpu, kl_head_gpu_fixed, rollout, zero3_step, recipes_first,
-                                    recipes_second, packing_gpu, rehearsal, packing_cpu, seed_cost, async_step,
+                                    recipes_second, packing_gpu, rehearsal, packing_cpu, seed_cost, async_step, partial_rollouts,
                                     portable_sft, portable_sft_across, gpu_runs, gpu_line)}
 MARK = re.compile(r"^<!-- table (\w+): (.+?) -->\n(.*?)^<!-- /table -->\n", re.S | re.M)
 

@@ -7,7 +7,7 @@ version v = max(0, t - k) (the schedule of :mod:`ema_pg.engine.ahead`, unchanged
 
 1. the groups in flight are topped up from the stream to ``block + spare`` (``rollout.partial_spare``);
 2. version v continues every response not yet ended, all of them a token at a time together
-   (:meth:`ema_pg.rollout.hf.HFSampler.sample` from each response's prefix, with pi_old's scores of the new tokens),
+   (:meth:`ema_pg.rollout.hf.HFSampler.continue_responses` from each response's prefix, with pi_old's scores of the new tokens),
    and stops at the first token step after which ``block`` groups are ready: a group is ready when its G responses
    have ended (EOS or ``max_new_tokens``). Under ``anchor.align=behaviour`` version v's anchor scores the new tokens;
 3. the batch is the first ``block`` ready groups, in the order they entered the stream. The rest stay in flight and
@@ -36,6 +36,7 @@ from .dist import World
 from .packing import packer
 from .prompts import prompt_ids, sampler_prompts
 from .rollout.base import Rollouts, pad_id, prompt_seeds
+from .rollout.hf import Continuation
 from .scores import TokenScores
 from .step import OldAndAnchor, OldAndAnchorScorer, Sampled, StepParts, step_seed
 from .tasks.base import checked_reward
@@ -161,9 +162,10 @@ class PartialStream:
             steps[0] += 1
             return int((~active.view(-1, G)).all(-1).sum()) >= need
 
-        ro = parts.sampler.generate(parts.policy, heads, G, temperature=ro_cfg.temperature, top_p=ro_cfg.top_p,
-                                    max_new_tokens=ro_cfg.max_new_tokens, seed=[g.seed for g in going],
-                                    score=scorer.request(), prefix=before, until=enough)
+        ro = parts.sampler.continue_responses(parts.policy, heads, G, Continuation(before, enough),
+                                              temperature=ro_cfg.temperature, top_p=ro_cfg.top_p,
+                                              max_new_tokens=ro_cfg.max_new_tokens, seed=[g.seed for g in going],
+                                              score=scorer.request())
         mask = ro.response_mask.bool()
         new = [ro.input_ids[r, ro.prompt_len:][mask[r]].tolist() for r in range(len(before))]
         moved = [r for r in range(len(new)) if new[r]]

@@ -10,6 +10,7 @@ sampler's log-probs and the scorer's agree to float rounding.
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from collections.abc import Callable
 import inspect
 import weakref
@@ -263,8 +264,7 @@ class HFSampler:
     @torch.no_grad()
     def sample(self, model, prompts: list[str] | list[list[int]], n: int = 1, *, temperature: float = 1.0,
                top_p: float = 1.0, max_new_tokens: int = 32, stop: list[str] | None = None,
-               on_stop: OnStop | None = None, seed: int | list[int] = 0, score: ScoreRequest | None = None,
-               prefix: list[list[int]] | None = None, until: Callable[[Tensor], bool] | None = None) -> Rollouts:
+               on_stop: OnStop | None = None, seed: int | list[int] = 0, score: ScoreRequest | None = None) -> Rollouts:
         """Sample ``n`` responses per prompt. The sampler sees pi_old's whole next-token distribution
         at every step, so with ``score`` it also returns pi_old's scores in ``Rollouts.old``: log
         pi_old(y_n), and as asked its top-k (index set and log-probs) and entropy. The training step
@@ -281,24 +281,33 @@ class HFSampler:
         the cache's Python bookkeeping (its fill, each layer's index into it) specialized a graph per layer and
         per prefill / decode / observation block, 28 graphs for a two-layer model, past dynamo's recompile limit,
         after which the layers fell back to eager for the update's passes too. The static cache's decode step
-        (CUDA) keeps its own compiled graph.
+        (CUDA) keeps its own compiled graph."""
+        return self._sample(model, prompts, n, _Call(temperature, top_p, max_new_tokens, list(stop or []), on_stop, seed,
+                                                     score))
 
-        Continuing responses (partial rollouts, :mod:`ema_pg.partial`; single-turn): ``prefix`` gives each row the
-        response tokens it has already (row r: the r-th of the n rows of prompt r // n), sampled earlier, perhaps by
-        other weights; they are prefilled with the prompt and the row samples on from there, its policy-token count
-        and its uniforms (:class:`RowUniforms`, by position) where the prefix ends: a response continued with the
-        same weights is the response sampled whole; a row whose prefix has ended (EOS or ``max_new_tokens``) only
-        waits. ``until``: called after each token step with the (N,) rows still going (neither ended nor waiting to
-        be answered); True stops the call there, and the rows still going stop without ending (neither EOS nor
-        truncated), to be continued by a later call. The result's prompt columns hold prompt and prefix; its
-        response columns the new tokens alone (their scores, as asked, in ``old``)."""
-        if prefix is not None and stop:
-            raise ValueError("continuing responses (prefix) is built for single-turn sampling: no stop strings")
+    def continue_responses(self, model, prompts: list[str] | list[list[int]], n: int, resume: Continuation,
+                           **kw) -> Rollouts:
+        """Continue responses (partial rollouts, :mod:`ema_pg.partial`; single-turn): :meth:`sample`'s keywords, and
+        ``resume.prefix`` gives each row the response tokens it has already (row r: the r-th of the n rows of prompt
+        r // n), sampled earlier, perhaps by other weights. They are prefilled with the prompt and the row samples on
+        from there, its policy-token count and its uniforms (:class:`RowUniforms`, by position) where the prefix ends:
+        a response continued with the same weights is the response sampled whole. A row whose prefix has ended (EOS or
+        ``max_new_tokens``) only waits. ``resume.until``: called after each token step with the (N,) rows still going;
+        True stops the call there, and the rows still going stop without ending (neither EOS nor truncated), to be
+        continued by a later call. The result's prompt columns hold prompt and prefix; its response columns the new
+        tokens alone (their scores, as asked, in ``old``)."""
+        if kw.get("stop"):
+            raise ValueError("continuing responses is built for single-turn sampling: no stop strings")
+        call = _Call(**{**_Call._field_defaults, **kw, "stop": [], "prefix": resume.prefix})
+        with (nullcontext() if self.full_weights is None else self.full_weights(model)):
+            return self._sample(model, prompts, n, call, resume.until)
+
+    @torch.no_grad()
+    def _sample(self, model, prompts, n: int, call: _Call, until: Callable[[Tensor], bool] | None = None) -> Rollouts:
         was_training = model.training
         model.eval()
-        with torch.compiler.set_stance("force_eager"):  # a compiled body (model.compile) runs eagerly here: see below
-            d = _Decoding(self, model, prompts, n, _Call(temperature, top_p, max_new_tokens, list(stop or []), on_stop,
-                                                         seed, score, prefix))
+        with torch.compiler.set_stance("force_eager"):  # a compiled body (model.compile) runs eagerly here: see sample
+            d = _Decoding(self, model, prompts, n, call)
             while self._any(bool(d.active.any())):
                 d.environment_turn()
                 nxt, a, sampling = d.token_step()
@@ -314,16 +323,23 @@ class HFSampler:
         model.train(was_training)
         return d.result()
 
-class _Call(NamedTuple):
-    """The settings of one :meth:`HFSampler.sample` call (its keyword arguments)."""
+class Continuation(NamedTuple):
+    """What :meth:`HFSampler.continue_responses` continues: each row's response so far, and when to stop."""
 
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    stop: list[str]
-    on_stop: OnStop | None
-    seed: int | list[int]
-    score: ScoreRequest | None
+    prefix: list[list[int]]
+    until: Callable[[Tensor], bool] | None = None
+
+
+class _Call(NamedTuple):
+    """The settings of one :meth:`HFSampler.sample` call (its keyword arguments, their defaults)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    stop: list[str] = []  # noqa: RUF012 - a NamedTuple's default, never mutated
+    on_stop: OnStop | None = None
+    seed: int | list[int] = 0
+    score: ScoreRequest | None = None
     prefix: list[list[int]] | None = None  #: per row, the response so far (partial rollouts)
 
 

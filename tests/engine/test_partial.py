@@ -20,6 +20,7 @@ from ema_pg.kl import get_estimator
 from ema_pg.partial import PartialStream
 from ema_pg.prompts import PromptEncoder
 from ema_pg.rollout import HFSampler
+from ema_pg.rollout.hf import Continuation
 from ema_pg.step import StepParts, rl_step, sample_ahead
 from ema_pg.tasks import build_task
 from ema_pg.update import TorchUpdater
@@ -93,7 +94,7 @@ def test_a_response_continued_with_the_same_weights_is_the_response_sampled_whol
             steps[0] += 1
             return steps[0] == 3
 
-        ro = s.generate(policy, prompts, 2, **kw, prefix=got, until=three)
+        ro = s.continue_responses(policy, prompts, 2, Continuation(got, three), **kw)
         calls += 1
         for r in range(len(got)):
             got[r] = got[r] + ro.input_ids[r, ro.prompt_len:][ro.loss_mask[r, ro.prompt_len:].bool()].tolist()

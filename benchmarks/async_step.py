@@ -54,16 +54,34 @@ def rows(cores: int) -> dict[str, list[str]]:
     }
 
 
+def folder_of(tmp: Path, name: str) -> Path:
+    """The run folder of row ``name`` under ``tmp``."""
+    return tmp / name.replace(" ", "_").replace(",", "").replace("+", "p")
+
+
+def timed(folder: Path, warmup: int) -> pd.DataFrame:
+    """A run's iterations from its metrics.csv, in order, the first ``warmup`` left out."""
+    df = pd.read_csv(folder / "metrics.csv")
+    return df[df["time/step_s"].notna()].sort_values("step").iloc[warmup:]
+
+
+def save(out: Path, payload: dict) -> None:
+    """Write the benchmark's JSON and print its rows, rounded."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2))
+    print(json.dumps({k: {m: (round(v, 4) if isinstance(v, float) else v) for m, v in r.items() if m != "overrides"}
+                      for k, r in payload["rows"].items()}, indent=1))
+
+
 def run(name: str, overrides: list[str], common: list[str], tmp: Path, warmup: int) -> dict:
-    folder = tmp / name.replace(" ", "_").replace(",", "").replace("+", "p")
+    folder = folder_of(tmp, name)
     cmd = [sys.executable, "-m", "ema_pg.train", *common, *overrides, f"run_dir={folder}", f"hydra.run.dir={folder}"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{name}: the run failed:\n{proc.stderr[-3000:]}")
-    df = pd.read_csv(folder / "metrics.csv")
-    df = df[df["time/step_s"].notna()].sort_values("step").iloc[warmup:]
+    df = timed(folder, warmup)
     med = lambda c: float(df[c].median()) if c in df and df[c].notna().any() else None  # noqa: E731
     n = len(df)
     from omegaconf import OmegaConf
@@ -108,10 +126,7 @@ def main(argv=None) -> int:
                                                          "threads": "sync rows: trainer.num_threads; async rows: "
                                                                     "trainer 1 + rollout.worker_threads 1"},
                "rows": results}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(payload, indent=2))
-    print(json.dumps({k: {m: (round(v, 4) if isinstance(v, float) else v) for m, v in r.items() if m != "overrides"}
-                      for k, r in results.items()}, indent=1))
+    save(a.out, payload)
     return 0
 
 

@@ -16,17 +16,15 @@ update.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
 import tempfile
 from pathlib import Path
 
-import pandas as pd
 import torch
 
-from async_step import run
+from async_step import folder_of, run, save, timed
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,9 +52,7 @@ def main(argv=None) -> int:
         for name, overrides in rows().items():
             print(f"{name} ...", flush=True)
             r = results[name] = run(name, overrides, common, Path(tmp), a.warmup)
-            folder = Path(tmp) / name.replace(" ", "_").replace(",", "").replace("+", "p")
-            df = pd.read_csv(folder / "metrics.csv")
-            df = df[df["time/step_s"].notna()].sort_values("step").iloc[a.warmup:]
+            df = timed(folder_of(Path(tmp), name), a.warmup)
             mean = lambda c: float(df[c].mean()) if c in df and df[c].notna().any() else None  # noqa: E731
             r.update({"response_len_mean": mean("train/response_len"), "staleness_token_mean":
                       mean("rollout/staleness_token_mean") or mean("rollout/staleness"),
@@ -79,10 +75,7 @@ def main(argv=None) -> int:
                             "iterations": a.iterations, "warmup_skipped": a.warmup, "seed": a.seed,
                             "threads": "trainer 1 + rollout.worker_threads 1 per worker"},
                "rows": results}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(payload, indent=2))
-    print(json.dumps({k: {m: (round(v, 4) if isinstance(v, float) else v) for m, v in r.items() if m != "overrides"}
-                      for k, r in results.items()}, indent=1))
+    save(a.out, payload)
     return 0
 
 

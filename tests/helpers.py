@@ -137,3 +137,28 @@ def postgres_server(tmp_root: Path | None = None):
             shutil.rmtree(root, ignore_errors=True)
 
     return server()
+
+
+def moved(model, scale: float, seed: int):
+    """A copy of ``model`` with every weight moved by ``scale`` of its spread: another version of it."""
+    import copy
+
+    import torch
+
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
+    return out
+
+
+def frozen(model):
+    """A copy of ``model`` in eval mode with no gradients: an anchor."""
+    import copy
+
+    out = copy.deepcopy(model).eval()
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out
+

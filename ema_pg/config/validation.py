@@ -288,6 +288,5 @@ def _check_partial(cfg) -> None:
         _bad("algo.prox_logp=loglinear interpolates with one lag per batch; a partial-rollout batch's tokens come from "
              "several versions: use algo.prox_logp=recompute with rollout.partial=true")
     if build_estimator(cfg.kl).needs_full_logits:
-        _bad(f"kl={cfg.kl.name} reads the full logits of pi_old, which partial rollouts do not keep per pass; use a "
+        _bad(f"kl={cfg.kl.name} reads the full logits of pi_old, which partial rollouts do not keep; use a "
              "top-k or sampled estimator with rollout.partial=true")
-

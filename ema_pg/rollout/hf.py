@@ -10,9 +10,9 @@ sampler's log-probs and the scorer's agree to float rounding.
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
-from collections.abc import Callable
 import inspect
+from collections.abc import Callable
+from contextlib import nullcontext
 import weakref
 from typing import NamedTuple
 
@@ -285,10 +285,11 @@ class HFSampler:
         return self._sample(model, prompts, n, _Call(temperature, top_p, max_new_tokens, list(stop or []), on_stop, seed,
                                                      score))
 
-    def continue_responses(self, model, prompts: list[str] | list[list[int]], n: int, resume: Continuation,
-                           **kw) -> Rollouts:
-        """Continue responses (partial rollouts, :mod:`ema_pg.partial`; single-turn): :meth:`sample`'s keywords, and
-        ``resume.prefix`` gives each row the response tokens it has already (row r: the r-th of the n rows of prompt
+    def continue_responses(self, model, prompts: list[str] | list[list[int]], n: int, resume: Continuation, *,
+                           temperature: float, top_p: float, max_new_tokens: int, seed: int | list[int],
+                           score: ScoreRequest | None = None) -> Rollouts:
+        """Continue responses (partial rollouts, :mod:`ema_pg.partial`; single-turn, so no stop strings): the keywords
+        are :meth:`sample`'s, and ``resume.prefix`` gives each row the response tokens it has already (row r: the r-th of the n rows of prompt
         r // n), sampled earlier, perhaps by other weights. They are prefilled with the prompt and the row samples on
         from there, its policy-token count and its uniforms (:class:`RowUniforms`, by position) where the prefix ends:
         a response continued with the same weights is the response sampled whole. A row whose prefix has ended (EOS or
@@ -296,9 +297,7 @@ class HFSampler:
         True stops the call there, and the rows still going stop without ending (neither EOS nor truncated), to be
         continued by a later call. The result's prompt columns hold prompt and prefix; its response columns the new
         tokens alone (their scores, as asked, in ``old``)."""
-        if kw.get("stop"):
-            raise ValueError("continuing responses is built for single-turn sampling: no stop strings")
-        call = _Call(**{**_Call._field_defaults, **kw, "stop": [], "prefix": resume.prefix})
+        call = _Call(temperature, top_p, max_new_tokens, [], None, seed, score, resume.prefix)
         with (nullcontext() if self.full_weights is None else self.full_weights(model)):
             return self._sample(model, prompts, n, call, resume.until)
 
@@ -331,15 +330,15 @@ class Continuation(NamedTuple):
 
 
 class _Call(NamedTuple):
-    """The settings of one :meth:`HFSampler.sample` call (its keyword arguments, their defaults)."""
+    """The settings of one :meth:`HFSampler.sample` call (its keyword arguments)."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 32
-    stop: list[str] = []  # noqa: RUF012 - a NamedTuple's default, never mutated
-    on_stop: OnStop | None = None
-    seed: int | list[int] = 0
-    score: ScoreRequest | None = None
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop: list[str]
+    on_stop: OnStop | None
+    seed: int | list[int]
+    score: ScoreRequest | None
     prefix: list[list[int]] | None = None  #: per row, the response so far (partial rollouts)
 
 

@@ -77,3 +77,21 @@ def test_no_random_mixture_of_delays_is_stable_over_a_narrower_range_than_the_le
         for _ in range(20):
             w = rng.dirichlet(np.ones(int(rng.integers(2, 8))))
             assert stability_bound(eta, {d: float(x) for d, x in enumerate(w)}, tol=1e-7) >= 1 + eta - 1e-6
+
+
+def test_the_partial_rollout_table_of_docs_async_is_what_the_code_computes():
+    """docs/async.md's table of mixed delays (eta = 0.9): each row's bound and lag decay at a = 0.1, recomputed."""
+    import re
+    from fractions import Fraction
+    from pathlib import Path
+
+    import numpy as np
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "async.md").read_text()
+    table = text[text.index("| delays d: shares w_d |"):].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == 4
+    for line in table:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        w = {int(d): float(Fraction(x)) for d, x in re.findall(r"(\d+): (\d+(?:/\d+)?)", cells[0].split(" (")[0])}
+        assert f"{stability_bound(0.9, w):.3f}" == cells[1].split()[0], line
+        assert f"{float(np.max(np.abs(lag_roots(0.1, 0.9, w)))):.3f}" == cells[2], line

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import compose_cfg
+from helpers import compose_cfg, frozen, moved
 
 from ema_pg.config import ConfigError, validate
 from ema_pg.chunked import HeadChunk
@@ -40,23 +40,6 @@ def world():
     cfg = compose_cfg(["algo.prompts_per_step=3", "algo.group_size=2", "rollout.max_new_tokens=5", "algo.beta=1.0",
                        f"kl.k={K}"])
     return policy, tok, task, cfg
-
-
-def moved(model, scale: float, seed: int):
-    """A copy of ``model`` with every weight moved: another version of it."""
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
-    return out
-
-
-def frozen(model):
-    out = copy.deepcopy(model).eval()
-    for p in out.parameters():
-        p.requires_grad_(False)
-    return out
 
 
 def step(world, policy, anchor, *, sampled=None, estimator=None, updater=None, iteration=0):

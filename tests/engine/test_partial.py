@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import compose_cfg
+from helpers import compose_cfg, frozen, moved
 
 from ema_pg.chunked import HeadChunk
 from ema_pg.config import ConfigError, validate
@@ -36,22 +36,6 @@ def eos_prone(model, tok, task, logit: float = 6.0):
     with torch.no_grad():
         h = out.model(**enc).last_hidden_state[enc.attention_mask.bool()].mean(0)
         out.lm_head.weight[tok.eos_token_id] = h / h.norm() ** 2 * logit
-    return out
-
-
-def moved(model, scale: float, seed: int):
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(scale * p.std() * torch.randn(p.shape, generator=g))
-    return out
-
-
-def frozen(model):
-    out = copy.deepcopy(model).eval()
-    for p in out.parameters():
-        p.requires_grad_(False)
     return out
 
 

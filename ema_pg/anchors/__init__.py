@@ -7,7 +7,7 @@
 Each scheme is one entry of :data:`SCHEMES`: a pure update rule of (anchor weights, policy weights,
 its buffers, t) (:mod:`ema_pg.anchors.rules`), the one home of its parameters' defaults, its check,
 its clock, whether it keeps an fp32 master and which buffers it saves. ``anchor=<name>`` picks one;
-the parameters of ``anchor.*`` left null take the entry's defaults (``fill_defaults`` writes them
+the parameters of ``anchor.*`` left null take the entry's defaults (``with_defaults`` writes them
 into the run's config).
 
     fixed    the initial policy, never updated (standard GRPO: the EMA with eta = 1)

@@ -8,7 +8,7 @@ defines it, with its type, meaning and the paper's equation where it has one. Th
 parameters of a KL estimator (``kl.k``, ``kl.tail``, ``kl.iw_clip``, ...) default to
 ``ema_pg.kl.ESTIMATORS[name].defaults`` (``None`` here means "the estimator's default"), and
 the anchor scheme's to ``ema_pg.anchors.SCHEMES[name].defaults``;
-:func:`ema_pg.config.fill_defaults` writes the values in force into the run's saved config. A test fails
+:func:`ema_pg.config.with_defaults` writes the values in force into the run's saved config. A test fails
 when a group file restates a default or gives a knob a second, different one.
 """
 
@@ -214,7 +214,7 @@ ANCHOR_ALIGNS = ("current", "behaviour")
 @dataclass
 class AnchorConfig:
     """The anchor (reference) policy: a scheme of the registry ``ema_pg.anchors.SCHEMES`` (or none). The
-    scheme parameters left None take the scheme's registry default (``fill_defaults`` writes them in);
+    scheme parameters left None take the scheme's registry default (``with_defaults`` writes them in);
     a parameter of another scheme is refused (a sweep over schemes gives each its own option: see
     ``sweeps/anchor/``)."""
 

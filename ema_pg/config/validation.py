@@ -36,21 +36,23 @@ def kl_params(kl_cfg) -> dict:
     return out
 
 
-def fill_defaults(cfg: DictConfig, bound: "Binding | None" = None) -> DictConfig:
-    """Write the estimator's and the anchor scheme's parameters in force (registry defaults included) into ``cfg.kl``
-    and ``cfg.anchor``, and return ``cfg``. Give it a copy: the run's own config is the one :func:`validate` bound.
+def with_defaults(cfg: DictConfig, bound: "Binding | None" = None) -> DictConfig:
+    """A copy of ``cfg`` with the estimator's and the anchor scheme's parameters in force (registry defaults
+    included) written into its ``kl`` and ``anchor``. ``cfg`` itself is left as it was: no registry default is
+    written back into a live config.
 
     The saved ``config.yaml`` then states every value the run used, and two configs that run the
     same estimator compare equal whether or not a default was spelled out.
     """
     est = bound.estimator if bound is not None else build_estimator(cfg.kl)
     scheme = bound.scheme if bound is not None else build_scheme(cfg.anchor)
-    with open_dict(cfg):
+    out = cfg.copy()
+    with open_dict(out):
         for key, v in est.params.items():
-            cfg.kl[key] = list(v) if isinstance(v, tuple) else v
+            out.kl[key] = list(v) if isinstance(v, tuple) else v
         for key, v in (scheme.params if scheme is not None else {}).items():
-            cfg.anchor[key] = v
-    return cfg
+            out.anchor[key] = v
+    return out
 
 
 def build_estimator(kl_cfg):

@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..cli import PACKAGE_ROOT
-from ..config import ARCH_KEYS, LOGGERS, Binding, ConfigError, fill_defaults, flatten
+from ..config import ARCH_KEYS, LOGGERS, Binding, ConfigError, with_defaults, flatten
 from .files import atomic_write
 from .install import check_config
 from .owner import CLAIM, claim_run_dir, own_run_dir
@@ -215,7 +215,7 @@ def resolve_resume(cfg, composed: bool = False) -> DictConfig:
         cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
     cfg = upgraded(cfg)  # knobs added after the run was saved take their defaults
     cfg.run_dir, cfg.resume = str(run_dir), str(run_dir)
-    diff = config_differences(saved, fill_defaults(cfg.copy()))
+    diff = config_differences(saved, with_defaults(cfg))
     if diff:
         raise ConfigError(f"resume: the settings differ from the run's ({', '.join(diff[:6])}); a resumed run keeps the "
                           f"settings it started with (only {', '.join(RESUMABLE_SETTINGS)} may change); start a new "
@@ -247,7 +247,7 @@ def upgraded(saved: DictConfig) -> DictConfig:
     """A saved config as the current code reads it: knobs added to the schema after the run was saved take
     their defaults (which keep the old behaviour), as do the estimator's parameters (its registry)."""
     from ..anchors import scheme_of
-    from ..config import Config, fill_defaults
+    from ..config import Config, with_defaults
 
     from ..tasks import task_defaults
 
@@ -257,7 +257,7 @@ def upgraded(saved: DictConfig) -> DictConfig:
             merged.anchor.name = scheme_of(OmegaConf.to_container(saved.anchor))
         if "task" in saved and saved.task.get("name"):  # task knobs added later, at their defaults
             merged.task = OmegaConf.merge(task_defaults(saved.task.name, saved.task.get("target")), saved.task)
-        return fill_defaults(merged)
+        return with_defaults(merged)
     except Exception:  # noqa: BLE001 - a config the schema cannot read is compared as it was saved
         return saved
 
@@ -459,7 +459,7 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     if not cfg.get("resume") and cfg.get("if_exists", "error") == "resume":
         run_dir = Path(cfg.run_dir)
         if (run_dir / "config.yaml").is_file():
-            diff = config_differences(OmegaConf.load(run_dir / "config.yaml"), fill_defaults(cfg.copy()))
+            diff = config_differences(OmegaConf.load(run_dir / "config.yaml"), with_defaults(cfg))
             if diff:
                 raise ConfigError(f"{run_dir} holds a run with another config (differs in: {', '.join(diff[:6])}); "
                                   "give this run another run_dir (or sweep dir), or delete that folder")
@@ -479,7 +479,7 @@ def open_run(cfg: DictConfig) -> OpenedRun:
     if cfg.get("resume"):
         cfg = resolve_resume(cfg, composed=composed)
     bound = check_config(cfg)  # once per run: the consumers take the estimator and the anchor scheme from ``bound``
-    cfg = fill_defaults(cfg.copy(), bound)  # the run's config states every value in force; the caller's is left as is
+    cfg = with_defaults(cfg, bound)  # the run's config states every value in force; the caller's is left as is
     run_dir = Path(cfg.run_dir)
     if cfg.get("resume"):
         if checkpoint_file(run_dir) is None:

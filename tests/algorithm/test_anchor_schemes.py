@@ -157,9 +157,9 @@ def test_registry_contract():
 def test_config_fills_the_schemes_defaults_and_refuses_bad_values():
     from helpers import compose_cfg
 
-    from ema_pg.config import ConfigError, fill_defaults, validate
+    from ema_pg.config import ConfigError, with_defaults, validate
 
-    cfg = fill_defaults(compose_cfg(["anchor=bema", "anchor.update_every=5"]))
+    cfg = with_defaults(compose_cfg(["anchor=bema", "anchor.update_every=5"]))
     assert (cfg.anchor.update_every, cfg.anchor.ema_power, cfg.anchor.lag, cfg.anchor.eta) == (5, 0.5, 10.0, None)
     for over, unread in ((["anchor=fixed", "anchor.sync_steps=20"], "anchor.sync_steps=20"),  # another scheme's
                          (["anchor=bema", "anchor.eta=0.5"], "anchor.eta=0.5"),

@@ -295,7 +295,7 @@ def test_a_stage_continues_a_run_exactly_and_may_change_its_length(tmp_path, rec
 # ---------------------------------------------------------------- Table 3's report on hand-made runs
 def fake_math_run(root, method, seed, base: float, final: float, base16: float, final16: float):
     """A finished run folder as ema_pg.train writes it, with known Pass@1 / Pass@16 on every split."""
-    from ema_pg.config import fill_defaults
+    from ema_pg.config import with_defaults
     from ema_pg.tasks.math.task import SPLITS as S
 
     d = root / f"{method}_s{seed}"
@@ -303,7 +303,7 @@ def fake_math_run(root, method, seed, base: float, final: float, base16: float, 
     cfg = compose_cfg(["experiment=math", f"method={method}", f"seed={seed}", "algo.iterations=4",
                        "rollout.eval_samples=16"], tiny=False)
     cfg.run_dir = str(d)
-    OmegaConf.save(fill_defaults(cfg), d / "config.yaml", resolve=True)
+    OmegaConf.save(with_defaults(cfg), d / "config.yaml", resolve=True)
     rows = []
     for step, p1, p16 in [(0, base, base16), (2, (base + final) / 2, (base16 + final16) / 2), (4, final, final16)]:
         row = {"step": step}

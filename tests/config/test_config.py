@@ -185,12 +185,12 @@ def test_missing_logger_package_says_how_to_install(tmp_path):
 def test_the_paper_scale_recipe_has_the_papers_settings(monkeypatch):
     """conf/experiment/search_paper.yaml: Appendix A's values, checked at start like any run."""
 
-    from ema_pg.config import fill_defaults
+    from ema_pg.config import with_defaults
 
     for var in ("EMA_PG_MODEL", "EMA_PG_SEARCH_DATA", "EMA_PG_RETRIEVER"):
         monkeypatch.setenv(var, "/nowhere")
     cfg = compose_cfg(["experiment=search_paper"], tiny=False)
-    fill_defaults(cfg)
+    cfg = with_defaults(cfg)
     a = cfg.algo
     assert (cfg.optim.lr, a.beta, cfg.anchor.eta, cfg.anchor.update_every, cfg.kl.k) == (1e-6, 0.001, 0.9, 10, 32)
     assert (a.eps_low, a.eps_high, a.group_size, a.prompts_per_step) == (0.2, 0.28, 5, 512)
@@ -202,12 +202,12 @@ def test_the_paper_scale_recipe_has_the_papers_settings(monkeypatch):
 def test_the_math_recipe_has_the_papers_and_the_authors_eval_settings(monkeypatch):
     """conf/experiment/math_deepscaler.yaml: stage 1 of the DeepScaleR run, evaluated as the authors evaluate."""
 
-    from ema_pg.config import fill_defaults
+    from ema_pg.config import with_defaults
 
     for var in ("EMA_PG_MODEL", "EMA_PG_MATH_DATA"):
         monkeypatch.setenv(var, "/nowhere")
     cfg = compose_cfg(["experiment=math_deepscaler"], tiny=False)
-    fill_defaults(cfg)
+    cfg = with_defaults(cfg)
     assert (cfg.optim.lr, cfg.algo.beta, cfg.anchor.eta, cfg.anchor.update_every, cfg.kl.k) == (1e-6, 0.001, 0.9, 10, 32)
     ro = cfg.rollout
     assert (ro.eval_samples, ro.eval_temperature, ro.eval_top_p, ro.max_new_tokens) == (32, 0.8, 0.9, 8192)

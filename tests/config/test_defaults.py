@@ -18,6 +18,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from ema_pg import config as C
+from ema_pg.anchors import SCHEMES
 from ema_pg.kl import ESTIMATORS
 from ema_pg.tasks import TASKS, common_defaults
 
@@ -131,3 +132,16 @@ def test_the_architecture_keys_are_written_once():
 
     assert {f"model.{k}" for k in C.ARCH_KEYS} <= set(STAGE_FIXED)
     assert set(C.ARCH_KEYS) <= {f.name for f in dataclasses.fields(C.ModelConfig)}
+
+
+def test_the_values_in_force_are_written_into_a_copy_never_into_the_config_given():
+    """``with_defaults`` states the registry defaults in the config a run saves; the live config keeps its nulls."""
+    from helpers import compose_cfg
+
+    from ema_pg.config import with_defaults
+
+    cfg = compose_cfg(["kl=topk_reverse", "anchor=ema"])
+    before = OmegaConf.to_yaml(cfg)
+    out = with_defaults(cfg)
+    assert OmegaConf.to_yaml(cfg) == before and cfg.anchor.eta is None and cfg.kl.k is None
+    assert out.anchor.eta == SCHEMES["ema"].defaults["eta"] and out.kl.k == ESTIMATORS["topk_reverse"].defaults["k"]

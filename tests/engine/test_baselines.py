@@ -215,15 +215,15 @@ def test_masking_truncated_responses_removes_their_loss(tmp_path):
 
 
 def test_a_run_saved_before_a_knob_existed_still_resumes_at_its_default():
-    from ema_pg.config import fill_defaults
+    from ema_pg.config import with_defaults
     from ema_pg.engine.runs import config_differences
 
-    cfg = fill_defaults(compose_cfg([]))
+    cfg = with_defaults(compose_cfg([]))
     cfg.run_dir = "runs/x"  # as a run saves it, resolved
     old = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
     for node, key in (("model", "lora_rank"), ("algo", "entropy_coef"), ("kl", "straight_through")):
         old[node].pop(key)  # a run saved by a version without these knobs
     assert config_differences(old, cfg) == []  # at their defaults they change nothing
-    changed = fill_defaults(compose_cfg(["algo.entropy_coef=0.1"]))
+    changed = with_defaults(compose_cfg(["algo.entropy_coef=0.1"]))
     changed.run_dir = "runs/x"
     assert config_differences(old, changed) == ["algo.entropy_coef"]

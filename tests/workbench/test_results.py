@@ -13,7 +13,7 @@ from helpers import compose_cfg
 from omegaconf import OmegaConf
 
 from ema_pg.workbench import table2
-from ema_pg.config import fill_defaults
+from ema_pg.config import with_defaults
 from ema_pg.workbench.results import (DETECT_Z, ablation_report, derived_columns, format_seeds, load_curves, load_runs, method_label,
                             min_detectable, paired_differences, paired_sd, seed_tally, seeds_for, seeds_for_t, seeds_to_detect, sign_flip_p, summarize,
                             unpaired_seeds)
@@ -31,7 +31,7 @@ def fake_run(root: Path, name: str, overrides: list[str], evals: dict[int, dict[
     d.mkdir(parents=True)
     cfg = compose_cfg(overrides + ([f"algo.iterations={iterations or max(evals)}"]))
     cfg.run_dir = str(d)
-    OmegaConf.save(fill_defaults(cfg), d / "config.yaml", resolve=True)
+    OmegaConf.save(with_defaults(cfg), d / "config.yaml", resolve=True)
     rows = [{"step": s, **{f"eval/{k}/em": v for k, v in m.items()}} for s, m in evals.items()]
     rows += [{"step": s, "train/reward_mean": 0.1 * s} for s in range(1, max(evals) + 1)]
     pd.DataFrame(rows).to_csv(d / "metrics.csv", index=False)
@@ -61,7 +61,7 @@ def test_wall_time_is_what_the_run_recorded_not_the_span_of_its_files(tmp_path):
 
 def test_runs_record_their_method_id_and_labels_come_from_ids():
     for m, label in METHOD_OVERRIDES.items():
-        cfg = OmegaConf.to_container(fill_defaults(compose_cfg([f"method={m}"])), resolve=False)
+        cfg = OmegaConf.to_container(with_defaults(compose_cfg([f"method={m}"])), resolve=False)
         assert cfg["method"] == m and derived_columns(cfg)["method"] == m
         assert method_label(m) == label
     assert method_label("ema_topk_reverse_corrected") == "+ Top-k reverse KL (corrected tail)"
@@ -76,12 +76,12 @@ def test_runs_record_their_method_id_and_labels_come_from_ids():
     (["kl=topk_fdiv", "kl.divergence=js"], "js"), (["kl=k3", "kl.k=null"], "forward"),
     (["kl=k4", "kl.k=null"], "reverse"), (["kl=topk_forward"], "forward"), (["kl=none", "kl.k=null"], "none")])
 def test_direction_comes_from_the_estimator_not_its_name(overrides, direction):
-    cfg = OmegaConf.to_container(fill_defaults(compose_cfg(overrides)), resolve=False)
+    cfg = OmegaConf.to_container(with_defaults(compose_cfg(overrides)), resolve=False)
     assert derived_columns(cfg)["direction"] == direction
 
 
 def test_tail_variant_comes_from_values():
-    variant = lambda o: derived_columns(OmegaConf.to_container(fill_defaults(compose_cfg(o)), resolve=False))
+    variant = lambda o: derived_columns(OmegaConf.to_container(with_defaults(compose_cfg(o)), resolve=False))
     assert variant(["kl.tail=none"])["tail_variant"] == "truncated"
     assert variant(["kl.iw_clip=[1.0,1.0]"])["tail_variant"] == "tail_no_iw"
     assert variant(["method=ema_topk_forward"])["tail_variant"] == "tail_iw"

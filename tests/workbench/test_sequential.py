@@ -3,7 +3,9 @@ under no effect by simulation, and the verdict rules of one claim's looks."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,21 @@ def test_boundaries_match_the_published_lan_demets_values():
     assert pocock == pytest.approx([2.4380, 2.4268, 2.4102, 2.3966, 2.3860], abs=2e-4)
     # one look spends all of alpha: the fixed design's boundary
     assert z_boundaries([1.0], 0.05)[0] == pytest.approx(1.959964, abs=1e-5)
+
+
+def test_boundaries_match_gsdesign_at_unequal_information_fractions():
+    """gsDesign's gsBound with sfLDOF / sfLDPocock (alpha / 2 per side), computed by analysis/gsdesign_reference.R
+    into tests/fixtures/gsdesign_boundaries.json (its source line names gsDesign's version and commit): the claims
+    plan's looks, a look moved by a failed cell, looks ending short of the cap, another alpha, Pocock. Both sides
+    integrate on grids and agree to about 5e-9; a boundary spent at other fractions differs by more than 1e-3."""
+    ref = json.loads((Path(__file__).parents[1] / "fixtures" / "gsdesign_boundaries.json").read_text())
+    assert "gsDesign" in ref["source"] and len(ref["cases"]) == 8
+    for case in ref["cases"]:
+        ours = z_boundaries(case["fractions"], case["alpha"], case["spending"])
+        assert ours == pytest.approx(case["bounds"], abs=1e-7), case["name"]
+    moved = next(c for c in ref["cases"] if "failed cell" in c["name"])
+    planned = z_boundaries([10 / 60, 20 / 60, 30 / 60, 45 / 60, 1.0])
+    assert max(abs(a - b) for a, b in zip(planned, moved["bounds"])) > 1e-3  # the fixture can tell the two apart
 
 
 def test_the_spending_functions_spend_alpha_by_the_cap_and_nothing_at_zero():

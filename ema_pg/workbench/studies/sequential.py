@@ -17,8 +17,9 @@ computed by the recursive numerical integration of Armitage, McPherson and Rowe 
 functions (two-sided alpha):
 
 - ``obrien_fleming`` (the default): each side spends alpha / 2 by 2 - 2 Phi(z_{1 - alpha/4} / sqrt t), as
-  ``ldbounds`` and ``gsDesign`` do for a two-sided design. Early looks need overwhelming evidence (|z| > 4.87
-  at a fifth of the seeds), the last one little more than the fixed design's 1.96 (2.03 at five equal looks), so
+  ``ldbounds`` and ``gsDesign`` do for a two-sided design (equal to gsDesign's ``gsBound`` with ``sfLDOF`` to
+  5e-9 at unequal fractions: ``tests/fixtures/gsdesign_boundaries.json``). Early looks need overwhelming
+  evidence (|z| > 4.87 at a fifth of the seeds), the last one little more than the fixed design's 1.96 (2.03 at five equal looks), so
   stopping early costs little at the cap;
 - ``pocock``: alpha(t) = alpha ln(1 + (e - 1) t), about equal boundaries at every look: stops early more often,
   at the price of a higher last boundary.

@@ -8,7 +8,9 @@ Settings (each measured in a fresh process, the environment set before torch sta
   a while at every barrier before it sleeps);
 - ``1 thread``: ``torch.set_num_threads(1)``;
 - ``passive``: one thread per core with ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once);
-- ``ema-pg default``: what a run gets now without a setting of the user's (:mod:`ema_pg.engine.threads`).
+- ``ema-pg default``: what a run gets now without a setting of the user's (``ema_pg/__init__.py``);
+- ``spin 3k``, ``spin 10k`` (with ``--settings``): OpenMP's default waiting with ``GOMP_SPINCOUNT`` cut to 3,000 or
+  10,000 spins (GNU OpenMP's default is 300,000), candidates for the default.
 
 Each cell is the median over ``--repeats`` rounds (interleaved) of the median seconds per step of ``--steps``
 steps after one warm-up step, each round in a fresh process. ``--demo`` also times the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -33,7 +36,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"torch default": {"EMA_PG_THREADS": "torch"},
             "1 thread": {"EMA_PG_THREADS": "torch", "OMP_NUM_THREADS": "1"},
             "passive": {"EMA_PG_THREADS": "torch", "OMP_WAIT_POLICY": "PASSIVE"},
-            "ema-pg default": {}}
+            "ema-pg default": {},
+            "spin 3k": {"EMA_PG_THREADS": "torch", "GOMP_SPINCOUNT": "3000"},
+            "spin 10k": {"EMA_PG_THREADS": "torch", "GOMP_SPINCOUNT": "10000"}}
+#: the settings a run measures unless --settings names others (the spin counts are candidates for the default: GNU
+#: OpenMP spins that many times at a barrier before it sleeps, where its default spins 300,000 and PASSIVE none)
+DEFAULT_SETTINGS = ("torch default", "1 thread", "passive", "ema-pg default")
 #: what a timing process does: SFT steps of the demo's cold start (batch 64, 1.1M parameters), then RL iterations
 #: of the demo (16 prompts x 8 samples); prints JSON {"sft": [s...], "rl": [s...]}
 CHILD = r"""
@@ -87,6 +95,19 @@ def measure(setting: str, loaded: bool, steps: int) -> tuple[float, int]:
     return statistics.median(out["sft"]), out["threads"]
 
 
+def idle_cost(ours: list[float], theirs: list[float]) -> dict:
+    """The default's idle cost against torch's: the geometric mean over rounds of the paired ratio (each round runs
+    every cell once, interleaved, so a round's two idle cells saw the same minute of the machine), with the 95%
+    t interval of the mean log ratio. The issue's bar: at most 1.05."""
+    from scipy import stats
+
+    logs = [math.log(a / b) for a, b in zip(ours, theirs)]
+    n, m = len(logs), statistics.fmean(logs)
+    half = stats.t.ppf(0.975, n - 1) * statistics.stdev(logs) / math.sqrt(n) if n > 1 else math.inf
+    return {"ratio": math.exp(m), "ci95": [math.exp(m - half), math.exp(m + half)], "rounds": n,
+            "per_round": [a / b for a, b in zip(ours, theirs)]}
+
+
 def demo(loaded: bool) -> dict:
     load = busy(os.cpu_count() or 1) if loaded else []
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,10 +127,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every cell, interleaved; the median is reported")
     ap.add_argument("--demo", action="store_true", help="also time the whole demo, idle and loaded")
+    ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma list of {', '.join(SETTINGS)}")
     a = ap.parse_args()
     from tqdm.auto import tqdm
 
-    cells = [(s, loaded) for s in SETTINGS for loaded in (False, True)]
+    names = [s.strip() for s in a.settings.split(",")]
+    if unknown := [s for s in names if s not in SETTINGS] or [s for s in ("torch default", "ema-pg default") if s not in names]:
+        ap.error(f"--settings: {unknown} unknown or missing; choose from {', '.join(SETTINGS)} (with torch default and "
+                 f"ema-pg default)")
+    cells = [(s, loaded) for s in names for loaded in (False, True)]
     got: dict = {c: [] for c in cells}
     for _ in tqdm(range(a.repeats), desc="rounds (every setting x load, interleaved)"):
         for c in cells:  # interleaved: a slow minute of the machine falls on every setting alike
@@ -118,15 +144,18 @@ def main() -> None:
              "sft_s_per_step": statistics.median(t for t, _ in got[(s, loaded)]),
              "rounds": [t for t, _ in got[(s, loaded)]], "sft_steps": a.steps,
              "torch_threads": got[(s, loaded)][0][1], "env": SETTINGS[s]} for s, loaded in cells]
+    idle = idle_cost([t for t, _ in got[("ema-pg default", False)]], [t for t, _ in got[("torch default", False)]])
     demos = [demo(False), demo(True)] if a.demo else []
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out = {"what": "seconds per cold-start SFT step (batch 64, the demo's 1.1M-parameter model), median of rounds",
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "commit": commit,
-           "python": platform.python_version(), "rows": rows, "demo": demos}
+           "python": platform.python_version(), "rows": rows, "idle_cost_of_the_default": idle, "demo": demos}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     for r in rows:
         print(f"{r['setting']:>15} {r['load']:>28}: {r['sft_s_per_step']:.3f} s/step ({r['torch_threads']} threads)")
+    print(f"idle, ema-pg default / torch default: {idle['ratio']:.3f} [{idle['ci95'][0]:.3f}, {idle['ci95'][1]:.3f}] "
+          f"over {idle['rounds']} paired rounds")
     for d in demos:
         print(f"demo {d['load']}: {d['wall_s']:.0f} s")
 

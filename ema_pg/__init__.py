@@ -14,7 +14,8 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # A CPU run beside other work (a sweep's second worker, decide --workers 2, a laptop's other programs): torch's
 # OpenMP threads spin at every barrier before they sleep, and on a loaded machine the spinning takes the cores the
 # work needs (the demo's SFT step: about 10x slower beside one busy process per core). Threads that sleep at once
-# cost nothing measurable idle (benchmarks/cpu_load.py; benchmarks/results/cpu_load_cpu.json). OpenMP reads the
+# cost nothing measurable idle on an Intel Xeon (benchmarks/results/cpu_load_cpu.json) but 1.14x on an AMD EPYC
+# (cpu_load_amd_cpu.json; docs/training.md). OpenMP reads the
 # setting when torch loads it, so it holds where ema_pg is imported before torch (every ema-pg command, and the
 # processes they start); your own OMP_WAIT_POLICY wins, and EMA_PG_THREADS=torch leaves OpenMP's default.
 if os.environ.get("EMA_PG_THREADS") != "torch":

@@ -54,8 +54,9 @@ STATIC = {"auto": "null", "on": "true", "off": "false"}
 #: model sizes: name -> (hidden, layers, heads, kv heads, intermediate or None = 4 x hidden). The qwen rows are
 #: Qwen2.5-0.5B's and 1.5B's transformer bodies (their config.json) at the toy task's vocabulary, for a GPU;
 #: ``qwen1.5b-thin`` is Qwen2.5-1.5B's body (28 layers, 12 query and 2 key-value heads, the MLP's 5.83x width) at
-#: hidden 96: its matrix work is nil, so a step's time is what each trainer spends around the kernels (Python, the
-#: dispatcher, its number of operations): the regime a fast GPU puts the real 1.5B step in, measured on a CPU
+#: hidden 96: its matrix work is small (26% of the step on a 2-core CPU: rl_step_thin_amd.json), so most of a
+#: step's time is what each trainer spends around the kernels (Python, the dispatcher, its number of operations), as
+#: on a fast GPU at 1.5B
 SIZES = {"1M": (128, 4, 4, 2, None), "10M": (320, 8, 8, 2, None), "50M": (512, 16, 8, 2, None),
          "qwen0.5b": (896, 24, 14, 2, 4864), "qwen1.5b": (1536, 28, 12, 2, 8960),
          "qwen1.5b-thin": (96, 28, 12, 2, 560)}

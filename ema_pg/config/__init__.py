@@ -14,15 +14,15 @@ from .schema import (
     SFTConfig, TrainerConfig, eval_settings_problem, is_deepspeed, is_tiny,
 )
 from .validation import (
-    CHECKED_GROUPS, KL_PARAMS, Binding, build_estimator, build_scheme, with_defaults, kl_params, stated_world_size,
-    validate, validate_model, validate_world,
+    CHECKED_GROUPS, KL_PARAMS, Binding, build_estimator, build_scheme, kl_params, stated_world_size, validate,
+    validate_model, validate_world, with_defaults,
 )
 
 __all__ = [
     "ANCHOR_ALIGNS", "ARCH_KEYS", "CHECKED_GROUPS", "CONF_DIR", "DEEPSPEED_STRATEGIES", "DTYPES", "KL_PARAMS",
     "LOGGERS", "MIN_TEMPERATURE", "SFT_SCHEDULES", "AlgoConfig", "AnchorConfig", "Binding", "Config", "ConfigError",
     "KLConfig", "LoggerConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig",
-    "TrainerConfig", "build_estimator", "build_scheme", "compose", "eval_settings_problem", "with_defaults",
+    "TrainerConfig", "build_estimator", "build_scheme", "compose", "eval_settings_problem",
     "flatten", "is_deepspeed", "is_tiny", "kl_params", "overrides_problem", "register_configs", "stated_world_size",
-    "validate", "validate_model", "validate_world",
+    "validate", "validate_model", "validate_world", "with_defaults",
 ]

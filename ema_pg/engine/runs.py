@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..cli import PACKAGE_ROOT
-from ..config import ARCH_KEYS, LOGGERS, Binding, ConfigError, with_defaults, flatten
+from ..config import ARCH_KEYS, LOGGERS, Binding, ConfigError, flatten, with_defaults
 from .files import atomic_write
 from .install import check_config
 from .owner import CLAIM, claim_run_dir, own_run_dir

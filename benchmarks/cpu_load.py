@@ -1,5 +1,5 @@
-"""CPU runs beside other work: a cold start's SFT steps and the demo's RL steps, idle and beside a controlled load
-(one busy process per core, started and stopped here), under each thread setting. Writes JSON.
+"""CPU runs beside other work: a cold start's SFT steps, and with --demo the whole demo, idle and beside a controlled
+load (one busy process per core, started and stopped here), under each thread setting. Writes JSON.
 
     python benchmarks/cpu_load.py --out benchmarks/results/cpu_load_cpu.json [--demo]
 
@@ -8,14 +8,16 @@ Settings (each measured in a fresh process, the environment set before torch sta
   a while at every barrier before it sleeps);
 - ``1 thread``: ``torch.set_num_threads(1)``;
 - ``passive``: one thread per core with ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once);
-- ``ema-pg default``: what a run gets now without a setting of the user's (``ema_pg/__init__.py``);
-- ``spin 3k``, ``spin 10k`` (with ``--settings``): OpenMP's default waiting with ``GOMP_SPINCOUNT`` cut to 3,000 or
-  10,000 spins (GNU OpenMP's default is 300,000), candidates for the default.
+- ``spin 10k``: OpenMP's default waiting with ``GOMP_SPINCOUNT`` cut to 10,000 spins (GNU OpenMP's default is
+  300,000), and ``spin 3k`` (with ``--settings``) to 3,000;
+- ``ema-pg default``: what a run gets without a setting of the user's (``ema_pg.thread_wait_default``: passive
+  where the machine's runnable threads and the run's are more than its CPUs, spin 10k where there is room); each
+  row records what it chose.
 
 Each cell is the median over ``--repeats`` rounds (interleaved) of the median seconds per step of ``--steps``
 steps after one warm-up step, each round in a fresh process. ``--demo`` also times the
 whole of ``python -m ema_pg.train experiment=demo`` (its cold start included, in a cache of its own) idle and
-loaded, with the ema-pg default: the issue's bar is loaded <= 2x idle.
+loaded, ``--demo-repeats`` times each (interleaved), with the ema-pg default: the bar is loaded <= 2x idle.
 """
 
 from __future__ import annotations
@@ -41,9 +43,9 @@ SETTINGS = {"torch default": {"EMA_PG_THREADS": "torch"},
             "spin 10k": {"EMA_PG_THREADS": "torch", "GOMP_SPINCOUNT": "10000"}}
 #: the settings a run measures unless --settings names others (the spin counts are candidates for the default: GNU
 #: OpenMP spins that many times at a barrier before it sleeps, where its default spins 300,000 and PASSIVE none)
-DEFAULT_SETTINGS = ("torch default", "1 thread", "passive", "ema-pg default")
-#: what a timing process does: SFT steps of the demo's cold start (batch 64, 1.1M parameters), then RL iterations
-#: of the demo (16 prompts x 8 samples); prints JSON {"sft": [s...], "rl": [s...]}
+DEFAULT_SETTINGS = ("torch default", "1 thread", "passive", "spin 10k", "ema-pg default")
+#: what a timing process does: SFT steps of the demo's cold start (batch 64, 1.1M parameters); prints JSON
+#: {"sft": [s...], "threads": N, "wait": the OpenMP waiting it ran with}
 CHILD = r"""
 import json, sys, time
 steps = int(sys.argv[1])
@@ -63,7 +65,9 @@ for i in range(steps + 1):
     t = time.perf_counter()
     sft_train(model, tok, demos, SFTConfig(steps=1, batch_size=64, lr=2e-3), i, progress=False)
     sft.append(time.perf_counter() - t)
-print(json.dumps({"sft": sft[1:], "threads": torch.get_num_threads()}))
+import os
+wait = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+print(json.dumps({"sft": sft[1:], "threads": torch.get_num_threads(), "wait": wait}))
 """
 
 
@@ -79,12 +83,13 @@ def stop(ps: list[subprocess.Popen]) -> None:
 
 
 def child_env(extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "EMA_PG_THREADS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EMA_PG_THREADS")}
     return {**env, **extra, "PYTHONPATH": str(ROOT)}
 
 
-def measure(setting: str, loaded: bool, steps: int) -> tuple[float, int]:
-    """(median seconds per SFT step, torch's thread count) of one timing process."""
+def measure(setting: str, loaded: bool, steps: int) -> tuple[float, int, dict]:
+    """(median seconds per SFT step, torch's thread count, the OpenMP waiting it ran with) of one timing
+    process."""
     load = busy(os.cpu_count() or 1) if loaded else []
     try:
         r = subprocess.run([sys.executable, "-c", CHILD, str(steps)], env=child_env(SETTINGS[setting]),
@@ -92,7 +97,7 @@ def measure(setting: str, loaded: bool, steps: int) -> tuple[float, int]:
     finally:
         stop(load)
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    return statistics.median(out["sft"]), out["threads"]
+    return statistics.median(out["sft"]), out["threads"], out["wait"]
 
 
 def paired_ratio(ours: list[float], theirs: list[float]) -> dict:
@@ -108,6 +113,11 @@ def paired_ratio(ours: list[float], theirs: list[float]) -> dict:
             "per_round": [a / b for a, b in zip(ours, theirs)]}
 
 
+#: what the ema-pg default chooses in a process started now (run beside the demo, under the same load)
+PROBE = "import json, os, ema_pg; print(json.dumps({k: os.environ[k] for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT') " \
+        "if k in os.environ}))"
+
+
 def demo(loaded: bool) -> dict:
     load = busy(os.cpu_count() or 1) if loaded else []
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,9 +126,12 @@ def demo(loaded: bool) -> dict:
             subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", f"run_dir={tmp}/run",
                             f"sft.cache_dir={tmp}/cache", "trainer.progress_bar=false"], cwd=ROOT,
                            env=child_env({}), capture_output=True, text=True, timeout=7200, check=True)
+            wall = time.perf_counter() - t
+            wait = json.loads(subprocess.run([sys.executable, "-c", PROBE], env=child_env({}), capture_output=True,
+                                             text=True, check=True).stdout)
         finally:
             stop(load)
-        return {"load": "one busy process per core" if loaded else "idle", "wall_s": time.perf_counter() - t}
+        return {"load": "one busy process per core" if loaded else "idle", "wall_s": wall, "wait": wait}
 
 
 def main() -> None:
@@ -127,6 +140,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3, help="rounds of every cell, interleaved; the median is reported")
     ap.add_argument("--demo", action="store_true", help="also time the whole demo, idle and loaded")
+    ap.add_argument("--demo-repeats", type=int, default=1, help="demo runs idle and loaded each, interleaved")
     ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma list of {', '.join(SETTINGS)}")
     a = ap.parse_args()
     from tqdm.auto import tqdm
@@ -142,19 +156,24 @@ def main() -> None:
         for c in cells:  # interleaved: a slow minute of the machine falls on every setting alike
             got[c].append(measure(*c, a.steps))
     rows = [{"setting": s, "load": "one busy process per core" if loaded else "idle",
-             "sft_s_per_step": statistics.median(t for t, _ in got[(s, loaded)]),
-             "rounds": [t for t, _ in got[(s, loaded)]], "sft_steps": a.steps,
-             "torch_threads": got[(s, loaded)][0][1], "env": SETTINGS[s]} for s, loaded in cells]
-    secs = lambda s, loaded: [t for t, _ in got[(s, loaded)]]  # noqa: E731
+             "sft_s_per_step": statistics.median(t for t, _, _ in got[(s, loaded)]),
+             "rounds": [t for t, _, _ in got[(s, loaded)]], "sft_steps": a.steps,
+             "torch_threads": got[(s, loaded)][0][1], "env": SETTINGS[s],
+             "wait": sorted({json.dumps(w, sort_keys=True) for _, _, w in got[(s, loaded)]})} for s, loaded in cells]
+    secs = lambda s, loaded: [t for t, _, _ in got[(s, loaded)]]  # noqa: E731
     idle = paired_ratio(secs("ema-pg default", False), secs("torch default", False))
     paired = {s: {"idle" if not loaded else "loaded": paired_ratio(secs(s, loaded), secs("torch default", loaded))
                   for loaded in (False, True)} for s in names if s != "torch default"}
-    demos = [demo(False), demo(True)] if a.demo else []
+    demos = [d for _ in tqdm(range(a.demo_repeats), desc="demo, idle then loaded")
+             for d in (demo(False), demo(True))] if a.demo else []
+    walls = {w: [d["wall_s"] for d in demos if d["load"] == w] for w in ("idle", "one busy process per core")}
+    ratio = (statistics.median(walls["one busy process per core"]) / statistics.median(walls["idle"])
+             if demos else None)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out = {"what": "seconds per cold-start SFT step (batch 64, the demo's 1.1M-parameter model), median of rounds",
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "commit": commit,
            "python": platform.python_version(), "rows": rows, "idle_cost_of_the_default": idle,
-           "paired_vs_torch_default": paired, "demo": demos}
+           "paired_vs_torch_default": paired, "demo": demos, "demo_loaded_over_idle": ratio}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     for r in rows:
@@ -162,7 +181,9 @@ def main() -> None:
     print(f"idle, ema-pg default / torch default: {idle['ratio']:.3f} [{idle['ci95'][0]:.3f}, {idle['ci95'][1]:.3f}] "
           f"over {idle['rounds']} paired rounds")
     for d in demos:
-        print(f"demo {d['load']}: {d['wall_s']:.0f} s")
+        print(f"demo {d['load']}: {d['wall_s']:.0f} s ({d['wait']})")
+    if ratio:
+        print(f"demo, loaded / idle (medians): {ratio:.2f}")
 
 
 if __name__ == "__main__":

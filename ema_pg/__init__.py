@@ -11,14 +11,38 @@ import os
 # so it works as long as nothing has multiplied matrices before ema_pg is imported.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
-# A CPU run beside other work (a sweep's second worker, decide --workers 2, a laptop's other programs): torch's
-# OpenMP threads spin at every barrier before they sleep, and on a loaded machine the spinning takes the cores the
-# work needs (the demo's SFT step: about 10x slower beside one busy process per core). Threads that sleep at once
-# cost nothing measurable idle on an Intel Xeon (benchmarks/results/cpu_load_cpu.json) but 1.14x on an AMD EPYC
-# (cpu_load_amd_cpu.json; docs/training.md). OpenMP reads the
-# setting when torch loads it, so it holds where ema_pg is imported before torch (every ema-pg command, and the
-# processes they start); your own OMP_WAIT_POLICY wins, and EMA_PG_THREADS=torch leaves OpenMP's default.
-if os.environ.get("EMA_PG_THREADS") != "torch":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def others_running() -> int:
+    """Threads runnable on this machine at this instant besides this one (Linux's ``procs_running``); 0 where the
+    kernel does not say."""
+    try:
+        with open("/proc/stat") as f:
+            line = next((ln for ln in f if ln.startswith("procs_running ")), "procs_running 1")
+        return max(0, int(line.split()[1]) - 1)
+    except (OSError, ValueError):
+        return 0
+
+
+def thread_wait_default(env: dict, others: int, cpus: int) -> dict:
+    """The OpenMP waiting a run gets unless the user chose (their ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins,
+    and ``EMA_PG_THREADS=torch`` leaves OpenMP's default). torch's threads spin at every barrier before they sleep
+    (GNU OpenMP: 300,000 spins); beside other work the spinning takes the cores the work needs. A machine on which
+    ``others`` runnable threads and this run's threads (``OMP_NUM_THREADS``, else one per CPU) are more than its
+    ``cpus`` gets ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once); one with room spins 10,000 times,
+    then sleeps (``GOMP_SPINCOUNT=10000``), which costs nothing measurable idle where sleeping at once does.
+    Measured: benchmarks/results/cpu_load_amd_cpu.json, docs/training.md."""
+    if env.get("EMA_PG_THREADS") == "torch" or "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return {}
+    try:
+        threads = int(env.get("OMP_NUM_THREADS", "").split(",")[0])
+    except ValueError:
+        threads = cpus
+    return {"OMP_WAIT_POLICY": "PASSIVE"} if others + threads > cpus else {"GOMP_SPINCOUNT": "10000"}
+
+
+# OpenMP reads the setting when torch loads it, so it holds where ema_pg is imported before torch (every ema-pg
+# command); the processes a command starts inherit the choice its first process made.
+os.environ.update(thread_wait_default(dict(os.environ), others_running(), os.cpu_count() or 1))
 
 __version__ = "0.1.0"

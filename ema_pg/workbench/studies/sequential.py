@@ -36,6 +36,7 @@ spends alpha at its actual information time; the cap N stays as registered.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -82,10 +83,15 @@ def z_boundaries(fractions, alpha: float = 0.05, spending: str = "obrien_fleming
 
     Recursive integration over the continuation region of B(t) = Z sqrt(t), a Brownian motion: the density of
     B(t_k) on paths that have not stopped is carried on a grid of ``grid`` points (Simpson weights) from one look
-    to the next by the Gaussian transition kernel."""
-    ts = [float(t) for t in fractions]
+    to the next by the Gaussian transition kernel. Each design is computed once per process (a claims page asks
+    the same few designs at every look of every plan)."""
+    return list(_z_boundaries(tuple(float(t) for t in fractions), float(alpha), spending, int(grid)))
+
+
+@functools.lru_cache(maxsize=256)
+def _z_boundaries(ts: tuple[float, ...], alpha: float, spending: str, grid: int) -> tuple[float, ...]:
     if not ts or any(b <= a for a, b in zip(ts, ts[1:])) or ts[0] <= 0 or ts[-1] > 1 + 1e-12:
-        raise ValueError(f"information fractions must increase within (0, 1]; got {ts}")
+        raise ValueError(f"information fractions must increase within (0, 1]; got {list(ts)}")
     grid += 1 - grid % 2  # an odd number of points for Simpson's rule
     bounds: list[float] = []
     x = w = dens = None  # the grid over the last continuation region, its weights, the density on it
@@ -127,7 +133,7 @@ def z_boundaries(fractions, alpha: float = 0.05, spending: str = "obrien_fleming
             dens = kernel @ (w * dens)
         x, w = x_new, w_new
         prev_t, prev_spend = t, spent(t, alpha, spending)
-    return bounds
+    return tuple(bounds)
 
 
 def t_boundary(c: float, n: int) -> float:

@@ -113,7 +113,7 @@ def paired_ratio(ours: list[float], theirs: list[float]) -> dict:
             "per_round": [a / b for a, b in zip(ours, theirs)]}
 
 
-#: what the ema-pg default chooses in a process started now (run beside the demo, under the same load)
+#: what the ema-pg default chooses in a process started now (run just before the demo, under the same load)
 PROBE = "import json, os, ema_pg; print(json.dumps({k: os.environ[k] for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT') " \
         "if k in os.environ}))"
 
@@ -121,14 +121,14 @@ PROBE = "import json, os, ema_pg; print(json.dumps({k: os.environ[k] for k in ('
 def demo(loaded: bool) -> dict:
     load = busy(os.cpu_count() or 1) if loaded else []
     with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
         try:
+            wait = json.loads(subprocess.run([sys.executable, "-c", PROBE], env=child_env({}), capture_output=True,
+                                             text=True, check=True).stdout)
+            t = time.perf_counter()
             subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", f"run_dir={tmp}/run",
                             f"sft.cache_dir={tmp}/cache", "trainer.progress_bar=false"], cwd=ROOT,
                            env=child_env({}), capture_output=True, text=True, timeout=7200, check=True)
             wall = time.perf_counter() - t
-            wait = json.loads(subprocess.run([sys.executable, "-c", PROBE], env=child_env({}), capture_output=True,
-                                             text=True, check=True).stdout)
         finally:
             stop(load)
         return {"load": "one busy process per core" if loaded else "idle", "wall_s": wall, "wait": wait}

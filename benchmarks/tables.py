@@ -402,6 +402,42 @@ def portable_sft_across(files):
 
 
 # ------------------------------------------------------------------------------------------------ what ran on a GPU
+def _wait(w: list[str]) -> str:
+    """What a cell's OpenMP waiting was, in the table's words (several when its rounds chose differently)."""
+    words = {"{}": "OpenMP's own", '{"OMP_WAIT_POLICY": "PASSIVE"}': "passive", '{"GOMP_SPINCOUNT": "10000"}': "spin 10k",
+             '{"GOMP_SPINCOUNT": "3000"}': "spin 3k"}
+    return ", ".join(words.get(x, x) for x in w)
+
+
+def cpu_load(files):
+    """Seconds per cold-start SFT step idle and beside one busy process per core, per thread setting, each with its
+    paired ratio to torch's default (95% interval over the rounds); then the whole demo's wall time."""
+    d = load(files[0])
+    cell = {(r["setting"], r["load"] != "idle"): r for r in d["rows"]}
+    paired = d["paired_vs_torch_default"]
+
+    def vs(s, loaded):
+        if s == "torch default":
+            return "1"
+        p = paired[s]["loaded" if loaded else "idle"]
+        return f"{p['ratio']:.3f} [{p['ci95'][0]:.3f}, {p['ci95'][1]:.3f}]"
+
+    settings = list(dict.fromkeys(r["setting"] for r in d["rows"]))
+    rows = [[bold(s, s == "ema-pg default"), f"{cell[s, False]['sft_s_per_step']:.3f}", vs(s, False),
+             f"{cell[s, True]['sft_s_per_step']:.3f}", vs(s, True),
+             f"{cell[s, True]['sft_s_per_step'] / cell[s, False]['sft_s_per_step']:.2f}x",
+             _wait(cell[s, False]["wait"]) + " / " + _wait(cell[s, True]["wait"])] for s in settings]
+    out = table(["setting", "idle s/step", "idle, x torch's", "loaded s/step", "loaded, x torch's", "loaded / idle",
+                 "OpenMP waiting (idle / loaded)"], rows)
+    if d.get("demo"):
+        walls = {k: [x["wall_s"] for x in d["demo"] if x["load"] == k] for k in ("idle", "one busy process per core")}
+        out += ["", f"The whole demo with the ema-pg default ({len(walls['idle'])} runs each, interleaved): idle "
+                f"{', '.join(f'{w:.0f}' for w in walls['idle'])} s, beside one busy process per core "
+                f"{', '.join(f'{w:.0f}' for w in walls['one busy process per core'])} s; loaded over idle, medians: "
+                f"**{d['demo_loaded_over_idle']:.2f}x**."]
+    return out
+
+
 def _want_iterations(d: dict) -> int | None:
     return next((int(o.split("=")[1]) for o in d.get("overrides", []) if o.startswith("algo.iterations=")), None)
 
@@ -499,7 +535,7 @@ def gpu_line(files):
 BUILDERS = {f.__name__: f for f in (rl_step, rl_step_phases, rl_step_gpu, rl_step_curve, rl_step_curve_log,
                                     kl_head_cpu, kl_head_gpu, kl_head_gpu_fixed, rollout, zero3_step, recipes_first,
                                     recipes_second, packing_gpu, rehearsal, packing_cpu, seed_cost, async_step, partial_rollouts,
-                                    portable_sft, portable_sft_across, gpu_runs, gpu_line)}
+                                    portable_sft, portable_sft_across, cpu_load, gpu_runs, gpu_line)}
 MARK = re.compile(r"^<!-- table (\w+): (.+?) -->\n(.*?)^<!-- /table -->\n", re.S | re.M)
 
 

@@ -13,15 +13,23 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 
-def others_running() -> int:
-    """Threads runnable on this machine at this instant besides this one (Linux's ``procs_running``); 0 where the
-    kernel does not say."""
-    try:
-        with open("/proc/stat") as f:
-            line = next((ln for ln in f if ln.startswith("procs_running ")), "procs_running 1")
-        return max(0, int(line.split()[1]) - 1)
-    except (OSError, ValueError):
-        return 0
+def others_running(reads: int = 5, gap_s: float = 0.002) -> int:
+    """Threads runnable on this machine besides this one (Linux's ``procs_running``): the fewest over ``reads`` reads
+    ``gap_s`` apart, since a busy process is runnable at every read and a command starting or ending is not; 0 where
+    the kernel does not say."""
+    import time
+
+    seen = []
+    for i in range(reads):
+        try:
+            with open("/proc/stat") as f:
+                line = next((ln for ln in f if ln.startswith("procs_running ")), "procs_running 1")
+            seen.append(max(0, int(line.split()[1]) - 1))
+        except (OSError, ValueError):
+            return 0
+        if i + 1 < reads:
+            time.sleep(gap_s)
+    return min(seen)
 
 
 def thread_wait_default(env: dict, others: int, cpus: int) -> dict:

@@ -17,7 +17,8 @@ Settings (each measured in a fresh process, the environment set before torch sta
 Each cell is the median over ``--repeats`` rounds (interleaved) of the median seconds per step of ``--steps``
 steps after one warm-up step, each round in a fresh process. ``--demo`` also times the
 whole of ``python -m ema_pg.train experiment=demo`` (its cold start included, in a cache of its own) idle and
-loaded, ``--demo-repeats`` times each (interleaved), with the ema-pg default: the bar is loaded <= 2x idle.
+loaded, ``--demo-repeats`` times each (interleaved), with the ema-pg default: the bar is loaded <= 2x idle;
+``--demo-only`` times only that.
 """
 
 from __future__ import annotations
@@ -134,41 +135,54 @@ def demo(loaded: bool) -> dict:
         return {"load": "one busy process per core" if loaded else "idle", "wall_s": wall, "wait": wait}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_load_cpu.json")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=3, help="rounds of every cell, interleaved; the median is reported")
-    ap.add_argument("--demo", action="store_true", help="also time the whole demo, idle and loaded")
-    ap.add_argument("--demo-repeats", type=int, default=1, help="demo runs idle and loaded each, interleaved")
-    ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma list of {', '.join(SETTINGS)}")
-    a = ap.parse_args()
+def step_cells(names: list[str], repeats: int, steps: int) -> tuple[list[dict], dict, dict]:
+    """Every setting idle and loaded, ``repeats`` interleaved rounds: the rows, the default's idle ratio to torch's
+    and every setting's paired ratios to torch's."""
     from tqdm.auto import tqdm
 
-    names = [s.strip() for s in a.settings.split(",")]
-    if unknown := [s for s in names if s not in SETTINGS]:
-        ap.error(f"--settings: no setting {unknown}; choose from {', '.join(SETTINGS)}")
-    if missing := [s for s in ("torch default", "ema-pg default") if s not in names]:
-        ap.error(f"--settings must include {missing}: the idle bar compares the two")
     cells = [(s, loaded) for s in names for loaded in (False, True)]
     got: dict = {c: [] for c in cells}
-    for _ in tqdm(range(a.repeats), desc="rounds (every setting x load, interleaved)"):
+    for _ in tqdm(range(repeats), desc="rounds (every setting x load, interleaved)"):
         for c in cells:  # interleaved: a slow minute of the machine falls on every setting alike
-            got[c].append(measure(*c, a.steps))
+            got[c].append(measure(*c, steps))
     rows = [{"setting": s, "load": "one busy process per core" if loaded else "idle",
              "sft_s_per_step": statistics.median(t for t, _, _ in got[(s, loaded)]),
-             "rounds": [t for t, _, _ in got[(s, loaded)]], "sft_steps": a.steps,
+             "rounds": [t for t, _, _ in got[(s, loaded)]], "sft_steps": steps,
              "torch_threads": got[(s, loaded)][0][1], "env": SETTINGS[s],
              "wait": sorted({json.dumps(w, sort_keys=True) for _, _, w in got[(s, loaded)]})} for s, loaded in cells]
     secs = lambda s, loaded: [t for t, _, _ in got[(s, loaded)]]  # noqa: E731
     idle = paired_ratio(secs("ema-pg default", False), secs("torch default", False))
     paired = {s: {"idle" if not loaded else "loaded": paired_ratio(secs(s, loaded), secs("torch default", loaded))
                   for loaded in (False, True)} for s in names if s != "torch default"}
-    demos = [d for _ in tqdm(range(a.demo_repeats), desc="demo, idle then loaded")
-             for d in (demo(False), demo(True))] if a.demo else []
+    return rows, idle, paired
+
+
+def demo_pairs(repeats: int) -> tuple[list[dict], float]:
+    """The whole demo idle then loaded, ``repeats`` times; and loaded over idle, medians."""
+    from tqdm.auto import tqdm
+
+    demos = [d for _ in tqdm(range(repeats), desc="demo, idle then loaded") for d in (demo(False), demo(True))]
     walls = {w: [d["wall_s"] for d in demos if d["load"] == w] for w in ("idle", "one busy process per core")}
-    ratio = (statistics.median(walls["one busy process per core"]) / statistics.median(walls["idle"])
-             if demos else None)
+    return demos, statistics.median(walls["one busy process per core"]) / statistics.median(walls["idle"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cpu_load_cpu.json")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every cell, interleaved; the median is reported")
+    ap.add_argument("--demo", action="store_true", help="also time the whole demo, idle and loaded")
+    ap.add_argument("--demo-only", action="store_true", help="time only the whole demo, idle and loaded")
+    ap.add_argument("--demo-repeats", type=int, default=1, help="demo runs idle and loaded each, interleaved")
+    ap.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), help=f"comma list of {', '.join(SETTINGS)}")
+    a = ap.parse_args()
+    names = [s.strip() for s in a.settings.split(",")]
+    if unknown := [s for s in names if s not in SETTINGS]:
+        ap.error(f"--settings: no setting {unknown}; choose from {', '.join(SETTINGS)}")
+    if missing := [s for s in ("torch default", "ema-pg default") if s not in names]:
+        ap.error(f"--settings must include {missing}: the idle bar compares the two")
+    rows, idle, paired = step_cells(names, a.repeats, a.steps) if not a.demo_only else ([], None, {})
+    demos, ratio = demo_pairs(a.demo_repeats) if a.demo or a.demo_only else ([], None)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     out = {"what": "seconds per cold-start SFT step (batch 64, the demo's 1.1M-parameter model), median of rounds",
            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "commit": commit,
@@ -178,8 +192,9 @@ def main() -> None:
     a.out.write_text(json.dumps(out, indent=2) + "\n")
     for r in rows:
         print(f"{r['setting']:>15} {r['load']:>28}: {r['sft_s_per_step']:.3f} s/step ({r['torch_threads']} threads)")
-    print(f"idle, ema-pg default / torch default: {idle['ratio']:.3f} [{idle['ci95'][0]:.3f}, {idle['ci95'][1]:.3f}] "
-          f"over {idle['rounds']} paired rounds")
+    if idle:
+        print(f"idle, ema-pg default / torch default: {idle['ratio']:.3f} [{idle['ci95'][0]:.3f}, "
+              f"{idle['ci95'][1]:.3f}] over {idle['rounds']} paired rounds")
     for d in demos:
         print(f"demo {d['load']}: {d['wall_s']:.0f} s ({d['wait']})")
     if ratio:

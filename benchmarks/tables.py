@@ -402,6 +402,12 @@ def portable_sft_across(files):
 
 
 # ------------------------------------------------------------------------------------------------ what ran on a GPU
+def _median(xs: list[float]) -> float:
+    import statistics
+
+    return statistics.median(xs)
+
+
 def _wait(w: list[str]) -> str:
     """What a cell's OpenMP waiting was, in the table's words (several when its rounds chose differently)."""
     words = {"{}": "OpenMP's own", '{"OMP_WAIT_POLICY": "PASSIVE"}': "passive", '{"GOMP_SPINCOUNT": "10000"}': "spin 10k",
@@ -429,12 +435,21 @@ def cpu_load(files):
              _wait(cell[s, False]["wait"]) + " / " + _wait(cell[s, True]["wait"])] for s in settings]
     out = table(["setting", "idle s/step", "idle, x torch's", "loaded s/step", "loaded, x torch's", "loaded / idle",
                  "OpenMP waiting (idle / loaded)"], rows)
-    if d.get("demo"):
-        walls = {k: [x["wall_s"] for x in d["demo"] if x["load"] == k] for k in ("idle", "one busy process per core")}
-        out += ["", f"The whole demo with the ema-pg default ({len(walls['idle'])} runs each, interleaved): idle "
-                f"{', '.join(f'{w:.0f}' for w in walls['idle'])} s, beside one busy process per core "
-                f"{', '.join(f'{w:.0f}' for w in walls['one busy process per core'])} s; loaded over idle, medians: "
-                f"**{d['demo_loaded_over_idle']:.2f}x**."]
+    walls = {k: [] for k in ("idle", "one busy process per core")}
+    for f in files:  # the first file's demo runs, then any file of more demo runs (--demo-only)
+        runs = load(f).get("demo") or []
+        if not runs:
+            continue
+        got = {k: [x["wall_s"] for x in runs if x["load"] == k] for k in walls}
+        for k in walls:
+            walls[k] += got[k]
+        out += ["", f"The whole demo with the ema-pg default (`{f}`, {len(got['idle'])} runs each, interleaved): idle "
+                f"{', '.join(f'{w:.0f}' for w in got['idle'])} s, beside one busy process per core "
+                f"{', '.join(f'{w:.0f}' for w in got['one busy process per core'])} s; loaded over idle, medians: "
+                f"{_median(got['one busy process per core']) / _median(got['idle']):.2f}x."]
+    if len(files) > 1 and walls["idle"]:
+        out += ["", f"All {len(walls['idle'])} pairs: loaded over idle, medians: "
+                f"**{_median(walls['one busy process per core']) / _median(walls['idle']):.2f}x**."]
     return out
 
 

@@ -39,7 +39,7 @@ def thread_wait_default(env: dict, others: int, cpus: int) -> dict:
     ``others`` runnable threads and this run's threads (``OMP_NUM_THREADS``, else one per CPU) are more than its
     ``cpus`` gets ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once); one with room spins 10,000 times,
     then sleeps (``GOMP_SPINCOUNT=10000``), which costs nothing measurable idle where sleeping at once does.
-    Measured: benchmarks/results/cpu_load_amd_cpu.json, docs/training.md."""
+    Measured: benchmarks/results/cpu_load_default_amd_cpu.json (benchmarks/README.md, docs/training.md)."""
     if env.get("EMA_PG_THREADS") == "torch" or "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return {}
     try:

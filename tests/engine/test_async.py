@@ -315,6 +315,7 @@ def test_the_blocks_a_pool_samples_join_into_the_batch_one_worker_samples(world,
     assert joined.metrics == pytest.approx(whole.metrics)
 
 
+@pytest.mark.slow  # three pools of real worker processes: ~24 s; the fast suite joins the blocks in-process
 def test_a_pool_of_two_worker_processes_hands_out_one_workers_batches_and_its_checkpoint(world):
     """Two real worker processes against one, k = 1, four iterations of moving versions: the same batches
     (tokens, rewards, versions) in the same order, and the batches in flight a checkpoint saves are whole batches

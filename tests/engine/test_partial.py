@@ -191,6 +191,7 @@ def check_continued(whole, again):
         assert torch.equal(a.token_version, b.token_version) and torch.equal(a.rollouts.old.logp, b.rollouts.old.logp)
 
 
+@pytest.mark.slow  # two runs of a real worker process: ~21 s; the fast suite continues the stream in-process
 def test_a_worker_process_continues_its_stream_and_a_resumed_worker_repeats_it(world):
     """A real worker process, k = 1, moving versions: batch t's tokens are of versions <= t - 1; the batches after a
     checkpoint, taken by a worker restored from it, are the uninterrupted worker's bit for bit; a pool of two refuses

@@ -111,6 +111,7 @@ def _cold_start_child(cache, err, tmp_path):
                                 stderr=fh, cwd=tmp_path)
 
 
+@pytest.mark.slow  # three processes build one cold start: ~18 s; the fast suite stays under 5 minutes
 def test_processes_that_ask_for_one_cold_start_together_build_it_once(tmp_path):
     """Two processes asking for a base policy that a third is building wait, then one builds it and the other
     reuses that build: one set of SFT steps, not two, and the same weights as a build in another cache."""

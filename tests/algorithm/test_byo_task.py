@@ -56,6 +56,7 @@ def test_a_task_class_by_import_path_trains_and_is_evaluated_on_its_own_splits(o
                                                                                    range(3, 39, 3)}
 
 
+@pytest.mark.slow  # pip install and a fresh interpreter: ~20 s; the import path's in-process run stays fast
 def test_an_installed_packages_entry_point_is_a_task_by_name_with_its_knobs_as_an_option_file(site, tmp_path):
     """A fresh interpreter with the package on its path: task=countdown composes the class's keyword defaults
     (task.top=40 without a +), a misspelt knob is one line with the nearest, and the run finishes."""

@@ -257,6 +257,7 @@ def test_the_math_experiment_trains_and_logs_pass_at_k(tmp_path):
     assert set(ev["splits"]) == set(SPLITS) and ev["avg_scores"]["pass@1"] == pytest.approx(ev["avg"])
 
 
+@pytest.mark.slow  # three math runs: ~11 s; the fast suite resumes runs exactly elsewhere (test_train)
 def test_a_stage_continues_a_run_exactly_and_may_change_its_length(tmp_path, recwarn):
     common = [o for o in MATH_TINY if not o.startswith("algo.iterations")]
     full = compose_cfg(common + ["algo.iterations=4"], tmp_path / "full", tiny=False)

@@ -350,6 +350,7 @@ def test_a_pool_of_two_worker_processes_hands_out_one_workers_batches_and_its_ch
     assert torch.equal(again[0].rewards, _loads(one_saved[4]).rewards)
 
 
+@pytest.mark.slow  # a pool of real worker processes, one killed: ~10 s
 def test_a_killed_worker_of_a_pool_stops_the_trainer_with_one_line_naming_it(world):
     """kill -9 of the second of two workers: the trainer's next wait ends in one error that names that worker."""
     import os

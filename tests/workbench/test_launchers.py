@@ -41,7 +41,8 @@ def _fake_cells(monkeypatch, tmp_path: Path, runs: Path, at: float) -> None:
                                                                                  str(at)])
 
 
-@pytest.mark.parametrize("launcher", ["local", pytest.param("submitit", marks=pytest.mark.slow)])  # submitit: ~12 s
+@pytest.mark.slow  # each launcher ~12 s; the fast suite keeps the live-trainer and cannot-start cases
+@pytest.mark.parametrize("launcher", ["local", "submitit"])
 def test_cells_that_end_at_one_instant_are_recorded_once_each_and_the_look_is_taken_once(launcher, tmp_path,
                                                                                         monkeypatch):
     runs = tmp_path / "runs"

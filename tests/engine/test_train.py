@@ -121,7 +121,7 @@ def test_processes_that_ask_for_one_cold_start_together_build_it_once(tmp_path):
     from ema_pg.engine.sft import LOCKS, cold_start_lock
 
     first = _cold_start_child(tmp_path / "elsewhere", tmp_path / "elsewhere.err", tmp_path)
-    name, digest = first.communicate(timeout=300)[0].split()
+    name, digest = first.communicate(timeout=300)[0].split()[-2:]  # the last line (a venv with DeepSpeed logs above)
     cache = tmp_path / "cache"
     errs = [tmp_path / f"child{i}.err" for i in range(2)]
     with file_lock(cold_start_lock(cache / name)):  # the lock a builder holds: both children find it taken
@@ -131,7 +131,7 @@ def test_processes_that_ask_for_one_cold_start_together_build_it_once(tmp_path):
             assert time.monotonic() < deadline and all(k.poll() is None for k in kids), [e.read_text() for e in errs]
             time.sleep(0.1)
         assert not (cache / name).exists()  # nothing built while the lock was held
-    outs = [k.communicate(timeout=300)[0].split() for k in kids]
+    outs = [k.communicate(timeout=300)[0].split()[-2:] for k in kids]
     assert all(k.returncode == 0 for k in kids) and outs == [[name, digest]] * 2
     logs = [e.read_text() for e in errs]
     assert sum("SFT steps" in t for t in logs) == 1 and sum("cold start: reusing" in t for t in logs) == 1, logs

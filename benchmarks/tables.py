@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -401,13 +402,7 @@ def portable_sft_across(files):
     return table(["setting", "torch kernels", "weights on the AMD EPYC", "the same as the Intel Xeon's?"], rows)
 
 
-# ------------------------------------------------------------------------------------------------ what ran on a GPU
-def _median(xs: list[float]) -> float:
-    import statistics
-
-    return statistics.median(xs)
-
-
+# ------------------------------------------------------------------------------------------ CPU runs beside other work
 def _wait(w: list[str]) -> str:
     """What a cell's OpenMP waiting was, in the table's words (several when its rounds chose differently)."""
     words = {"{}": "OpenMP's own", '{"OMP_WAIT_POLICY": "PASSIVE"}': "passive", '{"GOMP_SPINCOUNT": "10000"}': "spin 10k",
@@ -446,13 +441,14 @@ def cpu_load(files):
         out += ["", f"The whole demo with the ema-pg default (`{f}`, {len(got['idle'])} runs each, interleaved): idle "
                 f"{', '.join(f'{w:.0f}' for w in got['idle'])} s, beside one busy process per core "
                 f"{', '.join(f'{w:.0f}' for w in got['one busy process per core'])} s; loaded over idle, medians: "
-                f"{_median(got['one busy process per core']) / _median(got['idle']):.2f}x."]
+                f"{statistics.median(got['one busy process per core']) / statistics.median(got['idle']):.2f}x."]
     if len(files) > 1 and walls["idle"]:
         out += ["", f"All {len(walls['idle'])} pairs: loaded over idle, medians: "
-                f"**{_median(walls['one busy process per core']) / _median(walls['idle']):.2f}x**."]
+                f"**{statistics.median(walls['one busy process per core']) / statistics.median(walls['idle']):.2f}x**."]
     return out
 
 
+# ------------------------------------------------------------------------------------------------ what ran on a GPU
 def _want_iterations(d: dict) -> int | None:
     return next((int(o.split("=")[1]) for o in d.get("overrides", []) if o.startswith("algo.iterations=")), None)
 

@@ -12,7 +12,6 @@ import os
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
-
 def others_running(reads: int = 5, gap_s: float = 0.002) -> int:
     """Threads runnable on this machine besides this one (Linux's ``procs_running``): the fewest over ``reads`` reads
     ``gap_s`` apart, since a busy process is runnable at every read and a command starting or ending is not; 0 where
@@ -32,25 +31,27 @@ def others_running(reads: int = 5, gap_s: float = 0.002) -> int:
     return min(seen)
 
 
-def thread_wait_default(env: dict, others: int, cpus: int) -> dict:
+def thread_wait_default(env: dict, others, cpus: int) -> dict:
     """The OpenMP waiting a run gets unless the user chose (their ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins,
     and ``EMA_PG_THREADS=torch`` leaves OpenMP's default). torch's threads spin at every barrier before they sleep
     (GNU OpenMP: 300,000 spins); beside other work the spinning takes the cores the work needs. A machine on which
-    ``others`` runnable threads and this run's threads (``OMP_NUM_THREADS``, else one per CPU) are more than its
+    ``others()`` runnable threads and this run's threads (``OMP_NUM_THREADS``, else one per CPU) are more than its
     ``cpus`` gets ``OMP_WAIT_POLICY=PASSIVE`` (a waiting thread sleeps at once); one with room spins 10,000 times,
     then sleeps (``GOMP_SPINCOUNT=10000``), which costs nothing measurable idle where sleeping at once does.
-    Measured: benchmarks/results/cpu_load_default_amd_cpu.json (benchmarks/README.md, docs/training.md)."""
+    ``others`` is asked only when the user has not chosen (a command's child processes inherit its choice, so they
+    never read the machine). Measured: benchmarks/results/cpu_load_default_amd_cpu.json (benchmarks/README.md,
+    docs/training.md)."""
     if env.get("EMA_PG_THREADS") == "torch" or "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
         return {}
     try:
         threads = int(env.get("OMP_NUM_THREADS", "").split(",")[0])
     except ValueError:
         threads = cpus
-    return {"OMP_WAIT_POLICY": "PASSIVE"} if others + threads > cpus else {"GOMP_SPINCOUNT": "10000"}
+    return {"OMP_WAIT_POLICY": "PASSIVE"} if others() + threads > cpus else {"GOMP_SPINCOUNT": "10000"}
 
 
 # OpenMP reads the setting when torch loads it, so it holds where ema_pg is imported before torch (every ema-pg
 # command); the processes a command starts inherit the choice its first process made.
-os.environ.update(thread_wait_default(dict(os.environ), others_running(), os.cpu_count() or 1))
+os.environ.update(thread_wait_default(dict(os.environ), others_running, os.cpu_count() or 1))
 
 __version__ = "0.1.0"

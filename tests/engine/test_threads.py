@@ -29,7 +29,16 @@ PROBE = ("import os, ema_pg, torch; print(os.environ.get('OMP_WAIT_POLICY'), os.
     ({"EMA_PG_THREADS": "torch"}, 5, 2, {}),              # OpenMP's own default
 ])
 def test_the_wait_setting_follows_the_room_on_the_machine_unless_the_user_chose(env, others, cpus, expect):
-    assert thread_wait_default(env, others, cpus) == expect
+    assert thread_wait_default(env, lambda: others, cpus) == expect
+
+
+@pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}, {"EMA_PG_THREADS": "torch"}])
+def test_a_users_choice_is_kept_without_reading_the_machine(env):
+    """A command's child processes inherit its choice: they must not pay the machine's reads again."""
+    def unread():
+        raise AssertionError("the machine was read")
+
+    assert thread_wait_default(env, unread, 2) == {}
 
 
 def test_others_running_counts_busy_processes():

@@ -60,9 +60,11 @@ def ray_token(monkeypatch, tmp_path):
 @pytest.fixture
 def ray_cluster(ray_token):
     """A Ray cluster on this machine, started as a user starts one (``ray start --head``, token authentication on:
-    :func:`ray_token`) and stopped after. Its session folder is short: a Unix socket's path has at most 107 bytes,
-    and pytest's tmp_path is longer. One at a time on this machine (a lock across the suite's worker processes):
-    ``ray stop`` stops every cluster here."""
+    :func:`ray_token`) and stopped after, alone: ``ray stop`` would stop every Ray here, a Ray that another test's
+    coordinator started in its own process among them (CI's slow suite lost two cells of a Ray plan that way, their
+    raylet gone at once). Its session folder is short: a Unix socket's path has at most 107 bytes, and pytest's
+    tmp_path is longer. One at a time on this machine (a lock across the suite's worker processes): a head takes
+    fixed ports (its client server's 10001)."""
     import shutil
     import socket
     import subprocess
@@ -78,12 +80,47 @@ def ray_cluster(ray_token):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    try:
-        up = subprocess.run([ray, "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard",
-                             "false", "--temp-dir", str(temp)], capture_output=True, text=True, env=env, timeout=180)
-        assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-2000:]
+    up = None
+    try:  # a session of its own: the daemons it leaves share its process group, and nothing else does
+        up = subprocess.Popen([ray, "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard",
+                               "false", "--temp-dir", str(temp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env, start_new_session=True)
+        said = up.communicate(timeout=180)[0]
+        assert up.returncode == 0, said[-3000:]
         yield f"127.0.0.1:{port}"
     finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        if up is not None:
+            stop_process_group(up.pid)
         shutil.rmtree(temp, ignore_errors=True)
         one_at_a_time.release()
+
+
+def stop_process_group(pgid: int, timeout: float = 60) -> None:
+    """SIGKILL a process group and every descendant of its members (a Ray head's workers each begin a session of
+    their own, as children of its raylet), as ``ray stop --force`` does, but for this group alone; return once they
+    are gone."""
+    import signal
+
+    import psutil
+
+    group = [p for p in psutil.process_iter() if _pgid(p) == pgid]
+    victims = {p.pid: p for p in group}
+    for p in group:
+        try:
+            victims.update((c.pid, c) for c in p.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    for p in victims.values():
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(victims.values()), timeout=timeout)
+    assert not alive, f"still alive after SIGKILL: {[p.pid for p in alive]}"
+
+
+def _pgid(p) -> int | None:
+    try:
+        return os.getpgid(p.pid)
+    except (ProcessLookupError, PermissionError):
+        return None

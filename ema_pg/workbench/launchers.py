@@ -7,7 +7,8 @@ search's workers (``python -m ema_pg.hpo STUDY --launcher NAME``).
   same code path on one machine, what the tests run). ``--launcher-option KEY=VALUE`` sets the executor's
   parameters (``slurm_partition=dev``, ``timeout_min=600``, ``cpus_per_task=2``, ``slurm_array_parallelism``...).
 - ``ray``: one Ray task per cell on a Ray cluster (``--address HOST:PORT``, or ``auto``: the cluster ``ray start``
-  left on this node), through Ray's own task API. Hydra's Ray launcher was not used: its last release (1.2, 2022)
+  left on this node; without it, ``RAY_ADDRESS`` where set, else a Ray this process starts), through Ray's own task
+  API. Hydra's Ray launcher was not used: its last release (1.2, 2022)
   pins a Ray of that year and launches through Ray's autoscaler YAML on AWS, where a plan needs only "run this
   command somewhere with N CPUs and tell me when it ended".
 
@@ -175,7 +176,7 @@ class LauncherSpec:
 
     name: str = "local"
     cluster: str | None = None  #: submitit: slurm | local (None: slurm where sbatch is found, else local)
-    address: str | None = None  #: ray: the cluster's address (None: a Ray of this process, ``--workers`` CPUs)
+    address: str | None = None  #: ray: the cluster's address (None: :func:`ray_init`'s default)
     cell_cpus: int = 1  #: CPUs a cell asks its scheduler for
     options: tuple[str, ...] = ()  #: submitit executor parameters, KEY=VALUE
 
@@ -271,9 +272,9 @@ class _RayLauncher(Launcher):
         import ray
 
         super().__init__(spec, runs, workers)
-        ray_init(spec.address, workers * spec.cell_cpus)
+        joined = ray_init(spec.address, workers * spec.cell_cpus)
         self._remote = ray.remote(num_cpus=spec.cell_cpus, max_retries=0)(run_cell)
-        if spec.address:  # the cluster's CPUs decide; the coordinator hands it the look's cells
+        if joined:  # the cluster's CPUs decide; the coordinator hands it the look's cells
             self.capacity = max(workers, int(ray.cluster_resources().get("CPU", 1)) // spec.cell_cpus)
 
     def _start(self, cell, cmd, cwd, log):
@@ -285,9 +286,11 @@ class _RayLauncher(Launcher):
         ray.shutdown()
 
 
-def ray_init(address: str | None, num_cpus: int) -> None:
-    """Join the Ray cluster at ``address`` (``auto``: the one ``ray start`` left on this node), or start one in this
-    process with ``num_cpus`` CPUs; the cluster's own logs stay in its session folder, so the console keeps the
+def ray_init(address: str | None, num_cpus: int) -> bool:
+    """Join the Ray cluster at ``address`` (``auto``: the one ``ray start`` left on this node; None: ``RAY_ADDRESS``
+    where set, as a job Ray's job API started finds its cluster), or else start one in this process with ``num_cpus``
+    CPUs, whatever cluster a ``ray start`` left on this node (Ray's own default joins that one, and then refuses the
+    CPU count); whether it joined a cluster. The cluster's own logs stay in its session folder, so the console keeps the
     project's lines. A cluster that does not answer is one line; so is one that asks for a token this process does
     not send (Ray's token authentication: a ``ray start`` finds the token an earlier ``ray.init`` left in
     ``~/.ray/auth_token`` and turns it on, but a client given an explicit address sends it only under
@@ -301,9 +304,10 @@ def ray_init(address: str | None, num_cpus: int) -> None:
 
     import ray
 
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if ray.is_initialized():
-        return
-    kw = {"address": address} if address else {"num_cpus": num_cpus}
+        return address is not None
+    kw = {"address": address} if address else {"address": "local", "num_cpus": num_cpus}
     mine = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     with _held_stderr() as held:
         try:
@@ -321,6 +325,7 @@ def ray_init(address: str | None, num_cpus: int) -> None:
     for s, handler in mine.items():
         if handler is not None:
             signal.signal(s, handler)
+    return address is not None
 
 
 class _held_stderr:
@@ -372,7 +377,8 @@ def add_launcher_args(ap, what: str) -> None:
     ap.add_argument("--cluster", default=None, choices=("slurm", "local"),
                     help="submitit's executor (default: slurm where sbatch is found, else local)")
     ap.add_argument("--address", default=None,
-                    help="a Ray cluster's address, HOST:PORT or auto (default: a Ray of this process, --workers CPUs)")
+                    help="a Ray cluster's address, HOST:PORT or auto (default: $RAY_ADDRESS where set, else a Ray of "
+                         "this process with --workers CPUs)")
     ap.add_argument("--cell-cpus", type=int, default=1, help=f"CPUs each of the {what} asks its scheduler for (default 1)")
     ap.add_argument("--launcher-option", action="append", default=[], metavar="KEY=VALUE",
                     help="a submitit executor parameter (slurm_partition=dev, timeout_min=600, ...); repeat for more")

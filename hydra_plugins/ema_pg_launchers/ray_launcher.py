@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RayLauncherConf:
     _target_: str = "hydra_plugins.ema_pg_launchers.ray_launcher.RayLauncher"
-    address: Optional[str] = None  #: a cluster's HOST:PORT or auto; None: a Ray of this process
+    address: Optional[str] = None  #: a cluster's HOST:PORT or auto; None: $RAY_ADDRESS where set, else a Ray of this process
     cpus_per_job: int = 1  #: CPUs each job asks the cluster for
     num_cpus: int = 2  #: the CPUs of a Ray of this process (address None)
 

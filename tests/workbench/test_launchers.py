@@ -158,6 +158,64 @@ def test_a_cluster_that_asks_for_a_token_this_process_does_not_send_is_one_line(
 
 
 @pytest.mark.slow
+def test_without_an_address_the_ray_launcher_starts_its_own_ray_beside_a_ray_start_cluster_and_joins_ray_address(
+        tmp_path, ray_cluster):
+    """A ``ray start`` on the machine records its cluster where Ray's own default address looks (RAY_TMPDIR's
+    ray/ray_current_cluster): without ``--address`` the command still starts a Ray of its own with the CPUs it asks
+    (Ray's default joined that cluster, then refused the CPU count: a ValueError traceback). ``RAY_ADDRESS``, as Ray's
+    job API sets it, is joined: the cluster's 2 CPUs, not the 1 asked."""
+    import shutil
+    import tempfile
+
+    short = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # a Ray's sockets live under it: a short path
+    try:
+        (short / "ray").mkdir()
+        (short / "ray" / "ray_current_cluster").write_text(ray_cluster)
+        probe = ("from ema_pg.workbench.launchers import ray_init; import ray; joined = ray_init(None, 1); "
+                 "print(joined, ray.cluster_resources()['CPU']); ray.shutdown()")
+        for extra, said in [({"RAY_TMPDIR": str(short)}, "False 1.0"), ({"RAY_ADDRESS": ray_cluster}, "True 2.0")]:
+            env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | extra
+            out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                                 timeout=300)
+            lines = out.stdout.strip().splitlines()
+            assert out.returncode == 0 and lines and lines[-1] == said, (extra, out.stdout[-1500:], out.stderr[-1500:])
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_the_tests_ray_head_is_stopped_alone(tmp_path):
+    """``stop_process_group`` (the ray_cluster fixture's teardown) ends its group and the descendants that began
+    sessions of their own (a Ray head's workers), and leaves another group, a Ray another test's command started in
+    its own process, running (``ray stop`` ended every Ray here: CI lost a plan's two running cells that way)."""
+    from conftest import stop_process_group
+
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+            "start_new_session=True); open(sys.argv[1], 'w').write(str(c.pid)); time.sleep(600)")
+    groups = []
+    for k in range(2):
+        f = tmp_path / f"child{k}"
+        p = subprocess.Popen([sys.executable, "-c", code, str(f)], start_new_session=True)
+        while not f.is_file() or not f.read_text():
+            time.sleep(0.05)
+        groups.append((p, int(f.read_text())))
+    (head, worker), (other, its_worker) = groups
+    assert os.getpgid(worker) != head.pid  # a session of its own, as a Ray worker's
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as st:
+                return st.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    stop_process_group(head.pid)
+    head.wait(timeout=30)
+    assert not alive(worker) and alive(other.pid) and alive(its_worker)
+    stop_process_group(other.pid)
+    other.wait(timeout=30)
+    assert not alive(its_worker)
+
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "submitit"])
 def test_a_coordinator_killed_mid_look_resumes_without_running_a_cell_twice(launcher, tmp_path):
     """Killed (SIGKILL) when two cells had finished and another was running: the same command records the two,
@@ -234,6 +292,7 @@ def test_a_sigterm_to_a_coordinator_on_ray_stops_its_cells_at_a_checkpoint_and_t
     stopped = [g for g in runs.glob("*_s*/train.log") if "stopped by SIGTERM" in g.read_text()]
     assert stopped and not [g.parent for g in stopped if (g.parent / "eval.json").is_file()], out[-3000:]
     again = _decide(plan, "--launcher", "ray")
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    cells = "".join(f"\n--- {g.name}:\n" + g.read_text()[-1500:] for g in sorted((runs / "logs").glob("*.log")))
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:] + cells
     assert all("resuming" in g.read_text() for g in stopped)
     assert len(pd.read_csv(tmp_path / "plan" / CELLS)) == 6

@@ -50,6 +50,25 @@ def thread_wait_default(env: dict, others, cpus: int) -> dict:
     return {"OMP_WAIT_POLICY": "PASSIVE"} if others() + threads > cpus else {"GOMP_SPINCOUNT": "10000"}
 
 
+def threads_chosen(env: dict) -> bool:
+    """Whether the environment chose torch's thread count (``OMP_NUM_THREADS``, or ``EMA_PG_THREADS=torch``: OpenMP's
+    and torch's own defaults)."""
+    return env.get("EMA_PG_THREADS") == "torch" or bool(env.get("OMP_NUM_THREADS"))
+
+
+def rl_threads_default(env: dict, others, cpus: int, threads: int) -> int | None:
+    """The torch threads a run's RL iterations get where the user has not chosen (their ``OMP_NUM_THREADS`` or
+    ``EMA_PG_THREADS=torch`` wins; ``trainer.num_threads`` is the trainer's to apply): None (torch's ``threads``) where
+    ``others()`` runnable threads and these fit the machine's ``cpus``; else the room left, at least one. Asked once,
+    where the RL iterations begin (a resume keeps the count its run began with: ``GRPOModule``). Beside one busy
+    process per core the demo's RL iterations took 2.3x their idle time on two passive threads and 2.0x on one, where
+    its cold start's larger SFT steps do better on two (1.8x; docs/training.md)."""
+    if threads_chosen(env):
+        return None
+    busy = others()
+    return max(1, cpus - busy) if busy + threads > cpus else None
+
+
 # OpenMP reads the setting when torch loads it, so it holds where ema_pg is imported before torch (every ema-pg
 # command); the processes a command starts inherit the choice its first process made.
 os.environ.update(thread_wait_default(dict(os.environ), others_running, os.cpu_count() or 1))

@@ -89,16 +89,18 @@ class Anchor:
     # ------------------------------------------------------------------ diagnostics
     @torch.no_grad()
     def lag_norm(self, policy: torch.nn.Module) -> float:
-        """||theta - theta_ref|| over the followed parameters in fp32 (nan for a model of its own)."""
+        """||theta - theta_ref|| over the followed parameters (nan for a model of its own), summed in fp64 and given
+        to fp32's precision: the same number on any count of torch threads (a tensor's sum splits among them, and an
+        fp32 sum's last bits moved with the split; a run's RL threads follow the machine's room, ema_pg.rl_threads_default)."""
         if not self.scheme.spec.follows:
             return float("nan")
-        return float(self.reduce(self._lag_sq(policy))) ** 0.5
+        return float(torch.tensor(float(self.reduce(self._lag_sq(policy))) ** 0.5, dtype=torch.float32))
 
     def _lag_sq(self, policy) -> torch.Tensor:
         params = dict(self.model.named_parameters())
-        ref = (lambda n: self.master[n]) if self.scheme.spec.master else (lambda n: self.local(params[n]).float())
-        return sum((((self.local(p).detach().float() - ref(n)) ** 2).sum() for n, p in self.follow(policy)),
-                   torch.zeros((), dtype=torch.float64)).double()
+        ref = (lambda n: self.master[n]) if self.scheme.spec.master else (lambda n: self.local(params[n]))
+        return sum((((self.local(p).detach().double() - ref(n).double()) ** 2).sum() for n, p in self.follow(policy)),
+                   torch.zeros((), dtype=torch.float64))
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A sum over the processes that hold pieces of the anchor (one process: itself)."""

@@ -130,6 +130,7 @@ class GRPOModule(L.LightningModule):
         self.eval_history: list[dict] = []
         #: wall seconds of the run before this process (a resume's checkpoint carries them), and this process's start
         self.elapsed_before, self._started = 0.0, time.monotonic()
+        self.rl_threads: int | None = None  #: the torch threads of the RL iterations, as the run began them
         self.last_metrics: dict = {}
         self._collapse_warned, self._was_peaked = False, False
         if self.estimator.needs_full_logits:
@@ -294,7 +295,33 @@ class GRPOModule(L.LightningModule):
                 if model is not None:
                     compile_body(model, backward_twice=bool(self.cfg.monitor.grad_ratio_every))
 
+    def _choose_threads(self) -> None:
+        """The RL iterations' torch threads, where neither ``trainer.num_threads`` nor the environment chose
+        (:func:`ema_pg.rl_threads_default`), in one process with no sampler ahead: the room the machine has as the run
+        begins them; a resume keeps its run's count, so that it repeats the uninterrupted run."""
+        import os
+
+        from .. import others_running, rl_threads_default, threads_chosen
+
+        if self.cfg.trainer.num_threads or self.trainer.world_size > 1 or self.cfg.rollout.max_staleness:
+            return
+        if self.rl_threads is not None:  # a resume
+            if threads_chosen(os.environ):  # the environment chose since
+                return
+            if self.rl_threads != torch.get_num_threads():
+                torch.set_num_threads(self.rl_threads)
+                log.info("the RL iterations go on with the %d torch thread(s) their run began with", self.rl_threads)
+            return
+        cpus = os.cpu_count() or 1
+        chosen = rl_threads_default(dict(os.environ), others_running, cpus, torch.get_num_threads())
+        if chosen is not None and chosen != torch.get_num_threads():
+            log.info("beside other work (%d CPUs, not room for %d threads): the RL iterations run on %d torch "
+                     "thread(s); trainer.num_threads chooses", cpus, torch.get_num_threads(), chosen)
+            torch.set_num_threads(chosen)
+        self.rl_threads = torch.get_num_threads()
+
     def on_train_start(self) -> None:
+        self._choose_threads()
         if self.iteration == 0 and not self.cfg.algo.eval_only_at_end:
             self.run_eval()
 
@@ -335,6 +362,8 @@ class GRPOModule(L.LightningModule):
         # what a resume must continue (runs.check_trained_with), and the run's wall time so far
         checkpoint["ema_pg"] = {"iteration": self.iteration, "eval_history": self.eval_history,
                                 "settings": settings(self.cfg), "elapsed_s": self.elapsed_s()}
+        if self.rl_threads is not None:  # the count a resume keeps
+            checkpoint["ema_pg"]["rl_threads"] = self.rl_threads
         if self.kl_ctrl.adaptive:  # the coefficient it reached: a resume continues from it
             checkpoint["ema_pg"]["kl_ctrl"] = self.kl_ctrl.state_dict()
         if self.critic is not None:  # its weights are in the module's state_dict; its optimizer is not Lightning's
@@ -357,6 +386,7 @@ class GRPOModule(L.LightningModule):
                 current.update(ready=0, started=0, processed=0, completed=-1)
         self.eval_history = list(st.get("eval_history", []))
         self.elapsed_before = float(st.get("elapsed_s", 0.0))  # this process's own time counts from its start
+        self.rl_threads = st.get("rl_threads")
         self._restored_in_flight = dict(st.get("in_flight", {}))
         self.staleness_counts = dict(st.get("staleness_counts", {}))
         if self.kl_ctrl.adaptive and "kl_ctrl" in st:

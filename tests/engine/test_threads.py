@@ -81,3 +81,103 @@ def test_a_run_beside_busy_processes_sleeps_at_once_and_its_children_inherit_it(
             p.kill()
             p.wait()
     assert out == ["PASSIVE", "PASSIVE"]
+
+
+# --- the RL iterations' threads (ema_pg.rl_threads_default, GRPOModule._choose_threads) ---
+
+@pytest.mark.parametrize("env, others, cpus, threads, expect", [
+    ({}, 0, 2, 2, None),                        # room: torch's own count
+    ({}, 2, 2, 2, 1),                           # one busy process per core: one thread
+    ({}, 1, 2, 2, 1),                           # one busy on two CPUs: the one left
+    ({}, 3, 8, 8, 5),                           # the room left
+    ({}, 9, 8, 8, 1),                           # never fewer than one
+    ({}, 1, 8, 4, None),                        # 4 threads + 1 other fit 8 CPUs
+])
+def test_the_rl_threads_are_the_room_left_where_the_machine_has_too_little(env, others, cpus, threads, expect):
+    from ema_pg import rl_threads_default
+
+    assert rl_threads_default(env, lambda: others, cpus, threads) == expect
+
+
+@pytest.mark.parametrize("env", [{"OMP_NUM_THREADS": "2"}, {"EMA_PG_THREADS": "torch"}])
+def test_the_rl_threads_the_environment_chose_are_kept_without_reading_the_machine(env):
+    from ema_pg import rl_threads_default
+
+    def unread():
+        raise AssertionError("the machine was read")
+
+    assert rl_threads_default(env, unread, 2, 2) is None
+
+
+def test_the_anchors_lag_is_the_same_number_on_one_thread_and_on_two():
+    """A tensor's sum splits among torch's threads (from 32,768 elements), and an fp32 sum's last bits moved with
+    the split (the demo's lag differed in the 9th digit between 1 and 2 threads): now the same number."""
+    import torch
+
+    from ema_pg.anchors import get_scheme
+    from ema_pg.engine.anchor import AnchorCallback
+
+    torch.manual_seed(0)
+    pol = torch.nn.Sequential(torch.nn.Linear(1000, 300))
+    an = AnchorCallback(get_scheme("ema", eta=0.9, update_every=1))
+    an.attach(pol)
+    with torch.no_grad():
+        for p in pol.parameters():
+            p.add_(torch.randn_like(p))
+    an.anchor.apply(pol, 1)
+    before = torch.get_num_threads()
+    try:
+        lags = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            lags.append(an.lag_norm(pol))
+    finally:
+        torch.set_num_threads(before)
+    ref = sum(((p.detach().double() - a.detach().double()) ** 2).sum() for p, a in
+              zip(pol.parameters(), an.model.parameters())) ** 0.5
+    assert lags[0] == lags[1] == lags[2] and abs(lags[0] - float(ref)) < 1e-6 * float(ref)
+
+
+def test_a_run_beside_other_work_takes_the_room_left_for_its_rl_iterations_and_its_resume_keeps_the_count(
+        tmp_path, monkeypatch, caplog):
+    """Beside one busy thread per CPU a run's RL iterations go to one thread (the log says so, the checkpoint
+    records it); its resume on an idle machine goes on with that one thread, so that it repeats the run; a run that
+    found room keeps torch's count."""
+    import logging
+
+    import torch
+    from helpers import compose_cfg
+
+    import ema_pg
+    from ema_pg.engine.fit import train
+
+    def recorded(run):
+        return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["ema_pg"]["rl_threads"]
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("EMA_PG_THREADS", raising=False)
+    before = torch.get_num_threads()
+    cpus = os.cpu_count() or 1
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(ema_pg, "others_running", lambda: cpus)  # one busy thread per CPU
+        with caplog.at_level(logging.INFO, logger="ema_pg"):
+            train(compose_cfg(["algo.iterations=2", "algo.eval_every=2"], tmp_path))
+        run = tmp_path / "run"
+        assert torch.get_num_threads() == 1 and recorded(run) == 1
+        assert "the RL iterations run on 1 torch thread(s)" in caplog.text
+
+        torch.set_num_threads(2)
+        monkeypatch.setattr(ema_pg, "others_running", lambda: 0)  # idle now
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="ema_pg"):
+            train(compose_cfg(["algo.iterations=4", "algo.eval_every=2", f"resume={run}"], tmp_path))
+        assert torch.get_num_threads() == 1 and recorded(run) == 1
+        assert "go on with the 1 torch thread(s) their run began with" in caplog.text
+
+        torch.set_num_threads(2)  # a fresh run with room: torch's count, recorded
+        train(compose_cfg(["algo.iterations=2", "algo.eval_every=2", f"sft.cache_dir={tmp_path.parent / 'cold_start_cache'}"],
+                          tmp_path / "room"))
+        assert torch.get_num_threads() == 2 and recorded(tmp_path / "room" / "run") == 2
+    finally:
+        torch.set_num_threads(before)

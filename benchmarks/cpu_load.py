@@ -18,12 +18,14 @@ Each cell is the median over ``--repeats`` rounds (interleaved) of the median se
 steps after one warm-up step, each round in a fresh process. ``--demo`` also times the
 whole of ``python -m ema_pg.train experiment=demo`` (its cold start included, in a cache of its own) idle and
 loaded, ``--demo-repeats`` times each (interleaved), with the ema-pg default: the bar is loaded <= 2x idle;
-``--demo-only`` times only that.
+``--demo-only`` times only that. A demo's row splits its time at the RL iterations' start (``rl_s``, their
+own seconds from its metrics; ``before_rl_s``, the imports and the cold start) and names their torch threads.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -126,13 +128,18 @@ def demo(loaded: bool) -> dict:
             wait = json.loads(subprocess.run([sys.executable, "-c", PROBE], env=child_env({}), capture_output=True,
                                              text=True, check=True).stdout)
             t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", f"run_dir={tmp}/run",
-                            f"sft.cache_dir={tmp}/cache", "trainer.progress_bar=false"], cwd=ROOT,
-                           env=child_env({}), capture_output=True, text=True, timeout=7200, check=True)
+            out = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", f"run_dir={tmp}/run",
+                                  f"sft.cache_dir={tmp}/cache", "trainer.progress_bar=false"], cwd=ROOT,
+                                 env=child_env({}), capture_output=True, text=True, timeout=7200, check=True)
             wall = time.perf_counter() - t
         finally:
             stop(load)
-        return {"load": "one busy process per core" if loaded else "idle", "wall_s": wall, "wait": wait}
+        with open(f"{tmp}/run/metrics.csv", newline="") as f:  # the RL iterations' own seconds, the rest before them
+            rl = max(float(r["time/elapsed_s"]) for r in csv.DictReader(f) if r.get("time/elapsed_s"))
+        threads = next((ln.split("run on ")[1].split(" torch")[0] for ln in (out.stdout + out.stderr).splitlines()
+                        if "the RL iterations run on" in ln), "torch's")
+        return {"load": "one busy process per core" if loaded else "idle", "wall_s": wall, "wait": wait,
+                "rl_s": rl, "before_rl_s": wall - rl, "rl_threads": threads}
 
 
 def step_cells(names: list[str], repeats: int, steps: int) -> tuple[list[dict], dict, dict]:
@@ -196,7 +203,8 @@ def main() -> None:
         print(f"idle, ema-pg default / torch default: {idle['ratio']:.3f} [{idle['ci95'][0]:.3f}, "
               f"{idle['ci95'][1]:.3f}] over {idle['rounds']} paired rounds")
     for d in demos:
-        print(f"demo {d['load']}: {d['wall_s']:.0f} s ({d['wait']})")
+        print(f"demo {d['load']}: {d['wall_s']:.0f} s, of which RL {d['rl_s']:.0f} s on {d['rl_threads']} thread(s) "
+              f"({d['wait']})")
     if ratio:
         print(f"demo, loaded / idle (medians): {ratio:.2f}")
 

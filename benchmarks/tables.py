@@ -438,7 +438,7 @@ def cpu_load(files):
         got = {k: [x["wall_s"] for x in runs if x["load"] == k] for k in walls}
         for k in walls:
             walls[k] += got[k]
-        out += ["", f"The whole demo with the ema-pg default (`{f}`, {len(got['idle'])} runs each, interleaved): idle "
+        out += ["", f"The whole demo with the default at {load(f)['commit'][:7]} (`{f}`, {len(got['idle'])} runs each, interleaved): idle "
                 f"{', '.join(f'{w:.0f}' for w in got['idle'])} s, beside one busy process per core "
                 f"{', '.join(f'{w:.0f}' for w in got['one busy process per core'])} s; loaded over idle, medians: "
                 f"{statistics.median(got['one busy process per core']) / statistics.median(got['idle']):.2f}x."]
@@ -446,6 +446,24 @@ def cpu_load(files):
         out += ["", f"All {len(walls['idle'])} pairs: loaded over idle, medians: "
                 f"**{statistics.median(walls['one busy process per core']) / statistics.median(walls['idle']):.2f}x**."]
     return out
+
+
+def cpu_load_demo(files):
+    """The whole demo idle and beside one busy process per core, each run split at its RL iterations' start (the
+    imports and cold start before, the RL iterations' own seconds), with their torch threads; then loaded over idle
+    for each part (medians over the runs)."""
+    runs = [r for f in files for r in load(f)["demo"]]
+    rows = [[r["load"], f"{r['wall_s']:.0f}", f"{r['before_rl_s']:.0f}", f"{r['rl_s']:.0f}", r["rl_threads"],
+             _wait([json.dumps(r["wait"], sort_keys=True)])] for r in runs]
+    out = table(["load", "whole demo, s", "before RL (imports, cold start), s", "RL iterations, s", "RL threads",
+                 "OpenMP waiting"], rows)
+    loaded = lambda k: [r[k] for r in runs if r["load"] != "idle"]  # noqa: E731
+    idle = lambda k: [r[k] for r in runs if r["load"] == "idle"]  # noqa: E731
+    ratio = {k: statistics.median(loaded(k)) / statistics.median(idle(k)) for k in ("wall_s", "before_rl_s", "rl_s")}
+    commits = ", ".join(dict.fromkeys(load(f)["commit"][:7] for f in files))
+    return out + ["", f"At {commits}, {len(idle('wall_s'))} runs each, interleaved; loaded over idle, medians: the "
+                      f"whole demo **{ratio['wall_s']:.2f}x**, before RL {ratio['before_rl_s']:.2f}x, the RL iterations "
+                      f"{ratio['rl_s']:.2f}x."]
 
 
 # ------------------------------------------------------------------------------------------------ what ran on a GPU
@@ -546,7 +564,7 @@ def gpu_line(files):
 BUILDERS = {f.__name__: f for f in (rl_step, rl_step_phases, rl_step_gpu, rl_step_curve, rl_step_curve_log,
                                     kl_head_cpu, kl_head_gpu, kl_head_gpu_fixed, rollout, zero3_step, recipes_first,
                                     recipes_second, packing_gpu, rehearsal, packing_cpu, seed_cost, async_step, partial_rollouts,
-                                    portable_sft, portable_sft_across, cpu_load, gpu_runs, gpu_line)}
+                                    portable_sft, portable_sft_across, cpu_load, cpu_load_demo, gpu_runs, gpu_line)}
 MARK = re.compile(r"^<!-- table (\w+): (.+?) -->\n(.*?)^<!-- /table -->\n", re.S | re.M)
 
 

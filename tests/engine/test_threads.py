@@ -181,3 +181,34 @@ def test_a_run_beside_other_work_takes_the_room_left_for_its_rl_iterations_and_i
         assert torch.get_num_threads() == 2 and recorded(tmp_path / "room" / "run") == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_demos_model_trains_to_the_same_numbers_on_one_thread_and_on_two(tmp_path):
+    """What lets the RL threads follow the machine's room: the demo's model (1M parameters, tensors past the 32,768
+    elements from which a sum splits among threads) logs the same training metrics and evaluation on 1 thread as on
+    2 (the anchor's lag included, summed in fp64)."""
+    import json
+
+    import pandas as pd
+    import torch
+    from helpers import compose_cfg
+
+    from ema_pg.engine.fit import train
+
+    before = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            cfg = compose_cfg(["experiment=demo", "sft.steps=20", "algo.iterations=4", "algo.eval_every=2",
+                               "task.eval_size=16", f"trainer.num_threads={n}", "trainer.progress_bar=false",
+                               f"sft.cache_dir={tmp_path / 'cache'}"], tmp_path / str(n), tiny=False)
+            train(cfg)
+            run = tmp_path / str(n) / "run"
+            m = pd.read_csv(run / "metrics.csv")
+            ev = json.loads((run / "eval.json").read_text())
+            ev.pop("wall_s", None)
+            got[n] = (m[[c for c in m.columns if not c.startswith(("time/", "perf/"))]], ev)
+    finally:
+        torch.set_num_threads(before)
+    pd.testing.assert_frame_equal(got[1][0], got[2][0], check_exact=True)
+    assert got[1][1] == got[2][1] and got[1][0]["anchor/lag_norm"].notna().any()

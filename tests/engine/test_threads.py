@@ -175,7 +175,7 @@ def test_a_run_beside_other_work_takes_the_room_left_for_its_rl_iterations_and_i
         assert torch.get_num_threads() == 1 and recorded(run) == 1
         assert "go on with the 1 torch thread(s) their run began with" in caplog.text
 
-        torch.set_num_threads(2)  # a fresh run with room: torch's count, recorded
+        # a fresh run in this process with room (a sweep's next job): back to the count before the runs lowered it
         train(compose_cfg(["algo.iterations=2", "algo.eval_every=2", f"sft.cache_dir={tmp_path.parent / 'cold_start_cache'}"],
                           tmp_path / "room"))
         assert torch.get_num_threads() == 2 and recorded(tmp_path / "room" / "run") == 2

@@ -60,9 +60,10 @@ def rl_threads_default(env: dict, others, cpus: int, threads: int) -> int | None
     """The torch threads a run's RL iterations get where the user has not chosen (their ``OMP_NUM_THREADS`` or
     ``EMA_PG_THREADS=torch`` wins; ``trainer.num_threads`` is the trainer's to apply): None (torch's ``threads``) where
     ``others()`` runnable threads and these fit the machine's ``cpus``; else the room left, at least one. Asked once,
-    where the RL iterations begin (a resume keeps the count its run began with: ``GRPOModule``). Beside one busy
-    process per core the demo's RL iterations took 2.3x their idle time on two passive threads and 2.0x on one, where
-    its cold start's larger SFT steps do better on two (1.8x; docs/training.md)."""
+    where the RL iterations begin (a resume keeps the count its run began with: ``GRPOModule``). Their steps are small,
+    and beside other work a sleeping thread waits for a core at every parallel region: with it, the demo beside one
+    busy process per core took 1.77x its idle time, where it took 2.10x with the waiting alone
+    (benchmarks/results/cpu_load_demo_rl_amd_cpu.json, docs/training.md)."""
     if threads_chosen(env):
         return None
     busy = others()

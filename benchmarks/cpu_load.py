@@ -19,7 +19,8 @@ steps after one warm-up step, each round in a fresh process. ``--demo`` also tim
 whole of ``python -m ema_pg.train experiment=demo`` (its cold start included, in a cache of its own) idle and
 loaded, ``--demo-repeats`` times each (interleaved), with the ema-pg default: the bar is loaded <= 2x idle;
 ``--demo-only`` times only that. A demo's row splits its time at the RL iterations' start (``rl_s``, their
-own seconds from its metrics; ``before_rl_s``, the imports and the cold start) and names their torch threads.
+own seconds from its metrics; ``before_rl_s``, the imports and the cold start) and gives their torch threads as its
+checkpoint records them (``rl_threads``; the file made at 3095545 says ``torch's`` where they were torch's own).
 """
 
 from __future__ import annotations
@@ -128,16 +129,18 @@ def demo(loaded: bool) -> dict:
             wait = json.loads(subprocess.run([sys.executable, "-c", PROBE], env=child_env({}), capture_output=True,
                                              text=True, check=True).stdout)
             t = time.perf_counter()
-            out = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", f"run_dir={tmp}/run",
-                                  f"sft.cache_dir={tmp}/cache", "trainer.progress_bar=false"], cwd=ROOT,
-                                 env=child_env({}), capture_output=True, text=True, timeout=7200, check=True)
+            subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", f"run_dir={tmp}/run",
+                            f"sft.cache_dir={tmp}/cache", "trainer.progress_bar=false"], cwd=ROOT,
+                           env=child_env({}), capture_output=True, text=True, timeout=7200, check=True)
             wall = time.perf_counter() - t
         finally:
             stop(load)
         with open(f"{tmp}/run/metrics.csv", newline="") as f:  # the RL iterations' own seconds, the rest before them
             rl = max(float(r["time/elapsed_s"]) for r in csv.DictReader(f) if r.get("time/elapsed_s"))
-        threads = next((ln.split("run on ")[1].split(" torch")[0] for ln in (out.stdout + out.stderr).splitlines()
-                        if "the RL iterations run on" in ln), "torch's")
+        import torch  # the RL iterations' thread count as the run recorded it for its resumes (GRPOModule)
+
+        threads = torch.load(f"{tmp}/run/checkpoints/last.ckpt", map_location="cpu",
+                             weights_only=False)["ema_pg"]["rl_threads"]
         return {"load": "one busy process per core" if loaded else "idle", "wall_s": wall, "wait": wait,
                 "rl_s": rl, "before_rl_s": wall - rl, "rl_threads": threads}
 

@@ -453,7 +453,7 @@ def cpu_load_demo(files):
     imports and cold start before, the RL iterations' own seconds), with their torch threads; then loaded over idle
     for each part (medians over the runs)."""
     runs = [r for f in files for r in load(f)["demo"]]
-    rows = [[r["load"], f"{r['wall_s']:.0f}", f"{r['before_rl_s']:.0f}", f"{r['rl_s']:.0f}", r["rl_threads"],
+    rows = [[r["load"], f"{r['wall_s']:.0f}", f"{r['before_rl_s']:.0f}", f"{r['rl_s']:.0f}", str(r["rl_threads"]),
              _wait([json.dumps(r["wait"], sort_keys=True)])] for r in runs]
     out = table(["load", "whole demo, s", "before RL (imports, cold start), s", "RL iterations, s", "RL threads",
                  "OpenMP waiting"], rows)

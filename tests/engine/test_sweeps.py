@@ -29,6 +29,11 @@ SWEPT = {"method": ["method"], "kl.k": ["kl.k"], "anchor.eta": ["anchor.eta"], "
          "+async_arm": ["anchor_scheme", "anchor.align"], "rollout.max_staleness": ["rollout.max_staleness"]}
 
 
+#: the smoke-scale overrides of every end-to-end sweep here: one seed, two iterations, each evaluated (the launcher tests
+#: compare their runs with ``tiny_sweeps``'s, so they share this one list)
+TINY = ["seed=0", "algo.iterations=2", "algo.eval_every=1"]
+
+
 def shape(name):
     """(configurations per seed, columns that tell them apart), from the sweep file itself."""
     params = OmegaConf.load(ROOT / "sweeps" / f"{name}.yaml").hydra.sweeper.params
@@ -59,7 +64,7 @@ def tiny_sweeps(tmp_path_factory):
         scale = f"{name}_smoke" if name in TABLES else "smoke"
         extra = ["sft.steps=10", "task.per_split=3"] if name in TABLES else []
         cmd = [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", "sweeps", "--config-name", name,
-               f"+scale={scale}", "seed=0", "algo.iterations=2", "algo.eval_every=1", *extra,
+               f"+scale={scale}", *TINY, *extra,
                f"hydra.sweep.dir={base / name}"]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"{name} failed:\n{r.stderr[-3000:]}"
@@ -118,40 +123,44 @@ def test_notebook_executes_on_tiny_runs(name, tiny_sweeps, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_sweep_through_submitit_launcher(tmp_path):
-    """The SLURM path (Hydra's submitit launcher), exercised with its local executor: same jobs, same folders."""
+def test_sweep_through_submitit_launcher(tmp_path, tiny_sweeps):
+    """The SLURM path (Hydra's submitit launcher), exercised with its local executor: the jobs the basic launcher ran
+    in ``tiny_sweeps`` (the same overrides), the same folders and results."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     env = {**os.environ, "EMA_PG_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", "sweeps", "--config-name", "fig6_k", "+scale=smoke",
-           "seed=0", "algo.iterations=2", "algo.eval_every=1", "hydra/launcher=submitit_local",
+           *TINY, "hydra/launcher=submitit_local",
            "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     runs = load_runs(tmp_path / "sweep")
     assert sorted(runs["run"]) == ["k0_s0", "k16_s0", "k32_s0"] and runs["finished"].all()
+    assert_same_evaluations(tmp_path / "sweep", tiny_sweeps["fig6_k"], runs["run"])
+
+
+def assert_same_evaluations(a, b, names):
+    """Each run's evaluation results in both sweep folders are equal (their wall time aside)."""
+    for n in names:
+        one, other = (json.loads((d / n / "eval.json").read_text()) for d in (a, b))
+        one.pop("wall_s"), other.pop("wall_s")
+        assert one == other, n
 
 
 @pytest.mark.slow
-def test_a_reproduction_through_the_ray_launcher_runs_the_jobs_the_basic_launcher_runs(tmp_path, ray_cluster):
+def test_a_reproduction_through_the_ray_launcher_runs_the_jobs_the_basic_launcher_runs(tmp_path, ray_cluster,
+                                                                                    tiny_sweeps):
     """``reproduce --launcher ray``: the sweep's jobs as tasks of a Ray cluster started here (Hydra's launcher
-    ``ema_pg_ray``), each the run the basic launcher makes in its own process: the same folders, the same results."""
+    ``ema_pg_ray``), each the run the basic launcher made in ``tiny_sweeps`` (the same overrides) in its own process:
+    the same folders, the same results."""
     env = {**os.environ, "EMA_PG_CACHE": str(tmp_path / "cache")}
-    tiny = ["seed=0", "algo.iterations=2", "algo.eval_every=1"]
     r = subprocess.run([sys.executable, "-m", "ema_pg.reproduce", "fig6_k", "--scale", "smoke", "--runs",
-                        str(tmp_path / "ray"), "--launcher", "ray", "--address", ray_cluster, *tiny],
+                        str(tmp_path / "ray"), "--launcher", "ray", "--address", ray_cluster, *TINY],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "hydra/launcher=ema_pg_ray" in r.stdout
-    basic = subprocess.run([sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", "sweeps", "--config-name",
-                            "fig6_k", "+scale=smoke", f"hydra.sweep.dir={tmp_path / 'basic'}", *tiny],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert basic.returncode == 0, basic.stderr[-3000:]
     names = ["k0_s0", "k16_s0", "k32_s0"]
     assert sorted(load_runs(tmp_path / "ray")["run"]) == names
-    for n in names:  # the evaluation's results (its wall time aside)
-        ray, basic = (json.loads((tmp_path / d / n / "eval.json").read_text()) for d in ("ray", "basic"))
-        ray.pop("wall_s"), basic.pop("wall_s")
-        assert ray == basic, n
+    assert_same_evaluations(tmp_path / "ray", tiny_sweeps["fig6_k"], names)
 
 
 def test_reproduce_hands_its_sweep_to_the_launcher_it_is_given(capsys):

@@ -1,5 +1,6 @@
-"""Every table of ``benchmarks/README.md``, and the README's line of what has run on a GPU, written from the result
-files in ``benchmarks/results/``: no benchmark number in a table is typed by hand.
+"""Every table of ``benchmarks/README.md``, the README's line of what has run on a GPU and the demo's scores (README,
+docs/training.md), written from the result files in ``benchmarks/results/``: no benchmark number in a table is typed
+by hand.
 
     python benchmarks/tables.py            # rewrite the tables in place
     python benchmarks/tables.py --check    # exit 1 naming every table that differs from what its files give
@@ -21,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-PAGES = (HERE / "README.md", ROOT / "README.md", ROOT / "docs" / "scale.md")
+PAGES = (HERE / "README.md", ROOT / "README.md", ROOT / "docs" / "scale.md", ROOT / "docs" / "training.md")
 MIB, GIB = 2**20, 2**30
 
 
@@ -466,6 +467,22 @@ def cpu_load_demo(files):
                       f"{ratio['rl_s']:.2f}x."]
 
 
+# ----------------------------------------------------------------------------------------------- what make demo shows
+def demo_scores(files):
+    """What ``make demo`` showed: per file its machine and commit, one row per seed, then the mean gain."""
+    out = []
+    for f in files:
+        d = load(f)
+        rows = [[str(r["seed"]), f"{r['base']:.3f}", f"**{r['final']:.3f}**", f"{r['gain']:+.3f}", f"{r['wall_s']:.0f}"]
+                for r in d["rows"]]
+        if d["gain_std"] is not None:
+            rows.append([f"mean (std), {len(d['rows'])} seeds", "", "", f"**{d['gain_mean']:+.3f}** ({d['gain_std']:.3f})",
+                         ""])
+        out += ([""] if out else []) + [f"{d['machine']}, commit {d['commit'][:7]} (`benchmarks/results/{f}`):", ""]
+        out += table(["seed", "base policy", "after EMA-PG", "gain", "wall s (cold start included)"], rows)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ what ran on a GPU
 def _want_iterations(d: dict) -> int | None:
     return next((int(o.split("=")[1]) for o in d.get("overrides", []) if o.startswith("algo.iterations=")), None)
@@ -561,7 +578,7 @@ def gpu_line(files):
             f"{'; '.join(uniq(not_done))}. Each with its result file: [docs/scale.md](docs/scale.md#on-a-gpu)."]
 
 
-BUILDERS = {f.__name__: f for f in (rl_step, rl_step_phases, rl_step_gpu, rl_step_curve, rl_step_curve_log,
+BUILDERS = {f.__name__: f for f in (demo_scores, rl_step, rl_step_phases, rl_step_gpu, rl_step_curve, rl_step_curve_log,
                                     kl_head_cpu, kl_head_gpu, kl_head_gpu_fixed, rollout, zero3_step, recipes_first,
                                     recipes_second, packing_gpu, rehearsal, packing_cpu, seed_cost, async_step, partial_rollouts,
                                     portable_sft, portable_sft_across, cpu_load, cpu_load_demo, gpu_runs, gpu_line)}

@@ -35,11 +35,13 @@ def one(seed: int) -> dict:
         wall = time.perf_counter() - t
         if r.returncode:
             sys.exit(f"demo seed {seed} failed (exit {r.returncode}): {(r.stdout + r.stderr)[-2000:]}")
+        from ema_pg.engine.runs import run_commit, run_machine
+
         ev = json.loads(Path(f"{tmp}/run/eval.json").read_text())
+        split = next(iter(ev["splits"]))
         return {"seed": seed, "base": ev["base_avg"], "final": ev["avg"], "gain": ev["avg"] - ev["base_avg"],
-                "metric": f"{next(iter(ev['splits']))} {ev['metric']}", "n": ev["splits"]["heldout"]["n"],
-                "wall_s": wall, "machine": Path(f"{tmp}/run/machine.txt").read_text().strip(),
-                "commit": Path(f"{tmp}/run/git.txt").read_text().split()[0]}
+                "metric": f"{split} {ev['metric']}", "n": ev["splits"][split]["n"], "wall_s": wall,
+                "machine": run_machine(Path(tmp) / "run"), "commit": run_commit(Path(tmp) / "run")}
 
 
 def main(argv: list[str] | None = None) -> int:

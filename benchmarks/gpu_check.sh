@@ -24,10 +24,8 @@ cat $OUT/env.txt
 # the roomiest of the candidate folders holds the models and runs
 W=$(python3 -c "import shutil; c=['/tmp','/dev/shm','/root']; print(max(c, key=lambda p: shutil.disk_usage(p).free))")/recipes
 echo "workdir $W"
-# what the 2026-11-27 check left (benchmarks/README.md, "The second check on one GPU"): ZeRO-3's second iteration at
-# 1.5B (the first check's run stopped there; fixed since) beside ZeRO-2 at the same 128 tokens, and the curve's
-# 0.5B and 50M points. Every step's evaluations are the run's last only (algo.eval_only_at_end): the 2026-11-26 check
-# spent its caps on first evaluations (40 s at 1.5B/3B)
+# the default steps are issue 81's first two items (the header). Every step's evaluations are the run's last only
+# (algo.eval_only_at_end): the 2026-11-26 check spent its caps on first evaluations (40 s at 1.5B/3B)
 STEPS=${STEPS:-math15_z3 kr05_z3}
 step() {  # step NAME CAP ARGS...: one benchmark under its cap (SIGTERM: it writes what it measured), its runs ended after it
   local name=$1 cap=$2; shift 2

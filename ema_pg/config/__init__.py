@@ -9,7 +9,8 @@ what to change. The machine's checks (packages, CUDA, engine kernels) are the en
 
 from .compose import CONF_DIR, compose, flatten, overrides_problem, register_configs
 from .schema import (
-    ANCHOR_ALIGNS, ARCH_KEYS, DEEPSPEED_STRATEGIES, DTYPES, LOGGERS, MIN_TEMPERATURE, SFT_SCHEDULES, AlgoConfig,
+    ANCHOR_ALIGNS, ARCH_KEYS, DEEPSPEED_STRATEGIES, DTYPES, JOB_TYPES, LOGGERS, MIN_TEMPERATURE, SFT_SCHEDULES, TRACKERS,
+    AlgoConfig,
     AnchorConfig, Config, ConfigError, KLConfig, LoggerConfig, ModelConfig, MonitorConfig, OptimConfig, RolloutConfig,
     SFTConfig, TrainerConfig, eval_settings_problem, is_deepspeed, is_tiny,
 )
@@ -20,7 +21,7 @@ from .validation import (
 
 __all__ = [
     "ANCHOR_ALIGNS", "ARCH_KEYS", "CHECKED_GROUPS", "CONF_DIR", "DEEPSPEED_STRATEGIES", "DTYPES", "KL_PARAMS",
-    "LOGGERS", "MIN_TEMPERATURE", "SFT_SCHEDULES", "AlgoConfig", "AnchorConfig", "Binding", "Config", "ConfigError",
+    "JOB_TYPES", "LOGGERS", "MIN_TEMPERATURE", "SFT_SCHEDULES", "TRACKERS", "AlgoConfig", "AnchorConfig", "Binding", "Config", "ConfigError",
     "KLConfig", "LoggerConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig",
     "TrainerConfig", "build_estimator", "build_scheme", "compose", "eval_settings_problem",
     "flatten", "is_deepspeed", "is_tiny", "kl_params", "overrides_problem", "register_configs", "stated_world_size",

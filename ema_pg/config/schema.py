@@ -34,7 +34,10 @@ def _at_least(*checks: tuple[str, float, float]) -> None:
 
 
 DTYPES = ("float32", "bfloat16", "float16")  #: model.dtype: the weights' dtype (torch's name)
-LOGGERS = ("csv", "wandb", "tensorboard")  #: logger=<name>; csv is always written beside the others
+#: logger=<name> or logger=[a,b]: the trackers a run sends its metrics to; metrics.csv is always written beside them
+TRACKERS = ("wandb", "mlflow", "tensorboard")
+LOGGERS = ("csv", *TRACKERS)  #: the logger group's options (csv alone: no tracker)
+JOB_TYPES = ("train", "cell", "trial", "eval", "plan", "import")  #: logger.job_type
 
 
 #: the tiny model's architecture (model.<key>): what its cold start is keyed by and what a stage must share
@@ -418,13 +421,28 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = "csv"  #: csv (always on) | wandb | tensorboard (added beside the csv logger)
-    project: str = "ema-pg"  #: wandb project
-    offline: bool = True  #: wandb offline unless set to false
+    """The trackers a run reports to, beside its own files (docs/tracking.md). The logger group's files switch
+    them on (``logger=wandb``, ``logger=[wandb,mlflow]``); the rest names the tracker run."""
+
+    wandb: bool = False  #: Weights & Biases (pip install -e '.[wandb]')
+    mlflow: bool = False  #: MLflow (pip install -e '.[mlflow]')
+    tensorboard: bool = False  #: TensorBoard event files in <run>/tb
+    project: str = "ema-pg"  #: the wandb project and the MLflow experiment
+    offline: bool = True  #: wandb offline: its files stay in <run>/wandb until `wandb sync`
+    mlflow_uri: str | None = None  #: an MLflow tracking server (http://host:5000) or store; unset: $MLFLOW_TRACKING_URI, else sqlite in the runs folder
+    run_name: str | None = None  #: the tracker run's name; unset: the run folder's name
+    group: str | None = None  #: unset: the sweep's folder, the plan or study (decide, hpo), else the experiment's name
+    job_type: str = "train"  #: train | cell | trial | eval | plan | import
+    tags: list = field(default_factory=list)  #: tags besides the method's, the seed's and the task's
+    samples: int = 4  #: sample generations (prompt, response, reward) per split sent at each evaluation; 0: none
+    checkpoints: bool = False  #: each period's checkpoint as an artifact too (large)
 
     def check(self) -> None:
-        if self.name not in LOGGERS:
-            _bad(f"logger={self.name!r}; choose one of: csv, wandb, tensorboard")
+        if self.job_type not in JOB_TYPES:
+            _bad(f"logger.job_type={self.job_type!r}; choose one of: {', '.join(JOB_TYPES)}")
+        if not all(isinstance(t, str) and t for t in self.tags):
+            _bad(f"logger.tags={list(self.tags)!r}: give a list of words, e.g. logger.tags=[ablation,k32]")
+        _at_least(("logger.samples", self.samples, 0))
 
 
 @dataclass

@@ -39,8 +39,9 @@ from .module import GRPOModule
 from .plotting import plot_run
 from .policy import build_policy
 from .owner import release_run_dir
+from .tracking import TrackerHub, check_reachable, make_loggers
 from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multirun, is_rank_zero, job_folder,
-                   make_loggers, open_run, outcome, record_failure, record_run)
+                   open_run, outcome, record_failure, record_run)
 from .strategies import build_strategy
 
 log = logging.getLogger("ema_pg")
@@ -105,6 +106,8 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     try:
+        if is_rank_zero():
+            check_reachable(cfg.logger)  # an online tracker out of reach: one line, before any model is built
         task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
         check_task(task, cold_start=not cfg.model.path, sft=cfg.sft.steps > 0)  # (a class from outside, above all)
         policy, tok = build_policy(cfg, task)
@@ -152,17 +155,37 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
 
     record_run(opened, policy, tok)
 
-    from lightning.pytorch.utilities.exceptions import SIGTERMException
-
     ckpt_cb = _PeriodCheckpoint(run_dir / "checkpoints")
     callbacks = ([ckpt_cb, _StopAtIterations()] + ([anchor] if anchor is not None else []) + list(callbacks)
                  + [_CheckpointOnSigterm(run_dir / "checkpoints" / "last.ckpt")]  # last: after the anchor's update
                  + ([IterationBar()] if cfg.trainer.progress_bar else []))
     deepspeed = is_deepspeed(cfg)  # DeepSpeed writes its own checkpoint folders
     tc = cfg.trainer
+    loggers = make_loggers(cfg, run_dir, opened.resume_step)
+    hub = next((lg for lg in loggers if isinstance(lg, TrackerHub)), None)
+    if hub is not None and is_rank_zero():
+        hub.start()  # the tracker runs, opened or continued, before the first iteration
+    status = "failed"
+    try:
+        out = _fit(cfg, opened, module, anchor, loggers, callbacks, deepspeed, tc)
+        status = "success"
+        return out
+    except RunInterrupted:
+        status = "interrupted"
+        raise
+    finally:
+        if hub is not None:  # a run that ended short of its iterations (pruned) is closed as interrupted
+            finished = status == "success" and module.iteration >= cfg.algo.iterations
+            hub.close(status if finished or status != "success" else "interrupted", finished=finished)
+
+
+def _fit(cfg, opened, module, anchor, loggers, callbacks, deepspeed, tc) -> tuple[dict, dict]:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    run_dir = opened.run_dir
     trainer = L.Trainer(
         accelerator=tc.accelerator, devices=tc.devices, strategy=build_strategy(cfg), precision=tc.precision,
-        max_epochs=-1, logger=make_loggers(cfg, run_dir, opened.resume_step), callbacks=callbacks,
+        max_epochs=-1, logger=loggers, callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
         num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1, default_root_dir=str(run_dir),
         deterministic=False, use_distributed_sampler=False,  # every rank runs every iteration number
@@ -407,6 +430,9 @@ class _CheckpointOnSigterm(L.Callback):
                 self.last.unlink()  # link, into the period's checkpoint: that one stays whole, the fallback
             trainer.strategy.barrier()
             trainer.save_checkpoint(self.last, weights_only=False)  # the whole state (Lightning logs a line when unsaid)
+            for lg in trainer.loggers:  # the trackers now take the rows this checkpoint covers
+                if isinstance(lg, TrackerHub):
+                    lg.flush()
             log.warning("SIGTERM: checkpoint of iteration %d saved in %s", pl_module.iteration, self.last.parent)
 
 

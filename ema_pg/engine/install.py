@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ..config import Binding, ConfigError, is_deepspeed, validate
+from ..config import TRACKERS, Binding, ConfigError, is_deepspeed, validate
 
 
 def _bad(msg: str):
@@ -22,14 +22,18 @@ def check_config(cfg, vocab_size: int | None = None) -> Binding:
     return bound
 
 
+def trackers_of(logger_cfg) -> list[str]:
+    """The trackers a config switches on (``logger=wandb``, ``logger=[wandb,mlflow]``), in TRACKERS' order."""
+    return [t for t in TRACKERS if logger_cfg.get(t, False)]
+
+
 def check_installed(cfg) -> None:
     """What the chosen options need on this machine (packages, CUDA); a ConfigError names the install step."""
     if cfg.model.lora_rank and not importlib.util.find_spec("peft"):
         _bad("model.lora_rank > 0 needs PEFT: pip install -e '.[lora]' (or model.lora_rank=0)")
-    lg = cfg.logger.name
-    if lg != "csv" and not (importlib.util.find_spec(lg) or (
-            lg == "tensorboard" and importlib.util.find_spec("tensorboardX"))):
-        _bad(f"logger={lg} needs its package: pip install -e '.[{lg}]' (or use logger=csv)")
+    for lg in trackers_of(cfg.logger):
+        if not importlib.util.find_spec(lg):
+            _bad(f"logger={lg} needs its package: pip install -e '.[{lg}]' (or leave logger={lg} out)")
     if is_deepspeed(cfg) and not importlib.util.find_spec("deepspeed"):
         _bad("trainer=deepspeed needs DeepSpeed: `make scale-setup` (CPU) or pip install -e '.[gpu]' (CUDA); "
              "or use trainer=cpu / trainer=ddp")

@@ -258,9 +258,13 @@ class GRPOModule(L.LightningModule):
     # ------------------------------------------------------------------ evaluation
     def run_eval(self) -> dict:
         world = World.current()
+        hub = next((lg for lg in self.loggers if lg.name == "trackers"), None) if self._trainer is not None else None
+        show = self.cfg.logger.samples if hub is not None else 0  # a few generations per split for the trackers
         res = evaluate_policy(self.policy, self.sampler, self.task, self.cfg.rollout, world=world,
                               progress=self.cfg.trainer.progress_bar and world.rank == 0 and f"eval @ {self.iteration}",
-                              encode=self.encode)
+                              encode=self.encode, show=show)
+        if show:
+            hub.samples(self.iteration, res.pop("samples", {}))
         m = eval_metrics("eval", res)
         an = self.anchor
         if an is not None and an.eval_every and self.iteration % an.eval_every == 0:

@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from ..cli import PACKAGE_ROOT
-from ..config import ARCH_KEYS, LOGGERS, Binding, ConfigError, flatten, with_defaults
+from ..config import ARCH_KEYS, TRACKERS, Binding, ConfigError, flatten, with_defaults
 from .files import atomic_write
 from .install import check_config
 from .owner import CLAIM, claim_run_dir, own_run_dir
@@ -38,7 +38,8 @@ RUN_DIR_ENV = "EMA_PG_RUN_DIR"  #: the run folder rank 0 claimed, for the proces
 RESUMABLE_SETTINGS = ("algo.iterations", "trainer.progress_bar", "trainer.num_threads", "task.retriever_url",
                       "task.retriever_timeout", "task.retriever_retries")
 #: keys that differ between a run and its continuation by construction, or by the user's leave
-RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", *RESUMABLE_SETTINGS)
+RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", "logger", *RESUMABLE_SETTINGS)  # logger: the trackers it
+# reports to, which a continuation may add (it sends them the record so far: ema_pg.engine.tracking)
 
 
 @functools.lru_cache(maxsize=1)
@@ -166,30 +167,6 @@ def _number(text: str) -> int | float:
         return float(text)
 
 
-def make_loggers(cfg, run_dir: Path, resume_step: int | None):
-    from lightning.pytorch.loggers import CSVLogger
-
-    # the CSV logger starts a fresh file: the intact rows up to the checkpoint's iteration are carried over
-    old_rows = metrics_rows(run_dir / "metrics.csv", resume_step) if resume_step is not None else []
-    csv = CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=10)
-    for r in old_rows:
-        step = r.pop("step")
-        csv.log_metrics(r, step=step)
-    loggers = [csv]
-    if cfg.logger.name == "wandb":
-        from lightning.pytorch.loggers import WandbLogger
-
-        os.environ.setdefault("WANDB_MODE", "offline" if cfg.logger.offline else "online")
-        loggers.append(WandbLogger(project=cfg.logger.project, save_dir=str(run_dir), name=cfg.name))
-    elif cfg.logger.name == "tensorboard":
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tb"))
-    elif cfg.logger.name != "csv":
-        raise ConfigError(f"logger={cfg.logger.name!r}; choose one of: {', '.join(LOGGERS)}")
-    return loggers
-
-
 def resolve_resume(cfg, composed: bool = False) -> DictConfig:
     """The config of a resumed run.
 
@@ -206,13 +183,18 @@ def resolve_resume(cfg, composed: bool = False) -> DictConfig:
     saved = OmegaConf.load(run_dir / "config.yaml")
     if HydraConfig.initialized() and not composed:
         overrides = [o.lstrip("+") for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
+        trackers = [o for o in overrides if o.split("=", 1)[0].split(".")[0] == "logger"]
+        overrides = [o for o in overrides if o not in trackers]  # the trackers: this command's, composed whole
         groups = set(HydraConfig.get().runtime.choices)
         for o in overrides:
             key = o.split("=", 1)[0]
             if key in groups or isinstance(OmegaConf.select(saved, key), DictConfig):
                 raise ConfigError(f"resume: '{o}' changes the config group {key}; a resumed run keeps the settings it "
                                   f"started with (only {', '.join(RESUMABLE_SETTINGS)} may change)")
-        cfg = OmegaConf.merge(saved, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
+        merged = OmegaConf.merge(saved, OmegaConf.from_dotlist([o for o in overrides if "=" in o]))
+        if trackers:  # a continuation may report to other trackers: they are sent the record so far
+            merged.logger = cfg.logger
+        cfg = merged
     cfg = upgraded(cfg)  # knobs added after the run was saved take their defaults
     cfg.run_dir, cfg.resume = str(run_dir), str(run_dir)
     diff = config_differences(saved, with_defaults(cfg))
@@ -252,6 +234,11 @@ def upgraded(saved: DictConfig) -> DictConfig:
     from ..tasks import task_defaults
 
     try:
+        if "logger" in saved and "name" in saved.logger:  # saved when logger.name chose the one tracker
+            saved = OmegaConf.create(OmegaConf.to_container(saved))
+            name = saved.logger.pop("name")
+            if name in TRACKERS:
+                saved.logger[name] = True
         merged = OmegaConf.merge(OmegaConf.structured(Config), saved)
         if "anchor" in saved:  # saved before the scheme registry: fixed and reset were the EMA at eta 1 and 0
             merged.anchor.name = scheme_of(OmegaConf.to_container(saved.anchor))

@@ -65,13 +65,13 @@ def test_a_resume_writes_the_rows_before_its_checkpoint_as_they_were(tmp_path):
     from omegaconf import OmegaConf
 
     from ema_pg.engine.console import quiet_third_party
-    from ema_pg.engine.runs import make_loggers
+    from ema_pg.engine.tracking import make_loggers
 
     quiet_third_party()  # as a run's console is: Lightning's note on a resumed folder is expected
     rows = "eval/avg/em,step,train/kl_k1,train/skipped\n,1,2.56387622243892e-08,0\n0.5,2,0.125,3\n,3,0.25,0\n"  # as
     # Lightning's CSV logger writes them: columns sorted
     _csv(tmp_path / "metrics.csv", rows)
-    csv = make_loggers(OmegaConf.create({"logger": {"name": "csv"}}), tmp_path, resume_step=2)[0]
+    csv = make_loggers(OmegaConf.create({"logger": {}}), tmp_path, resume_step=2)[0]
     csv.save()
     assert (tmp_path / "metrics.csv").read_text() == rows[: rows.index(",3,0.25")]
 

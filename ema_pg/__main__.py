@@ -19,6 +19,8 @@ COMMANDS = {
     "table2": "Table 2's writer",
     "table3": "Table 3's writer",
     "hpo": "an Optuna search over training runs",
+    "runs": "list run folders: the settings they differ in, their scores (--where, --diff)",
+    "track": "send run folders to a tracker (track import DIR --logger mlflow)",
     "byo": "write the bring-your-own examples of docs/byo.md",
     "lab": "the KL-estimator conformance lab: verdicts, or the report (--all)",
 }

@@ -41,6 +41,15 @@ def finished_run(tmp_path_factory):
     return Path(cfg.run_dir)
 
 
+@pytest.fixture(scope="session")
+def mlflow_url(tmp_path_factory):
+    """One real MLflow tracking server (SQLite store) for the session's tests: its URL."""
+    from helpers import mlflow_server
+
+    with mlflow_server(tmp_path_factory.mktemp("mlflow_server")) as url:
+        yield url
+
+
 @pytest.fixture
 def ray_token(monkeypatch, tmp_path):
     """Ray's token authentication on, with a token of the test's own (``RAY_AUTH_MODE=token``,

@@ -162,3 +162,51 @@ def frozen(model):
         p.requires_grad_(False)
     return out
 
+
+
+def mlflow_server(root: Path, backend: str | None = None):
+    """A real ``mlflow server`` (the mlflow package's own, on loopback), started for tests: a context manager yielding
+    its URL. ``backend``: its store (default a SQLite file in ``root``; a PostgreSQL URL works the same); artifacts go
+    to ``root/artifacts`` through the server. Stopped at the end."""
+    import contextlib
+    import os
+    import signal
+    import socket
+
+    import requests
+
+    @contextlib.contextmanager
+    def server():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        root.mkdir(parents=True, exist_ok=True)
+        store = backend or f"sqlite:///{root / 'mlflow.db'}"
+        log = open(root / "server.log", "w")
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", store,
+                                 "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
+                                 "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 120
+            while True:
+                try:
+                    if requests.get(url + "/health", timeout=2).ok:
+                        break
+                except requests.RequestException:
+                    pass
+                assert proc.poll() is None and time.time() < deadline, (root / "server.log").read_text()[-2000:]
+                time.sleep(0.3)
+            yield url
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+
+    return server()

@@ -33,13 +33,13 @@ from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
 from .console import log_file_only, quiet_third_party
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
-from .install import check_head_dim
 from .models import ModelPathError, head_dim
 from .module import GRPOModule
 from .plotting import plot_run
 from .policy import build_policy
 from .owner import release_run_dir
-from .tracking import TrackerHub, check_reachable, make_loggers
+from .install import check_head_dim, trackers_of
+from .tracking import TrackerHub, check_reachable, import_run, make_loggers
 from .runs import (EXIT_INTERRUPTED, RUN_DIR_ENV, discard_hydra_output, in_multirun, is_rank_zero, job_folder,
                    open_run, outcome, record_failure, record_run)
 from .strategies import build_strategy
@@ -99,6 +99,8 @@ def train(cfg: DictConfig, callbacks: list | tuple = ()) -> tuple[dict, dict]:
 def _train(opened, callbacks) -> tuple[dict, dict]:
     cfg, run_dir = opened.cfg, opened.run_dir
     if opened.skipped is not None:
+        if trackers_of(cfg.logger) and is_rank_zero() and (run_dir / "config.yaml").is_file():
+            import_run(run_dir, trackers_of(cfg.logger), cfg.logger)  # a finished run's trackers given what they lack
         return opened.skipped, {"run_dir": run_dir, "plot": run_dir / "curves.png", "cfg": cfg, "skipped": True,
                                 "failed": opened.skipped.get("failed")}
     if cfg.trainer.num_threads:

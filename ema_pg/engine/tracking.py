@@ -64,13 +64,22 @@ class Identity:
     step: int = 0  #: the step its summary row and final media take (the run's last iteration)
 
 
-def default_group(cfg) -> str:
-    """The group of a run whose config names none: its sweep (the multirun's folder), else its experiment's name."""
-    if in_multirun():
+def default_group(cfg, run_dir: Path) -> str:
+    """The group of a run whose config names none: its sweep (the multirun's folder: where this job runs, or the
+    folder that holds the run and its ``multirun.yaml``), else its experiment's name."""
+    sweep = None
+    if (Path(run_dir).parent / "multirun.yaml").is_file():
+        sweep = Path(run_dir).parent
+    elif in_multirun():
         from hydra.core.hydra_config import HydraConfig
 
-        return str(HydraConfig.get().sweep.dir)
-    return str(cfg.get("name") or "ema-pg")
+        sweep = Path(HydraConfig.get().sweep.dir)
+    if sweep is None:
+        return str(cfg.get("name") or "ema-pg")
+    try:
+        return str(sweep.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(sweep)
 
 
 def method_of(cfg) -> str:
@@ -91,7 +100,7 @@ def run_identity(cfg, run_dir: Path, group: str | None = None) -> Identity:
     params.update({"run.commit": commit, "run.dirty": commit.endswith("-dirty"),
                    "run.machine": machine() if mach == "unknown" else mach, "run.base": run_base(run_dir),
                    "run.task": cfg.task.name, "run.method": method_of(cfg), "run.folder": str(Path(run_dir).resolve())})
-    return Identity(name=lc.get("run_name") or Path(run_dir).name, group=lc.get("group") or group or default_group(cfg),
+    return Identity(name=lc.get("run_name") or Path(run_dir).name, group=lc.get("group") or group or default_group(cfg, run_dir),
                     job_type=lc.get("job_type") or "train", tags=list(dict.fromkeys(tags)), params=params,
                     step=int(cfg.algo.iterations))
 
@@ -210,6 +219,7 @@ class Tracker:
     def __init__(self, lc, folder: Path, ident: Identity, record: dict):
         self.lc, self.folder, self.ident, self.record = lc, Path(folder), ident, dict(record)
         self.resumed = bool(record)
+        self.media_key = self.name  #: in tracking.json's media_sent once the final plot and eval.json are sent
 
     def key(self, k: str) -> str:  # a metric's name as this tracker stores it
         return k
@@ -299,10 +309,13 @@ class MLflowTracker(Tracker):
 
         for name in ("mlflow", "alembic"):  # a new store's table creation, said at INFO on the console
             logging.getLogger(name).setLevel(logging.WARNING)
+        for var, value in MLFLOW_PATIENCE.items():  # a server that went away costs seconds, not MLflow's minutes
+            os.environ.setdefault(var, value)
 
         uri = mlflow_uri(lc)
         client = MlflowClient(uri)
-        run_id = record.get("run_id")
+        stores = dict(record.get("stores", {}))  # a folder sent to two stores (a local one, then a server) has a run in each
+        run_id = stores.get(masked(uri))
         if run_id is None:
             exp = client.get_experiment_by_name(lc.project)
             exp_id = exp.experiment_id if exp is not None else client.create_experiment(
@@ -313,7 +326,8 @@ class MLflowTracker(Tracker):
             run_id = client.create_run(exp_id, tags=tags, run_name=ident.name).info.run_id
         else:
             client.update_run(run_id, status="RUNNING")
-        self.record = {"run_id": run_id, "tracking_uri": masked(uri)}
+        self.run_id, self.media_key = run_id, f"mlflow:{masked(uri)}"
+        self.record = {"run_id": run_id, "tracking_uri": masked(uri), "stores": {**stores, masked(uri): run_id}}
         self.logger = MLFlowLogger(tracking_uri=uri, run_id=run_id)
         self.client = self.logger.experiment  # Lightning's client of the run
         held = client.get_run(run_id).data.params
@@ -329,7 +343,7 @@ class MLflowTracker(Tracker):
         return k.replace("@", "_at_")
 
     def present(self):
-        held, run_id = Counter(), self.record["run_id"]
+        held, run_id = Counter(), self.run_id
         for k in self.client.get_run(run_id).data.metrics:
             held.update((m.step, k) for m in self.client.get_metric_history(run_id, k))
         return held
@@ -341,10 +355,10 @@ class MLflowTracker(Tracker):
         now = int(time.time() * 1000)
         items = [Metric(self.key(k), float(v), now, step) for step, row in rows for k, v in row.items()]
         for i in range(0, len(items), 1000):  # MLflow's limit on one batch
-            self.client.log_batch(self.record["run_id"], metrics=items[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=items[i:i + 1000])
 
     def media(self, step, image=None, files=(), samples=None):
-        run_id = self.record["run_id"]
+        run_id = self.run_id
         if image is not None:
             self.client.log_artifact(run_id, str(image))
         for f in files:
@@ -357,7 +371,7 @@ class MLflowTracker(Tracker):
             self.client.log_table(run_id, data=df, artifact_file=f"samples/iter_{step:06d}.json")
 
     def finish(self, status):
-        self.client.set_terminated(self.record["run_id"],
+        self.client.set_terminated(self.run_id,
                                    {"success": "FINISHED", "interrupted": "KILLED"}.get(status, "FAILED"))
 
 
@@ -373,6 +387,7 @@ class TensorBoardTracker(Tracker):
         if not self.resumed:
             self._open()
             self.logger.log_hyperparams(ident.params)
+            self.logger.save()  # hparams.yaml beside the events
 
     def _open(self, purge_step: int | None = None):
         from lightning.pytorch.loggers import TensorBoardLogger
@@ -429,6 +444,11 @@ class TensorBoardTracker(Tracker):
             self.logger.experiment.flush()
             self.logger.experiment.close()
 
+
+#: how long MLflow's client waits on a server before the tracker is set aside (its defaults: 7 retries with
+#: backoff and a 120 s timeout, minutes of a run's time per call); a user's own settings of these win
+MLFLOW_PATIENCE = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                   "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 BACKENDS = {"wandb": WandbTracker, "mlflow": MLflowTracker, "tensorboard": TensorBoardTracker}
 
@@ -556,17 +576,17 @@ def import_run(run_dir: Path, names: list[str], lc=None) -> dict[str, int]:
         cfg.logger = OmegaConf.merge(cfg.get("logger") or {}, lc)
     cfg.logger = OmegaConf.merge({"project": "ema-pg", "offline": True, "mlflow_uri": None, "tags": [],
                                   "job_type": "train"}, cfg.get("logger") or {})
-    ident = run_identity(cfg, run_dir, group=str(cfg.get("name") or run_dir.parent.name))
+    ident = run_identity(cfg, run_dir)
     hub = Trackers(cfg.logger, run_dir, ident, names)
     sent = hub.sync(run_rows(run_dir))
     done = hub.record.setdefault("media_sent", [])
-    fresh = [t for t in hub.live if t.name not in done]
+    fresh = [t for t in hub.live if t.media_key not in done]
     if (run_dir / "eval.json").is_file() and fresh:
         plot = run_dir / "curves.png"
         for t in fresh:
             if hub._guard(t.name, "media", lambda t=t: t.media(ident.step, image=plot if plot.is_file() else None,
                                                                  files=(run_dir / "eval.json",))):
-                done.append(t.name)
+                done.append(t.media_key)
     summary = summary_row(run_dir)
     hub.finish("success" if summary else "interrupted", summary[1] if summary else None)
     write_record(run_dir, hub.record)
@@ -670,7 +690,8 @@ class TrackerHub(_lightning_logger()):
                 self.trackers.send([s])
                 plot = self.run_dir / "curves.png"
                 self.trackers.media(step, image=plot if plot.is_file() else None, files=(self.run_dir / "eval.json",))
-                self.trackers.record["media_sent"] = [t.name for t in self.trackers.live]
+                sent = self.trackers.record.setdefault("media_sent", [])
+                sent += [t.media_key for t in self.trackers.live if t.media_key not in sent]
         self.pending, self.pending_samples = [], []
         self.trackers.finish(status, summary)
         try:

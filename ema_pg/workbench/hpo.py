@@ -235,6 +235,25 @@ def compose_trial_cfg(spec: StudySpec, params: dict, run_dir: Path, extra: list[
     return cfg
 
 
+def link_trial(cfg, spec: StudySpec, trial: optuna.Trial) -> None:
+    """A trial's tracker run: grouped under its study, job type ``trial``, tagged with its number (its parameters
+    are in its config); where the study's overrides name none of these, they are set here."""
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.logger.group = cfg.logger.group or spec.study_name
+        if cfg.logger.job_type == "train":
+            cfg.logger.job_type = "trial"
+        cfg.logger.tags = [*cfg.logger.tags, f"trial={trial.number}"]
+
+
+def tracker_runs(run_dir: Path) -> dict:
+    """The tracker runs a run folder's ``tracking.json`` names, by tracker ({} where none)."""
+    from ..engine.tracking import read_record
+
+    return {k: v for k, v in read_record(run_dir).items() if k != "media_sent"}
+
+
 class OptunaPruning(EvalCallback):
     """Reports each evaluation's average to the trial and stops the run when the pruner says so."""
 
@@ -361,8 +380,13 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
                 trial.set_user_attr("run_dir", str(run_dir))
                 trial.set_user_attr("worker", f"{os.uname().nodename}:{os.getpid()}")
                 cfg = compose_trial_cfg(spec, params, run_dir, extra)
+                link_trial(cfg, spec, trial)
                 pruning = OptunaPruning(trial)
-                metrics, _ = train(cfg, callbacks=[pruning])
+                try:
+                    metrics, _ = train(cfg, callbacks=[pruning])
+                finally:  # the trial names its tracker runs, whatever ended it (they name the trial back)
+                    if trackers := tracker_runs(run_dir):
+                        trial.set_user_attr("trackers", trackers)
                 if pruning.pruned:
                     study.tell(trial, state=TrialState.PRUNED)
                     continue

@@ -113,7 +113,8 @@ def load_runs(root: str | Path, finished_only: bool = False) -> pd.DataFrame:
     rows = []
     for run in find_runs(root):
         cfg = OmegaConf.to_container(OmegaConf.load(run / "config.yaml"), resolve=False)
-        row = {"run_dir": str(run), "run": run.name, **flatten(cfg), **derived_columns(cfg)}
+        row = {**flatten(cfg), "run_dir": str(run), "run": run.name, **derived_columns(cfg)}  # the folder where it is
+        # now (its config's run_dir is where it ran: a copied or moved run's differs)
         df = pd.read_csv(run / "metrics.csv")
         evals = [c for c in df.columns if c.startswith("eval")]
         ev = df.dropna(subset=evals, how="all").sort_values("step") if evals else df.iloc[:0]

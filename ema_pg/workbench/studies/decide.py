@@ -60,6 +60,7 @@ from ...engine.files import NoRoom
 from ...engine.runs import EXIT_INTERRUPTED, machine
 from ...engine.sweeps import failed_record
 from ..launchers import add_launcher_args, launcher_spec
+from ..tracking import cell_overrides, mirror_plan, tracker_args, tracker_choice
 from .contract import check as check_contract, deviation_lines, parse_deviations, register
 from .ledger import finite, read_cells_file, read_looks_file
 from .sequential import OUTLOOKS, Design, look_at, outlook
@@ -563,9 +564,10 @@ class Workers:
     finished cells are recorded as they end, by this process alone. A SIGTERM is passed on to each (its checkpoint
     saved)."""
 
-    def __init__(self, launcher, log_dir: Path, code: Path = ROOT):
+    def __init__(self, launcher, log_dir: Path, code: Path = ROOT, extra=lambda method: []):
         self.launcher, self.log_dir, self.live, self.code = launcher, log_dir, {}, Path(code)
         self.stopping = False
+        self.extra = extra  #: what a cell's command adds that is no part of the plan (its trackers)
 
     def _begin(self, plan: Plan, m: str, s: int):
         from ...engine.owner import live_owner, other_host
@@ -582,7 +584,8 @@ class Workers:
                                  f"{run / '.ema_pg_run'} and run again; or set EMA_PG_SHARED_LOCKS=1 where the file "
                                  "system carries flock across hosts")
             return Adopted(run, owner), f"{m} seed {s}: a live run (pid {owner[-1]}) writes it; waiting for it"
-        return self.launcher.start(name, cell_command(plan, m, s, self.code), self.code, self.log_dir / f"{name}.log"), ""
+        return self.launcher.start(name, cell_command(plan, m, s, self.code) + self.extra(m), self.code,
+                                   self.log_dir / f"{name}.log"), ""
 
     def run(self, plan: Plan, cells: list[tuple[str, int]]) -> None:
         from tqdm.auto import tqdm
@@ -644,7 +647,9 @@ def main(argv=None) -> int:
                     help="run cells on a machine other than the one cells.csv's cells ran on (where the cold start "
                          "comes out the same, or its cache is carried here); each cell's base policy is still checked")
     add_launcher_args(ap, what="cells")
+    tracker_args(ap)
     a = ap.parse_args(argv)
+    a.trackers = tracker_choice(a)
     if a.workers < 1:
         raise SystemExit(f"--workers {a.workers}: give 1 or more (cells run at a time)")
     if not a.plan.is_file():
@@ -724,7 +729,8 @@ def _run(plan: Plan, a, code: Path, fingerprint: str) -> int:
     if a.report_only:
         print(f"wrote {report(plan)}")
         return 0
-    workers = Workers(_Lazy(launcher_spec(a), plan.runs, a.workers), plan.runs / "logs", code)
+    workers = Workers(_Lazy(launcher_spec(a), plan.runs, a.workers), plan.runs / "logs", code,
+                      extra=lambda m: cell_overrides(a, a.trackers, plan, m))
     signal.signal(signal.SIGTERM, workers.stop)
     signal.signal(signal.SIGINT, workers.stop)
     try:
@@ -772,6 +778,8 @@ def _loop(plan: Plan, a, code: Path, fingerprint: str, workers: Workers) -> int:
               + "; ".join(f"{c.id} {verdicts[c.id]}" for c in plan.claims), flush=True)
         if not open_claims or taken == len(plan.design.looks):
             report(plan)
+            if not a.status:
+                mirror_plan(plan, a, a.trackers, read_looks(plan))
             print("every claim is decided or at its cap")
             return 0
         k = taken + 1
@@ -820,6 +828,7 @@ def _loop(plan: Plan, a, code: Path, fingerprint: str, workers: Workers) -> int:
             print(f"  look {k}, {r['claim']} ({r['text']}): {r['seeds']} seeds, Δ {r['mean_diff']:+.4f} "
                   f"[{r['lo']:+.4f}, {r['hi']:+.4f}], t {r['t']:+.2f} vs ±{r['t_bound']:.2f}: {r['verdict']}", flush=True)
         report(plan)
+        mirror_plan(plan, a, a.trackers, read_looks(plan))  # the plan's tracker run holds every look taken
 
 
 if __name__ == "__main__":

@@ -1,0 +1,7 @@
+"""``python -m ema_pg.runs``: list run folders with the settings they differ in and their scores, filter them, or
+compare two. The code is :mod:`ema_pg.workbench.tracking`."""
+
+from ema_pg.workbench.tracking import runs_main
+
+if __name__ == "__main__":
+    raise SystemExit(runs_main())

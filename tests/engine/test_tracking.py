@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from ema_pg.config import ConfigError, compose, flatten
 from ema_pg.engine.install import trackers_of
-from ema_pg.engine.tracking import (csv_rows, masked, missing, read_record, run_rows, wandb_files, wandb_history,
+from ema_pg.engine.tracking import (masked, missing, read_record, run_rows, wandb_files, wandb_history,
                                     wandb_present, wandb_records)
 
 ROOT = Path(__file__).resolve().parents[2]

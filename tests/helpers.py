@@ -164,10 +164,10 @@ def frozen(model):
 
 
 
-def mlflow_server(root: Path, backend: str | None = None):
+def mlflow_server(root: Path, backend: str | None = None, port: int | None = None):
     """A real ``mlflow server`` (the mlflow package's own, on loopback), started for tests: a context manager yielding
     its URL. ``backend``: its store (default a SQLite file in ``root``; a PostgreSQL URL works the same); artifacts go
-    to ``root/artifacts`` through the server. Stopped at the end."""
+    to ``root/artifacts`` through the server; ``port``: a port of its own (default a free one). Stopped at the end."""
     import contextlib
     import os
     import signal
@@ -176,13 +176,14 @@ def mlflow_server(root: Path, backend: str | None = None):
     import requests
 
     @contextlib.contextmanager
-    def server():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    def server(port=port):
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
         root.mkdir(parents=True, exist_ok=True)
         store = backend or f"sqlite:///{root / 'mlflow.db'}"
-        log = open(root / "server.log", "w")
+        log = open(root / "server.log", "a")
         proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", store,
                                  "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
                                  "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,

@@ -195,7 +195,7 @@ def cell_overrides(a, names: list[str], plan, method: str) -> list[str]:
     ``cell``, tagged with the claims it serves."""
     if not names:
         return []
-    claims = [f"claim={c.id}" for c in plan.claims if method in (c.better, c.worse)]
+    claims = [f"'claim={c.id}'" for c in plan.claims if method in (c.better, c.worse)]  # quoted: Hydra's grammar
     out = [f"logger=[{','.join(names)}]", f"logger.group={plan.folder.name}", "logger.job_type=cell",
            f"logger.tags=[{','.join(claims)}]"]
     if a.mlflow_uri:

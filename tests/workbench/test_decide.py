@@ -288,13 +288,20 @@ def test_cells_can_run_the_code_of_another_checkout(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_command_runs_a_tiny_sweep_to_its_looks_and_continues_after_an_interruption(tmp_path):
-    """Real runs (the toy task at smoke scale, one cold start for every seed): look 1 at 3 seeds, look 2 at 4."""
+def test_the_command_runs_a_tiny_sweep_to_its_looks_and_continues_after_an_interruption(tmp_path, mlflow_url):
+    """Real runs (the toy task at smoke scale, one cold start for every seed): look 1 at 3 seeds, look 2 at 4. With
+    --logger the cells report to MLflow (a real server) and TensorBoard, grouped under the plan, and the plan's own
+    run holds each look."""
+    from mlflow import MlflowClient
+
+    from ema_pg.engine.tracking import read_record
+
     runs = tmp_path / "runs"
     plan = write_plan(tmp_path / "plan", runs, looks=(3, 4), claims={"A": {"better": "ema", "worse": "grpo",
                                                                           "text": "EMA anchor > GRPO"}},
                       overrides=["sft.seed=0", f"sft.cache_dir={tmp_path / 'cache'}"])
-    cmd = [sys.executable, "-m", "ema_pg.decide", str(plan), "--workers", "2"]
+    cmd = [sys.executable, "-m", "ema_pg.decide", str(plan), "--workers", "2", "--logger", "mlflow,tensorboard",
+           "--mlflow-uri", mlflow_url, "--project", "plan_t"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     looks = pd.read_csv(tmp_path / "plan" / LOOKS)
@@ -303,3 +310,17 @@ def test_the_command_runs_a_tiny_sweep_to_its_looks_and_continues_after_an_inter
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)  # nothing left: no look retaken
     assert again.returncode == 0 and pd.read_csv(tmp_path / "plan" / LOOKS).equals(looks)
     assert "every claim is decided or at its cap" in again.stdout
+    # the trackers: each cell its own run in the plan's group, tagged with its claim; the plan run holds each look
+    client = MlflowClient(mlflow_url)
+    found = client.search_runs([client.get_experiment_by_name("plan_t").experiment_id])
+    cells = [r for r in found if r.data.tags["ema_pg.job_type"] == "cell"]
+    finished = sorted(p.name for p in runs.iterdir() if (p / "eval.json").is_file())
+    assert sorted(r.info.run_name for r in cells) == finished
+    assert all(r.data.tags["ema_pg.group"] == "plan" and r.data.tags["claim"] == "A" for r in cells)
+    assert all(read_record(runs / r.info.run_name)["mlflow"]["run_id"] == r.info.run_id for r in cells)
+    (plan_run,) = [r for r in found if r.data.tags["ema_pg.job_type"] == "plan"]
+    assert plan_run.info.run_name == "plan" and plan_run.data.params["claim.A"].startswith("ema > grpo")
+    diffs = client.get_metric_history(plan_run.info.run_id, "A/mean_diff")
+    assert [(m.step, m.value) for m in diffs] == [(int(r["look"]), pytest.approx(r["mean_diff"]))
+                                                  for _, r in looks.iterrows()]  # sent once, though decide ran twice
+    assert (runs / "tb").is_dir() and all((runs / n / "tb").is_dir() for n in finished)

@@ -76,11 +76,17 @@ def test_unknown_config_key_in_space_stops_the_worker(tmp_path):
 
 
 @pytest.mark.slow
-def test_trials_run_resume_and_record_their_params(tmp_path):
+def test_trials_run_resume_and_record_their_params(tmp_path, mlflow_url):
+    """Each trial's run gets its params; with logger=mlflow (a real server) it is its own tracker run, grouped under
+    the study and tagged with its number, and the trial names that run: linked both ways."""
+    from mlflow import MlflowClient
+
     spec = load_study_spec(study_file(tmp_path, n_trials=2))
-    assert run_worker(spec) == [0, 1]
+    trackers = ["logger=mlflow", f"logger.mlflow_uri={mlflow_url}", "logger.project=study_t"]
+    assert run_worker(spec, extra=trackers) == [0, 1]
     study = open_study(spec)
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    client = MlflowClient(mlflow_url)
     for t in study.trials:  # the objective is the run's final eval metric, and the run got the trial's params
         run = Path(t.user_attrs["run_dir"])
         cfg = OmegaConf.load(run / "config.yaml")
@@ -88,6 +94,12 @@ def test_trials_run_resume_and_record_their_params(tmp_path):
         assert cfg.optim.lr == pytest.approx(t.params["optim.lr"])
         assert t.value == pytest.approx(__import__("json").loads((run / "eval.json").read_text())["avg"])
         assert sorted(t.intermediate_values) == [0, 2, 4]
+        r = client.get_run(t.user_attrs["trackers"]["mlflow"]["run_id"])
+        assert r.data.tags["trial"] == str(t.number) and r.data.tags["ema_pg.group"] == "t"
+        assert r.data.tags["ema_pg.job_type"] == "trial" and r.info.run_name == run.name
+        assert float(r.data.params["anchor.eta"]) == pytest.approx(t.params["anchor.eta"])
+        assert r.data.metrics["final/avg"] == pytest.approx(t.value)
+    assert len(client.search_runs([client.get_experiment_by_name("study_t").experiment_id])) == 2
     # resuming: the same command with a larger budget adds only the missing trial
     assert run_worker(spec, n_trials=3) == [2]
     assert len(open_study(spec).trials) == 3

@@ -150,8 +150,9 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 def wandb_records(path: Path):
     """The protobuf ``Record``s of one ``.wandb`` file (wandb's transaction log: a 7-byte header ``:W&B``, magic
-    0xBEE1, a version; then LevelDB's log format, 32 KiB blocks of checksummed chunks). A torn tail (a killed
-    process) ends the scan where the last whole record ends."""
+    0xBEE1, a version; then LevelDB's log format, 32 KiB blocks of checksummed chunks; a block's zero-filled rest,
+    where its writer flushed it whole, is skipped). A torn tail (a killed process) ends the scan where the last whole
+    record ends."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = Path(path).read_bytes()
@@ -164,6 +165,9 @@ def wandb_records(path: Path):
             pos += left
             continue
         crc, length, kind = struct.unpack("<IHB", data[pos:pos + _HEADER])
+        if (crc, length, kind) == (0, 0, 0):  # the zero-filled rest of a block that was flushed whole
+            pos += left
+            continue
         chunk = data[pos + _HEADER:pos + _HEADER + length]
         if kind not in (_FULL, _FIRST, _MIDDLE, _LAST) or len(chunk) < length or \
                 zlib.crc32(chunk, zlib.crc32(bytes((kind,)))) & 0xFFFFFFFF != crc:
@@ -243,6 +247,9 @@ class Tracker:
     def summary(self, row: dict) -> None:
         pass
 
+    def artifact(self, path: Path, kind: str, name: str, metadata: dict) -> None:
+        """A file or folder kept with the run (an exported model, a checkpoint), with what it came from."""
+
     def finish(self, status: str) -> None:
         pass
 
@@ -294,6 +301,13 @@ class WandbTracker(Tracker):
 
     def summary(self, row):
         self.run.summary.update(row)
+
+    def artifact(self, path, kind, name, metadata):
+        import wandb
+
+        art = wandb.Artifact(name=name, type=kind, metadata=metadata)  # logged by this run: its lineage
+        (art.add_dir if Path(path).is_dir() else art.add_file)(str(path))
+        self.run.log_artifact(art)
 
     def finish(self, status):
         self.run.finish(exit_code={"success": 0, "interrupted": 75}.get(status, 1))
@@ -369,6 +383,14 @@ class MLflowTracker(Tracker):
             df = pd.DataFrame([{"split": s, "iteration": step, "prompt": x["prompt"], "response": x["response"],
                                 "reward": x["reward"]} for s, xs in samples.items() for x in xs])
             self.client.log_table(run_id, data=df, artifact_file=f"samples/iter_{step:06d}.json")
+
+    def artifact(self, path, kind, name, metadata):
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path=f"{kind}/{name}")
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path=kind)
+        self.client.set_tag(self.run_id, f"{kind}.{name}", json.dumps(metadata, sort_keys=True))
 
     def finish(self, status):
         self.client.set_terminated(self.run_id,
@@ -548,6 +570,12 @@ class Trackers:
     def media(self, step: int, **kw) -> None:
         self.each(f"media of iteration {step}", lambda t: t.media(step, **kw))
 
+    def artifact(self, path: Path, kind: str, name: str, metadata: dict) -> list[str]:
+        """Keep ``path`` with each tracker's run; returns the trackers that took it."""
+        took = []
+        self.each(f"the {kind} {name}", lambda t: (t.artifact(path, kind, name, metadata), took.append(t.name)))
+        return took
+
     def finish(self, status: str, summary: dict | None = None) -> None:
         if summary:
             self.each("the summary", lambda t: t.summary(summary))
@@ -591,6 +619,28 @@ def import_run(run_dir: Path, names: list[str], lc=None) -> dict[str, int]:
     hub.finish("success" if summary else "interrupted", summary[1] if summary else None)
     write_record(run_dir, hub.record)
     return sent
+
+
+def publish(run_dir: Path, path: Path, kind: str, metadata: dict) -> list[str]:
+    """Keep ``path`` (an exported model) with the tracker runs a run folder's ``tracking.json`` names, continuing
+    them; the artifact's metadata names the run and its base policy. Returns the trackers that took it ([] where the
+    run reported to none)."""
+    from omegaconf import OmegaConf
+
+    run_dir = Path(run_dir)
+    record = read_record(run_dir)
+    names = [n for n in BACKENDS if n in record and n != "tensorboard"]  # TensorBoard keeps no artifacts
+    if not names or not (run_dir / "config.yaml").is_file():
+        return []
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    ident = run_identity(cfg, run_dir)
+    hub = Trackers(cfg.logger, run_dir, ident, names)
+    took = hub.artifact(path, kind, f"{run_dir.name}-{Path(path).name}",
+                        {**metadata, "run": str(run_dir.resolve()), "base": ident.params["run.base"],
+                         "commit": ident.params["run.commit"]})
+    hub.finish("success" if (run_dir / "eval.json").is_file() else "interrupted")
+    write_record(run_dir, hub.record)
+    return took
 
 
 # ---------------------------------------------------------------------- a run's hub, as Lightning's logger
@@ -670,6 +720,12 @@ class TrackerHub(_lightning_logger()):
             self.trackers.send(rows)
             for step, samples in media:
                 self.trackers.media(step, samples=samples)
+            if self.cfg.logger.get("checkpoints") and rows:  # logger.checkpoints: the checkpoint that covers them
+                it = rows[-1][0]
+                ckpt = self.run_dir / "checkpoints" / f"iter{it}.ckpt"
+                if ckpt.exists():
+                    self.trackers.artifact(ckpt.resolve(), "checkpoint", f"{self.run_dir.name}-iter{it}",
+                                           {"iteration": it, "run": str(self.run_dir.resolve())})
 
     def samples(self, step: int, samples: dict) -> None:
         """An evaluation's sample generations, sent with its rows."""

@@ -78,6 +78,8 @@ def main(argv=None) -> None:
     group.add_argument("--initial", action="store_const", const="initial", dest="which", help="export the initial policy")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    ap.add_argument("--no-track", action="store_true",
+                    help="do not keep the export as an artifact of the run's tracker runs (wandb, MLflow)")
     a = ap.parse_args(argv)
     try:
         out = export(a.run, a.out, a.which or "policy", a.dtype, a.overwrite)
@@ -85,6 +87,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"export: {e}") from None
     it = json.loads((out / SOURCE).read_text())["iteration"]
     print(f"wrote {out} ({a.which or 'policy'} of {a.run}" + (f", iteration {it})" if it is not None else ")"))
+    if not a.no_track:
+        from ..engine.tracking import publish
+
+        took = publish(Path(a.run), out, "model", {"which": a.which or "policy", "iteration": it, "dtype": a.dtype})
+        if took:
+            print(f"kept as a model artifact of the run in {', '.join(took)} (its metadata names the run and its base)")
 
 
 if __name__ == "__main__":

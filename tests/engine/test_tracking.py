@@ -142,7 +142,7 @@ def tracked_run(tmp_path_factory, monkeypatch_module):
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     monkeypatch_module.setenv("WANDB_SILENT", "true")
     cfg = compose_cfg(["logger=[wandb,mlflow,tensorboard]", f"logger.mlflow_uri={uri}", "logger.tags=[ablation]",
-                       "logger.samples=2", "algo.iterations=4", "algo.eval_every=2"], tmp)
+                       "logger.samples=2", "logger.checkpoints=true", "algo.iterations=4", "algo.eval_every=2"], tmp)
     train(cfg)
     return Path(cfg.run_dir), uri
 
@@ -183,6 +183,8 @@ def test_a_run_is_one_run_in_each_tracker_with_its_identity_config_record_and_me
     assert {"curves.png", "eval.json", "samples"} <= arts
     assert sorted(a.path for a in client.list_artifacts(r.info.run_id, "samples")) == [
         f"samples/iter_00000{i}.json" for i in (0, 2, 4)]
+    assert sorted(a.path for a in client.list_artifacts(r.info.run_id, "checkpoint")) == [
+        "checkpoint/iter2.ckpt", "checkpoint/iter4.ckpt"]  # logger.checkpoints: each period's
     # wandb: one run (one id, one offline folder), its config and identity, every row once, the summary
     files = wandb_files(run, rec["wandb"]["id"])
     assert len(files) == 1 and wandb_metrics(run) == record
@@ -251,3 +253,24 @@ def test_track_import_sends_a_folder_once_and_runs_lists_filters_and_diffs(track
     assert out.startswith("1 settings differ") and "| seed  |" in out
     with pytest.raises(SystemExit, match="no run has the key 'sed'; did you mean seed"):
         runs_main([str(root), "--where", "sed=1"])
+
+
+def test_an_exported_model_is_kept_with_the_run_naming_its_run_and_base(tracked_run, tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    from ema_pg.workbench.export import main as export_main
+
+    run, uri = tracked_run
+    export_main([str(run), str(tmp_path / "hf")])
+    assert "kept as a model artifact of the run in wandb, mlflow" in capsys.readouterr().out
+    client = MlflowClient(uri)
+    run_id = read_record(run)["mlflow"]["run_id"]
+    files = {a.path for a in client.list_artifacts(run_id, f"model/{run.name}-hf")}
+    assert f"model/{run.name}-hf/config.json" in files
+    meta = json.loads(client.get_run(run_id).data.tags[f"model.{run.name}-hf"])
+    assert meta["run"] == str(run.resolve()) and meta["base"] == client.get_run(run_id).data.params["run.base"]
+    assert meta["iteration"] == 4 and client.get_run(run_id).info.status == "FINISHED"
+    arts = [x.artifact for f in wandb_files(run, read_record(run)["wandb"]["id"]) for x in wandb_records(f)
+            if x.WhichOneof("record_type") == "artifact"]
+    model = [a for a in arts if a.type == "model"]
+    assert len(model) == 1 and json.loads(model[0].metadata)["base"] == meta["base"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import warnings
 
@@ -88,3 +89,12 @@ def log_file_only(logger: logging.Logger, level: int, msg: str, *args) -> None:
     for h in logging.getLogger().handlers:
         if isinstance(h, logging.FileHandler) and record.levelno >= h.level:
             h.handle(record)
+
+
+_SECRET_IN_URL = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)([^@\s/]+)(@)")
+
+
+def masked(text: str | None) -> str | None:
+    """``text`` with every URL's password replaced by ``***`` (``postgresql://user:***@host/db``): what a line or a
+    file may show of a storage or tracking URL."""
+    return text if not text else _SECRET_IN_URL.sub(r"\1***\3", text)

@@ -26,9 +26,9 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from ..config import ConfigError, flatten
+from .console import masked
 from .files import atomic_write
 from .install import trackers_of
 from .runs import git_commit, in_multirun, machine, metrics_rows, run_base, run_commit, run_machine
@@ -37,17 +37,6 @@ log = logging.getLogger("ema_pg")
 
 TRACKING_FILE = "tracking.json"  #: in a run folder (or a plan's): the tracker runs that mirror it, by tracker
 STEP_KEY = "trainer/global_step"  #: the iteration of a row, as Lightning's WandbLogger logs it
-
-
-def masked(url: str | None) -> str | None:
-    """A URL without its password (``postgresql://user:***@host/db``): what a line or a file may show."""
-    if not url or "@" not in url:
-        return url
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
 
 
 # ---------------------------------------------------------------------- identity

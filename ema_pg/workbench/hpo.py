@@ -47,6 +47,7 @@ from optuna.trial import TrialState
 
 from ..cli import PACKAGE_ROOT as ROOT
 from ..cli import command_parser
+from ..engine.console import masked
 from ..engine.files import file_lock
 from ..engine.fit import RunInterrupted
 from ..engine.module import EvalCallback
@@ -421,11 +422,12 @@ def summary(spec: StudySpec) -> str:
     states = {}
     for t in study.get_trials(deepcopy=False):
         states[t.state.name] = states.get(t.state.name, 0) + 1
-    lines = [f"study {spec.study_name} ({spec.storage}): " + ", ".join(f"{k.lower()} {v}" for k, v in sorted(states.items()))]
+    lines = [f"study {spec.study_name} ({masked(spec.storage)}): " + ", ".join(f"{k.lower()} {v}" for k, v in sorted(states.items()))]
     if states.get("COMPLETE"):
         b = study.best_trial
         lines.append(f"best: trial {b.number}, value {b.value:.4f}, params {b.params}, run {b.user_attrs.get('run_dir')}")
-    lines.append(f"dashboard: optuna-dashboard {spec.storage}")
+    lines.append(f"dashboard: optuna-dashboard {masked(spec.storage)}" + (" (with the storage's password)"
+                                                                        if masked(spec.storage) != spec.storage else ""))
     return "\n".join(lines)
 
 
@@ -488,7 +490,7 @@ def main(argv=None) -> int:
         open_study(spec, a.worker_index)  # a storage that cannot be opened is one line, before any trial
     except Exception as e:  # noqa: BLE001 - SQLAlchemy's and Optuna's storage errors
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SystemExit(f"study storage {spec.storage} cannot be opened ({first}); give another --storage, or move "
+        raise SystemExit(f"study storage {masked(spec.storage)} cannot be opened ({masked(first)}); give another --storage, or move "
                          "the damaged file away") from None
     if a.launcher != "local":
         return launched_workers(a, spec, n, extra)

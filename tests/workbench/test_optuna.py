@@ -293,3 +293,15 @@ def test_a_study_on_a_postgresql_server_survives_a_killed_worker_and_resumes(tmp
         again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert again.returncode == 0, again.stderr[-2000:]
         assert len(optuna.load_study(study_name="t", storage=url).get_trials()) == len(trials)  # nothing run twice
+
+
+def test_a_storage_password_is_never_printed(tmp_path):
+    """A PostgreSQL storage that cannot be reached: one line naming it, its password masked, the cause's too."""
+    from ema_pg.workbench.hpo import main
+
+    url = "postgresql+psycopg2://postgres:s3cret@127.0.0.1:1/optuna"
+    with pytest.raises(SystemExit) as e:
+        main([str(study_file(tmp_path)), "--storage", url])
+    line = str(e.value)
+    assert "cannot be opened" in line and "postgres:***@127.0.0.1:1/optuna" in line and "s3cret" not in line
+    assert len(line.splitlines()) == 1

@@ -193,7 +193,21 @@ def wandb_history(files: list[Path]) -> list[dict]:
     return rows
 
 
+def quiet_writer(f: Path, still: float = 2.0, timeout: float = 20.0) -> None:
+    """Wait (up to ``timeout`` seconds) until nothing has written ``f`` for ``still`` seconds: wandb's service
+    process can outlive a killed run for a moment and still be writing its last rows, which a resume would send
+    again were they read before they land."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and time.time() - f.stat().st_mtime < still:
+        time.sleep(0.2)
+
+
 def wandb_present(files: list[Path]) -> Counter:
+    for f in files:
+        if not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(f)):  # its process did not finish
+            quiet_writer(f)
     held = Counter()
     for row in wandb_history(files):
         if STEP_KEY in row:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import TINY, mlflow_server, wait_while_alive
 from omegaconf import OmegaConf
-from test_tracking import as_mlflow, mlflow_held, record_of, tensorboard_held, wandb_metrics
+from test_tracking import as_mlflow, mlflow_held, record_of, settled, tensorboard_held, wandb_metrics
 
 from ema_pg.config import flatten
 from ema_pg.engine.tracking import read_record, wandb_files, wandb_records
@@ -70,6 +70,7 @@ def test_a_three_job_sweep_is_three_runs_in_each_tracker_with_its_config_name_gr
         # wandb: its own run id and files, finished, its identity, every row once
         files = wandb_files(run, rec["wandb"]["id"])
         ids.add(rec["wandb"]["id"])
+        settled(files[0])
         kinds = [x.WhichOneof("record_type") for x in wandb_records(files[0])]
         assert len(files) == 1 and kinds.count("run") == 1 and kinds.count("exit") == 1
         wr = next(x.run for x in wandb_records(files[0]) if x.WhichOneof("record_type") == "run")

@@ -145,3 +145,22 @@ def test_an_mlflow_server_gone_mid_run_costs_the_run_nothing_and_track_import_fi
         assert out.returncode == 0, out.stderr[-2000:]
         assert mlflow_held(client, run_id) == as_mlflow(want)
         assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_mlflow_on_a_postgresql_server_store_holds_a_run_as_on_sqlite(tmp_path):
+    """The tracking server's store on PostgreSQL (Debian's server, started by the test as the Optuna tests start it):
+    a run's rows, config and summary read back through the server's REST client."""
+    from helpers import postgres_server
+    from mlflow import MlflowClient
+
+    run = tmp_path / "run"
+    with postgres_server() as db, mlflow_server(tmp_path / "store", backend=db) as url:
+        out = subprocess.run(train_cmd("algo.iterations=4", "algo.eval_every=2", f"run_dir={run}",
+                                       f"sft.cache_dir={tmp_path / 'c'}", "logger=mlflow", f"logger.mlflow_uri={url}"),
+                             cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env())
+        assert out.returncode == 0, out.stderr[-3000:]
+        client = MlflowClient(url)
+        r = client.get_run(read_record(run)["mlflow"]["run_id"])
+        assert r.info.run_name == "run" and r.info.status == "FINISHED"
+        assert mlflow_held(client, r.info.run_id) == as_mlflow(record_of(run))
+        assert r.data.params["algo.iterations"] == "4" and "final/avg" in r.data.metrics

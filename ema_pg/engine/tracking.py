@@ -193,20 +193,43 @@ def wandb_history(files: list[Path]) -> list[dict]:
     return rows
 
 
-def quiet_writer(f: Path, still: float = 2.0, timeout: float = 20.0) -> None:
-    """Wait (up to ``timeout`` seconds) until nothing has written ``f`` for ``still`` seconds: wandb's service
-    process can outlive a killed run for a moment and still be writing its last rows, which a resume would send
-    again were they read before they land."""
+def holders(f: Path) -> list[int] | None:
+    """The processes that hold ``f`` open (Linux's /proc); None where that cannot be known."""
+    proc = Path("/proc")
+    if not (proc / "self" / "fd").is_dir():
+        return None
+    target, found = str(Path(f).resolve()), []
+    for pid in (p for p in os.listdir(proc) if p.isdigit()):
+        try:
+            if any(os.readlink(proc / pid / "fd" / fd) == target for fd in os.listdir(proc / pid / "fd")):
+                found.append(int(pid))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
+def quiet_writer(f: Path, still: float = 2.0, timeout: float = 60.0) -> None:
+    """Wait (up to ``timeout`` seconds) until the process that wrote ``f`` is done with it: wandb's service process
+    outlives a killed run for a moment (it watches the run's pid) and still writes the last rows it was sent, which a
+    resume would send again were they read before they land. Done is no process holding the file open, where the
+    system says (Linux); elsewhere nothing written for ``still`` seconds."""
     import time
 
     deadline = time.time() + timeout
-    while time.time() < deadline and time.time() - f.stat().st_mtime < still:
+    while time.time() < deadline:
+        held = holders(f)
+        if held == [] or (held is None and time.time() - f.stat().st_mtime >= still):
+            return
         time.sleep(0.2)
+    log.warning("%s: its writer still holds it after %.0f s; read as it is", f, timeout)
 
 
-def wandb_present(files: list[Path]) -> Counter:
+def wandb_present(files: list[Path], own: Path | None = None) -> Counter:
+    """(step, key) -> how many values wandb's files hold; a file whose process did not finish (no exit record) is
+    read once its writer is done with it, but ``own``, the file this process's run is writing."""
+    own = Path(own).resolve() if own is not None else None
     for f in files:
-        if not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(f)):  # its process did not finish
+        if Path(f).resolve() != own and not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(f)):
             quiet_writer(f)
     held = Counter()
     for row in wandb_history(files):
@@ -281,7 +304,7 @@ class WandbTracker(Tracker):
         self.run = self.logger.experiment  # created now: its id is on record before any row is sent
 
     def present(self) -> Counter:
-        return wandb_present(wandb_files(self.folder, self.record["id"]))
+        return wandb_present(wandb_files(self.folder, self.record["id"]), own=Path(self.run.settings.sync_file))
 
     def log_rows(self, rows):
         for step, row in rows:
@@ -334,9 +357,7 @@ class MLflowTracker(Tracker):
         stores = dict(record.get("stores", {}))  # a folder sent to two stores (a local one, then a server) has a run in each
         run_id = stores.get(masked(uri))
         if run_id is None:
-            exp = client.get_experiment_by_name(lc.project)
-            exp_id = exp.experiment_id if exp is not None else client.create_experiment(
-                lc.project, artifact_location=default_artifacts(uri))
+            exp_id = experiment_id(client, lc.project, uri)
             tags = {"mlflow.runName": ident.name, "ema_pg.group": ident.group, "ema_pg.job_type": ident.job_type,
                     **{t.split("=", 1)[0] if "=" in t else t: t.split("=", 1)[1] if "=" in t else "true"
                        for t in ident.tags[1:]}, "method": ident.tags[0]}
@@ -494,6 +515,22 @@ def default_artifacts(uri: str) -> str | None:
     if uri.startswith("sqlite:///"):
         return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
     return None
+
+
+def experiment_id(client, name: str, uri: str) -> str:
+    """The id of MLflow's experiment ``name``, created if none has it. Two runs that start together (a sweep's or a
+    plan's parallel jobs) may both find none: the one whose creation the store refuses takes the other's."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=default_artifacts(uri))
+    except MlflowException as e:
+        if e.error_code != "RESOURCE_ALREADY_EXISTS" or (exp := client.get_experiment_by_name(name)) is None:
+            raise
+        return exp.experiment_id
 
 
 def check_reachable(lc) -> None:

@@ -87,6 +87,18 @@ def test_the_wandb_reader_reads_back_what_wandb_wrote_and_stops_at_a_torn_tail(t
     (cut / "run-readback1.wandb").write_bytes(data[: len(data) // 3 + 11])
     part = wandb_history(wandb_files(tmp_path / "cut", "readback1"))
     assert 0 < len(part) < 60 and [r["trainer/global_step"] for r in part] == list(range(len(part)))
+    # a killed run's service still holding its file, silent for 3 s before its last rows land: read after it is done
+    # (waiting for 2 s of silence read the file early: a resume would have sent those rows again)
+    rest = tmp_path / "rest"
+    rest.write_bytes(data[len(data) // 3 + 11:])
+    late = subprocess.Popen([sys.executable, "-c", "import sys, time, shutil\n"
+                             f"f = open({str(cut / 'run-readback1.wandb')!r}, 'ab'); print('open', flush=True)\n"
+                             f"time.sleep(3); f.write(open({str(rest)!r}, 'rb').read()); f.close()"],
+                            stdout=subprocess.PIPE, text=True)
+    assert late.stdout.readline().strip() == "open"
+    assert wandb_present(wandb_files(tmp_path / "cut", "readback1")) == \
+        Counter((i, k) for i in range(60) for k in ["train/x", *(f"pad/{j}" for j in range(60))])
+    assert late.wait(timeout=30) == 0
     (tmp_path / "other.wandb").write_bytes(b"PK\x03\x04 not a log")
     with pytest.raises(ValueError, match="not a wandb transaction log"):
         list(wandb_records(tmp_path / "other.wandb"))
@@ -114,6 +126,30 @@ def test_missing_sends_each_value_once_against_what_a_tracker_holds():
     assert missing(rows, Counter(held) + Counter({(1, "time/elapsed_s"): 1, (2, "train/kl"): 1,
                                                    (2, "time/elapsed_s"): 1})) == []
     assert missing(rows, Counter()) == rows
+
+
+def test_two_runs_that_start_together_share_one_experiment(tmp_path):
+    """A plan's or a sweep's parallel jobs both ask for the project's experiment before either created it: the store
+    refuses the second creation, and that run takes the first's experiment (it used to be set aside, its run lost).
+    The interleaving is forced: the other job creates the experiment just after this one found none."""
+    from mlflow import MlflowClient
+
+    from ema_pg.engine.tracking import experiment_id
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    other = MlflowClient(uri)
+
+    class Late(MlflowClient):  # the real store; only the moment the other job creates the experiment is chosen
+        def get_experiment_by_name(self, name):
+            found = super().get_experiment_by_name(name)
+            if found is None and not other.get_experiment_by_name(name):
+                self.theirs = other.create_experiment(name)
+            return found
+
+    late = Late(uri)
+    assert experiment_id(late, "plan_t", uri) == late.theirs
+    assert [e.name for e in other.search_experiments()] == ["plan_t", "Default"]
+    assert experiment_id(late, "plan_t", uri) == late.theirs  # found at once the next time
 
 
 def test_a_password_in_a_url_is_masked():

@@ -117,9 +117,9 @@ def test_a_run_killed_with_9_and_resumed_is_one_run_in_each_tracker_with_every_i
 
 
 def test_an_mlflow_server_gone_mid_run_costs_the_run_nothing_and_track_import_fills_the_gap(tmp_path):
-    """The server is stopped after the run's first checkpoint: the run finishes (exit 0) with metrics.csv whole and
-    one line naming the tracker; a server started again on the same store and port takes the rest from
-    ``track import``."""
+    """The server is stopped once it holds the rows of the run's first checkpoint: the run finishes (exit 0) with
+    metrics.csv whole and one line naming the tracker; a server started again on the same store and port takes the
+    rest from ``track import``."""
     from mlflow import MlflowClient
 
     run, store = tmp_path / "run", tmp_path / "store"
@@ -127,7 +127,11 @@ def test_an_mlflow_server_gone_mid_run_costs_the_run_nothing_and_track_import_fi
         proc = subprocess.Popen(train_cmd("algo.iterations=60", "algo.eval_every=4", f"run_dir={run}",
                                           f"sft.cache_dir={tmp_path / 'c'}", "logger=mlflow", f"logger.mlflow_uri={url}"),
                                 cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
-        wait_while_alive(proc, lambda: (run / "checkpoints" / "iter4.ckpt").exists(), timeout=300, every=0.02)
+        client = MlflowClient(url)
+        # stopped once the server holds the rows of the first checkpoint (sent just after it is written)
+        wait_while_alive(proc, lambda: (run / "checkpoints" / "iter4.ckpt").exists() and "mlflow" in read_record(run)
+                         and sum(mlflow_held(client, read_record(run)["mlflow"]["run_id"]).values()) > 0,
+                         timeout=300, every=0.05)
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     said = [line for line in (stdout + stderr).splitlines() if "tracker mlflow" in line]
@@ -137,7 +141,6 @@ def test_an_mlflow_server_gone_mid_run_costs_the_run_nothing_and_track_import_fi
     assert {s for s, _ in want} == set(range(61))
     with mlflow_server(store, port=int(url.rsplit(":", 1)[1])) as url2:
         assert url2 == url
-        client = MlflowClient(url)
         run_id = read_record(run)["mlflow"]["run_id"]
         assert 0 < sum(mlflow_held(client, run_id).values()) < sum(want.values())
         out = subprocess.run([sys.executable, "-m", "ema_pg", "track", "import", str(run)], cwd=tmp_path,

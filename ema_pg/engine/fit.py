@@ -29,6 +29,7 @@ from ..packing import pack_problem
 from ..prompts import PromptEncoder
 from ..tasks import ServiceError, build_task, task_metric
 from ..tasks.plugins import check_task
+from ..tasks.base import StoppedBySigterm
 from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
 from .console import log_file_only, quiet_third_party
@@ -195,7 +196,7 @@ def _fit(cfg, opened, module, anchor, loggers, callbacks, deepspeed, tc) -> tupl
     )
     try:
         trainer.fit(module, ckpt_path=opened.ckpt_path, weights_only=False)  # the run's own checkpoint
-    except SIGTERMException:
+    except (SIGTERMException, StoppedBySigterm):  # the latter: while the task's own code ran, mid-iteration
         raise RunInterrupted(interrupted_line(module.iteration, cfg.algo.iterations, run_dir)) from None
     finally:
         module.teardown("fit")  # the rollout worker ends with its run, whatever ended the run (Lightning skips it on errors)
@@ -341,7 +342,7 @@ def stop_on_sigterm_outside_training():
     old = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
-    except _StoppedOutsideTraining:
+    except (_StoppedOutsideTraining, StoppedBySigterm):  # the latter: in a task's reward (a cold start's probe)
         run = os.environ.get(RUN_DIR_ENV)
         this_job = run and (run != before or not in_multirun())
         log.warning("stopped by SIGTERM outside the training loop; %s",

@@ -27,7 +27,7 @@ from .files import file_lock
 from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
 from ..rollout import HFSampler
 from ..rollout.base import pad_id
-from ..tasks.base import Prompt, checked_reward
+from ..tasks.base import Prompt, checked_reward, env_turns
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
 
             def stop_fn() -> bool:
                 ro = sampler.generate(model, encode(probe), 1, temperature=0.0, max_new_tokens=max_new_tokens,
-                                      stop=list(stop), on_stop=task.on_stop_fn(probe, 1))
+                                      stop=list(stop), on_stop=env_turns(task, probe, 1))
                 r = sum(checked_reward(task, probe[i], t) for i, t in zip(ro.prompt_index, ro.responses)) / len(probe)
                 return r >= sft_cfg.stop_at_reward
 

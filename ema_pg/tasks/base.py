@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,13 +70,79 @@ class TaskError(ValueError, ServiceError):
     does (a ServiceError: the run keeps its last checkpoint)."""
 
 
+class StoppedBySigterm(BaseException):
+    """A SIGTERM while a task's own code ran (a reward, an environment's turns): the iteration cannot be saved half
+    done, so the run ends as a SIGTERM'd one does (exit 75) and resumes from its last checkpoint. A BaseException,
+    as KeyboardInterrupt is: no ``except Exception`` on the way up may take it for the task's failure."""
+
+
+class _TimeUp(BaseException):
+    pass
+
+
+_inside = threading.local()
+
+
+def limited(fn: Callable, seconds: float, late: Callable[[], Exception]):
+    """``fn()`` under a time limit of ``seconds``: past it, the exception ``late()`` is raised. While it runs a SIGTERM
+    is honoured at once (the handler in place, Lightning's, still hears of it; then :class:`StoppedBySigterm`): a
+    user's code that never returns neither hangs the run nor deafens it. The main thread uses SIGALRM (a pure-Python
+    loop and a sleep are both cut); another thread waits on a helper thread, which is left behind past the limit."""
+    if getattr(_inside, "on", False) or not seconds or seconds <= 0:  # nested, or no limit asked for
+        return fn()
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        box: dict = {}
+
+        def call():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                box["error"] = e
+        t = threading.Thread(target=call, daemon=True, name="ema_pg-limited")
+        t.start()
+        t.join(seconds)
+        if t.is_alive():
+            raise late()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    before = signal.getsignal(signal.SIGTERM)
+
+    def alarm(signum, frame):
+        raise _TimeUp
+
+    def term(signum, frame):
+        before(signum, frame)  # Lightning's flag, or the command's own line
+        raise StoppedBySigterm
+
+    old_alarm = signal.signal(signal.SIGALRM, alarm)
+    if callable(before):  # a default or ignored SIGTERM keeps its own action
+        signal.signal(signal.SIGTERM, term)
+    _inside.on = True
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    except _TimeUp:
+        raise late() from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        _inside.on = False
+        signal.signal(signal.SIGALRM, old_alarm)
+        if callable(before):
+            signal.signal(signal.SIGTERM, before)
+
+
 def checked_reward(task: Task, prompt: Prompt, response: str) -> float:
     """``task.reward(prompt, response)`` as a float; a TaskError naming the task class and the episode when the
     reward raises or is not a finite number (every reward the workbench uses goes through here)."""
     cls = type(task).__name__
     episode = f"prompt {prompt.text[:60]!r} and response {response[:60]!r}"
+    limit = task.reward_time_limit_s
     try:
-        value = task.reward(prompt, response)
+        value = limited(lambda: task.reward(prompt, response), limit, lambda: TaskError(
+            f"task {task.name or cls} ({cls}.reward) returned nothing in {limit:g} s on {episode}; a reward returns "
+            f"in {cls}.reward_time_limit_s (set it higher on the class if it needs longer)"))
     except TaskError:
         raise
     except Exception as e:  # noqa: BLE001 - a reward "never raises on malformed text" (Task.reward)
@@ -85,6 +153,23 @@ def checked_reward(task: Task, prompt: Prompt, response: str) -> float:
         return float(value)
     raise TaskError(f"task {task.name or cls} ({cls}.reward) returned {value!r} ({type(value).__name__}) for "
                     f"{episode}; a reward is a finite float: fix {cls}.reward")
+
+
+def env_turns(task: Task, prompts: list[Prompt], n: int):
+    """The task's ``on_stop`` (:meth:`Task.on_stop_fn`) for the sampler, each batch of turns under the task's
+    ``turn_time_limit_s``: an environment that does not answer stops the run in one line (a TaskError); None for a
+    single-turn task."""
+    on_stop = task.on_stop_fn(prompts, n)
+    if on_stop is None:
+        return None
+    cls, limit = type(task).__name__, task.turn_time_limit_s
+
+    def timed(rows, texts):
+        return limited(lambda: on_stop(rows, texts), limit, lambda: TaskError(
+            f"task {task.name or cls}: its environment ({cls}.on_stop_fn) answered nothing in {limit:g} s for "
+            f"{len(rows)} turns (the first: {texts[0][-60:]!r}); an environment answers in {cls}.turn_time_limit_s "
+            "(set it higher on the class if it needs longer)"))
+    return timed
 
 
 class Task:
@@ -98,6 +183,10 @@ class Task:
     episodic: bool = False
     #: every training prompt where the task holds a finite set of them (a data file); None where they are generated
     train_set: list[Prompt] | None = None
+    #: seconds one call of :meth:`reward` may take; past it the run stops in one line naming the episode (0: none)
+    reward_time_limit_s: float = 60.0
+    #: seconds one batch of environment turns (the ``on_stop`` of :meth:`on_stop_fn`) may take (0: none)
+    turn_time_limit_s: float = 300.0
 
     # ---------------------------------------------------------------- required
     def sample(self, n: int, seed: int) -> list[Prompt]:

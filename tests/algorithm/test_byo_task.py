@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,7 +88,7 @@ def test_task_defaults_of_a_class_are_its_keyword_parameters(on_path):
     ("byo_task.broken:NoRewardTask", "does not define reward, corpus, demonstrations; write them in the class"),
     ("no_such_pkg.envs:MyTask", "cannot import no_such_pkg.envs (No module named 'no_such_pkg'); install its package"),
     ("byo_task.broken:Nope", "byo_task.broken has no Nope; its task classes: CountdownTask, NoRewardTask, "
-                             "PretrainedOnlyTask, TextRewardTask"),
+                             "PretrainedOnlyTask, StallingTask, TextRewardTask"),
     ("byo_task.countdown:random", "is not a task class; subclass ema_pg.tasks.Task"),
     ("???", "task.target is not set; give the class as task.target=my_pkg.envs:MyTask"),
 ])
@@ -113,6 +114,110 @@ def test_a_reward_that_is_not_a_float_is_named_at_start_and_during_a_run(on_path
     task.reward = lambda prompt, response: 1 / 0
     with pytest.raises(TaskError, match="raised ZeroDivisionError: division by zero on prompt 'before 5:'"):
         checked_reward(task, p, "x")
+
+
+def test_a_users_code_that_never_returns_is_cut_at_its_time_limit_and_hears_a_sigterm():
+    """A pure-Python loop and a sleep are both cut at the limit (in the main thread by SIGALRM, elsewhere by a helper
+    thread); a reward's and an environment's are named in one line; a SIGTERM while one runs reaches the handler in
+    place and ends the call (StoppedBySigterm), where it used to be logged and the process went on waiting."""
+    import signal
+    import threading
+    import time
+
+    from ema_pg.tasks.base import StoppedBySigterm, env_turns, limited
+
+    def forever():
+        while True:
+            pass
+
+    for fn in (forever, lambda: time.sleep(60)):
+        t0 = time.time()
+        with pytest.raises(TimeoutError):
+            limited(fn, 0.3, lambda: TimeoutError("late"))
+        assert time.time() - t0 < 5
+    assert limited(lambda: 7, 0.3, lambda: TimeoutError("late")) == 7 and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    got = {}
+    th = threading.Thread(target=lambda: got.update(r=pytest.raises(TimeoutError, limited, lambda: time.sleep(60),
+                                                                   0.3, lambda: TimeoutError("late"))))
+    th.start()
+    th.join(10)
+    assert not th.is_alive() and got
+    task = build_task({"name": "custom", "target": "byo_task.countdown:CountdownTask"})
+    task.reward_time_limit_s = 0.3
+    task.reward = lambda prompt, response: time.sleep(60)
+    with pytest.raises(TaskError, match=r"\(CountdownTask.reward\) returned nothing in 0.3 s on prompt 'before 5:' "
+                                        r"and response 'x'; a reward returns in CountdownTask.reward_time_limit_s"):
+        checked_reward(task, Prompt(text="before 5:", answer="4"), "x")
+    task.turn_time_limit_s = 0.3
+    task.on_stop_fn = lambda prompts, n: (lambda rows, texts: time.sleep(60))
+    with pytest.raises(TaskError, match=r"its environment \(CountdownTask.on_stop_fn\) answered nothing in 0.3 s "
+                                        r"for 2 turns \(the first: 'call'\)"):
+        env_turns(task, [Prompt(text="a", answer="b")], 2)([0, 1], ["call", "call"])
+    heard = []
+    before = signal.signal(signal.SIGTERM, lambda *a: heard.append(a[0]))
+    try:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(StoppedBySigterm):
+            limited(lambda: time.sleep(60), 30, lambda: TimeoutError("late"))
+        assert heard == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_a_reward_that_stops_returning_stops_the_run_in_one_line_keeping_its_checkpoint(on_path, tmp_path):
+    """At start-up the check's reward call is cut and refused; mid-run (the reward stalls after the checkpoint of
+    iteration 2) the run stops at the limit naming the episode, its checkpoint kept. It used to hang silently."""
+    import lightning as L
+
+    stall = tmp_path / "stall"
+    run = ["task=custom", "task.target=byo_task.broken:StallingTask", f"+task.stall={stall}", "+task.limit=1",
+           *TINY_RUN, "algo.iterations=4", "algo.eval_every=2"]
+    stall.touch()
+    with pytest.raises(ConfigError, match=r"\(StallingTask.reward\) returned nothing in 1 s on prompt 'before"):
+        train(compose_cfg(run, tmp_path / "a"))
+    stall.unlink()
+
+    class StallAfter3(L.Callback):  # the evaluation and checkpoint of iteration 2 done, iteration 4's rewards stall
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if pl_module.iteration == 3:
+                stall.touch()
+
+    cfg = compose_cfg(run, tmp_path / "b")
+    with pytest.raises(TaskError, match=r"returned nothing in 1 s on prompt 'before \d+:' and response '.*'; a "
+                                        r"reward returns in StallingTask.reward_time_limit_s") as e:
+        train(cfg, callbacks=[StallAfter3()])
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in (tmp_path / "b" / "run" / "checkpoints").glob("iter*.ckpt")) == ["iter2.ckpt"]
+
+
+@pytest.mark.slow  # a fresh interpreter and a SIGTERM: ~30 s
+def test_a_sigterm_while_a_reward_stalls_ends_the_run_with_exit_75_and_its_checkpoint(tmp_path):
+    """The probe's run logged "Received SIGTERM" and went on waiting on its reward (killed after 40 s): now the signal
+    ends it at once, exit 75, naming the checkpoint the same command resumes from (the last period's where the
+    signal came mid-iteration)."""
+    import signal
+    import time
+
+    from helpers import wait_while_alive
+
+    stall, run = tmp_path / "stall", tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": f"{FIXTURE}:{ROOT}"}
+    args = ["task=custom", "task.target=byo_task.broken:StallingTask", f"+task.stall={stall}", "+task.limit=600",
+            *TINY_RUN, "algo.iterations=40", "algo.eval_every=2", "trainer.progress_bar=false",
+            f"sft.cache_dir={tmp_path / 'cache'}", f"run_dir={run}"]
+    proc = subprocess.Popen([sys.executable, "-m", "ema_pg.train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    wait_while_alive(proc, lambda: (run / "checkpoints" / "iter2.ckpt").exists(), timeout=300)
+    stall.touch()
+    time.sleep(2)  # the run is now waiting on a reward
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75 and time.time() - t0 < 30, out[-2000:]
+    said = re.search(r"stopped by SIGTERM after iteration (\d+) of 40; it resumes from its checkpoint of iteration (\d+)\n",
+                     out)  # mid-iteration: the last checkpoint (the iteration's state is gone; the resume repeats it)
+    assert said and 2 <= int(said[2]) <= int(said[1]) and (run / "checkpoints" / f"iter{said[2]}.ckpt").exists(), out
+    assert "Traceback" not in out
 
 
 def test_corpus_and_demonstrations_are_needed_only_by_a_tiny_policy_trained_from_scratch(on_path):

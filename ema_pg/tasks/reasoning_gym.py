@@ -30,6 +30,7 @@ TRAIN_SPAN = 2**31  #: the training draws' item indices, [0, TRAIN_SPAN)
 SEED_STRIDE = 2**33  #: task.seed's region of reasoning-gym seeds: training at its start, evaluation 2^32 after
 EVAL_OFFSET = 2**32
 EVAL_TRIES = 20  #: an evaluation split of n distinct questions looks at most this many times n items
+DRAW_TRIES = 1000  #: a training draw looks at most this many items for a question no split holds out
 
 
 def _rg():
@@ -121,6 +122,7 @@ class ReasoningGymTask(Task):
         self.names = [n for n, (w, _) in self.mixture.items() if w > 0]  # drawn in training
         self.weights = [self.mixture[n][0] for n in self.names]
         self._heldout = {p.text for split in self.eval_splits().values() for p in split}
+        self._draw(random.Random(f"probe-{seed}"))  # a config whose every question is held out, refused now
 
     # ------------------------------------------------------------------ prompts
     def _prompt(self, name: str, entry: dict, idx: int, split: str) -> Prompt:
@@ -133,12 +135,15 @@ class ReasoningGymTask(Task):
                       meta={"dataset": name, "index": idx, "split": split, "entry": entry})
 
     def _draw(self, rng: random.Random) -> Prompt:
-        while True:
+        for _ in range(DRAW_TRIES):
             name = rng.choices(self.names, weights=self.weights)[0]
             idx = rng.randrange(TRAIN_SPAN)
             entry = self.train_ds[name][idx]
             if entry["question"] not in self._heldout:
                 return self._prompt(name, entry, idx, "train")
+        raise ValueError(f"task.eval_size={self.eval_size} holds out every question of {', '.join(self.names)} "
+                         f"({DRAW_TRIES} training draws found none left to train on); lower task.eval_size or "
+                         "widen its config")
 
     def sample(self, n: int, seed: int) -> list[Prompt]:
         rng = random.Random(f"train-{self.seed}-{seed}")

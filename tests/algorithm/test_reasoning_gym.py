@@ -104,6 +104,15 @@ def test_a_config_with_too_few_questions_for_its_eval_split_is_one_line():
                 eval_size=10)
 
 
+def test_a_config_whose_every_question_is_held_out_is_one_line_not_an_endless_draw():
+    """gcd with max_value 3 has 9 distinct questions: an evaluation split of 9 holds them all out, and the training
+    draw used to loop forever looking for one that is not."""
+    with pytest.raises(ValueError, match=r"task.eval_size=9 holds out every question of gcd \(1000 training draws "
+                                         r"found none left to train on\); lower task.eval_size or widen its config"):
+        rg_task([{"name": "gcd", "config": {"max_value": 3}}], eval_size=9)
+    assert len(rg_task([{"name": "gcd", "config": {"max_value": 3}}], eval_size=8).sample(4, seed=0)) == 4
+
+
 def test_a_mixture_given_on_the_command_line_replaces_the_default_one():
     cfg = compose(["task=reasoning_gym", "task.datasets=[{name: gcd, weight: 1, config: {max_value: 20}}]"])
     assert [d["name"] for d in cfg.task.datasets] == ["gcd"]

@@ -14,6 +14,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from .schema import Config, ConfigError, KLConfig, _at_least, _bad, is_deepspeed, is_tiny
 
 
+#: rollout.partial_spare's ceiling in blocks: every group in flight is sampled together at each token step, so a run
+#: pays for them all (a million spare groups left the first iteration unfinished after 150 s)
+MAX_SPARE_BLOCKS = 4
 KL_PARAMS = tuple(f.name for f in fields(KLConfig) if f.name != "name")  #: the estimator parameters of ``kl.*``
 
 
@@ -292,3 +295,8 @@ def _check_partial(cfg) -> None:
     if build_estimator(cfg.kl).needs_full_logits:
         _bad(f"kl={cfg.kl.name} reads the full logits of pi_old, which partial rollouts do not keep; use a "
              "top-k or sampled estimator with rollout.partial=true")
+    block = a.prompts_per_step // ro.workers
+    if ro.partial_spare is not None and ro.partial_spare > MAX_SPARE_BLOCKS * block:
+        _bad(f"rollout.partial_spare={ro.partial_spare} keeps that many groups in flight beyond a worker's block of "
+             f"{block} (algo.prompts_per_step / rollout.workers), each sampled at every token step: give at most "
+             f"{MAX_SPARE_BLOCKS * block} ({MAX_SPARE_BLOCKS} blocks), or leave it unset (one block)")

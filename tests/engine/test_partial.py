@@ -222,6 +222,9 @@ def test_a_pool_of_two_workers_continues_its_streams_and_resumes_them_exactly(wo
     (["algo.decoupled=true", "algo.prox_logp=loglinear"], "prox_logp=recompute"),
     (["kl=exact_reverse"], "full logits"),
     (["rollout.partial_spare=-1"], "partial_spare"),
+    (["rollout.partial_spare=1000000"], r"rollout.partial_spare=1000000 keeps .* beyond a worker's block of 4 .* "
+                                        r"give at most 16 \(4 blocks\), or leave it unset"),
+    (["rollout.partial_spare=33", "rollout.workers=2", "algo.prompts_per_step=16"], "block of 8 .* give at most 32 "),
 ])
 def test_settings_partial_rollouts_are_not_built_for_stop_at_start_naming_the_knob(overrides, match):
     cfg = compose_cfg(["rollout.max_staleness=1", "rollout.partial=true", *overrides])

@@ -44,6 +44,7 @@ LAUNCHED = "launched.csv"  #: every job a coordinator started, in the plan's run
 _FIELDS = ("cell", "launcher", "job", "started")
 #: the exit code a cell reports when its job ended without telling one (cancelled, its node lost)
 EXIT_LOST = 1
+RAY_ANSWER_S = 5.0  #: seconds a Ray cluster's address has to accept a connection (Ray's own join retries for minutes)
 
 
 def run_cell(cmd: list[str], cwd: str, log: str) -> int:
@@ -198,6 +199,17 @@ class LauncherSpec:
 
             if importlib.util.find_spec(lib) is None:
                 raise SystemExit(f"--launcher {self.name}: {lib} is not installed; pip install 'ema-pg[cluster]'")
+            try:
+                importlib.import_module(lib)
+            except Exception as e:  # noqa: BLE001 - a broken install: one line naming it
+                raise SystemExit(f"--launcher {self.name}: {lib} is installed but does not import ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0][:160] if str(e) else ''}); reinstall it: "
+                                 f"pip install --force-reinstall 'ema-pg[cluster]'") from None
+        if self.name == "ray":
+            check_ray_address(self.address or os.environ.get("RAY_ADDRESS") or None)
+        if self.name == "submitit" and self.cluster is None and not shutil.which("sbatch"):
+            print("submitit: no sbatch on this machine, so the cells run through submitit's local executor here "
+                  "(--cluster local says so; on a Slurm login node sbatch is found)", flush=True)
 
 
 class Launcher:
@@ -284,6 +296,25 @@ class _RayLauncher(Launcher):
         import ray
 
         ray.shutdown()
+
+
+def check_ray_address(address: str | None) -> None:
+    """One line, within seconds, where a Ray address is not ``HOST:PORT`` (``ray://HOST:PORT``, ``auto`` and none are
+    Ray's own) or nothing accepts a connection there: Ray's join would retry for minutes without a word."""
+    import socket
+
+    if address is None or address in ("auto", "local"):
+        return
+    host, sep, port = address.split("://", 1)[-1].rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SystemExit(f"Ray cluster {address}: give its address as HOST:PORT (say 10.0.0.5:6379), or auto")
+    try:
+        socket.create_connection((host, int(port)), timeout=RAY_ANSWER_S).close()
+    except OSError as e:
+        why = "no answer in %g s" % RAY_ANSWER_S if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        raise SystemExit(f"Ray cluster {address}: nothing accepts a connection there ({why}); start one "
+                         "(ray start --head) or give its address") from None
 
 
 def ray_init(address: str | None, num_cpus: int) -> bool:

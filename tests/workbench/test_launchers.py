@@ -7,6 +7,7 @@ cell twice (slow)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +103,20 @@ def test_a_launcher_that_cannot_start_says_so_in_one_line(tmp_path):
                         "submitit's local executor refuses it")]:
         with pytest.raises(SystemExit, match=said):
             make_launcher(spec, tmp_path, 2)
+    t0 = time.time()
+    for address, said in [("127.0.0.1:1", "Ray cluster 127.0.0.1:1: nothing accepts a connection there (Connection "
+                                          "refused); start one"),
+                          ("notahost:xyz", "Ray cluster notahost:xyz: give its address as HOST:PORT"),
+                          ("10.0.0.5", "give its address as HOST:PORT")]:
+        with pytest.raises(SystemExit, match=re.escape(said)):  # Ray's own join waited minutes without a word
+            make_launcher(LauncherSpec("ray", address=address), tmp_path, 2)
+    assert time.time() - t0 < 30
+
+
+def test_submitit_without_sbatch_says_it_runs_the_cells_here(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch on it
+    make_launcher(LauncherSpec("submitit"), tmp_path / "runs", 2)
+    assert "no sbatch on this machine, so the cells run through submitit's local executor" in capsys.readouterr().out
 
 
 # --- the real cells, through every launcher (slow) ---

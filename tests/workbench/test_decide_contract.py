@@ -4,6 +4,7 @@ failed cell never leaves a plan stuck, the boundaries spent at the seeds each lo
 
 from __future__ import annotations
 
+import csv
 import json
 import resource
 import shutil
@@ -114,12 +115,12 @@ def test_an_edit_of_the_sweep_its_cells_run_is_refused(tmp_path):
 
 
 def test_pinning_the_base_the_ledger_asks_for_is_no_deviation_and_changing_it_is(tmp_path):
+    """The pin is recorded in the contract (it used to be taken and forgotten: a second change went through)."""
     path = first_look(tmp_path)
     edit(path, base="abc")
     check(load_plan(path), ROOT, 1)
-    (path.parent / CONTRACT).write_text(json.dumps({**json.loads((path.parent / CONTRACT).read_text()),
-                                                    "fields": {**json.loads((path.parent / CONTRACT).read_text())[
-                                                        "fields"], "base": "abc"}}))
+    assert json.loads((path.parent / CONTRACT).read_text())["fields"]["base"] == "abc"
+    check(load_plan(path), ROOT, 1)  # the row of look 1, taken before the pin, still matches
     edit(path, base="def")
     with pytest.raises(SystemExit, match="base is def, but the plan was registered with abc"):
         check(load_plan(path), ROOT, 1)
@@ -128,9 +129,53 @@ def test_pinning_the_base_the_ledger_asks_for_is_no_deviation_and_changing_it_is
 def test_a_plan_from_before_fingerprints_is_fingerprinted_at_its_next_start_and_says_so(tmp_path):
     path = first_look(tmp_path)
     (path.parent / CONTRACT).unlink()
+    looks = path.parent / LOOKS  # its looks were taken before rows carried the contract's fingerprint
+    rows = list(csv.DictReader(looks.open()))
+    with looks.open("w", newline="") as out:
+        w = csv.DictWriter(out, list(rows[0]))
+        w.writeheader()
+        w.writerows({**r, "plan": ""} for r in rows)
     check(load_plan(path), ROOT, 1)
     c = json.loads((path.parent / CONTRACT).read_text())
     assert c["registered_at_look"] == 2 and "fingerprinted after look 1" in c["note"]
+
+
+def test_a_contract_removed_after_a_look_is_rebuilt_only_from_the_plan_its_looks_were_taken_under(tmp_path, capsys):
+    """Deleting contract.json and changing alpha used to register the new alpha silently: the fingerprint look 1
+    recorded is now compared with the plan, the change refused; the unchanged plan rebuilds it, the rebuilding
+    recorded and shown with the deviations."""
+    path = first_look(tmp_path)
+    (path.parent / CONTRACT).unlink()
+    edit(path, alpha=0.5, spending="pocock")
+    before = {f: (path.parent / f).read_bytes() for f in (LOOKS, CELLS)}
+    with pytest.raises(SystemExit) as e:
+        main([str(path), "--workers", "1"])
+    assert "contract.json is gone, and the plan is not the one its looks were taken under (look 1 recorded the " \
+           "contract" in str(e.value) and "git checkout -- " in str(e.value) and "\n" not in str(e.value)
+    assert not (path.parent / CONTRACT).exists() and {f: (path.parent / f).read_bytes() for f in before} == before
+    edit(path, alpha=0.05, spending="obrien_fleming")
+    fp = read_looks(load_plan(path))["plan"].iloc[-1]
+    assert check(load_plan(path), ROOT, 1)[0] == fp
+    assert f"missing; rebuilt from the plan, which gives the fingerprint look 1 recorded ({fp})" in capsys.readouterr().out
+    report(load_plan(path))
+    assert "contract: contract.json was missing; rebuilt from the plan" in (path.parent / "sequential.md").read_text()
+    edit(path, alpha=0.5, spending="pocock")  # and the rebuilt contract holds the plan to its registered alpha
+    with pytest.raises(SystemExit, match="alpha is 0.5, but the plan was registered with 0.05"):
+        check(load_plan(path), ROOT, 1)
+
+
+def test_a_contract_edited_by_hand_is_not_the_one_its_looks_were_taken_under(tmp_path):
+    """Editing contract.json (and the plan with it) to a new alpha after look 1 used to be taken."""
+    path = first_look(tmp_path)
+    f = path.parent / CONTRACT
+    c = json.loads(f.read_text())
+    f.write_text(json.dumps({**c, "fields": {**c["fields"], "alpha": 0.5, "spending": "pocock"}}))
+    edit(path, alpha=0.5, spending="pocock")
+    with pytest.raises(SystemExit) as e:
+        main([str(path), "--workers", "1"])
+    assert "contract.json is not the contract its looks were taken under (look 1 recorded " in str(e.value)
+    assert "it was edited; restore it (git checkout -- " in str(e.value) and "\n" not in str(e.value)
+    assert state(load_plan(path))[1] == 1  # no look 2
 
 
 # ---------------------------------------------------------------------- bad plans, before any cell

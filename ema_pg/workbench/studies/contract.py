@@ -16,7 +16,10 @@ in the plan, is refused in one line naming the field, its registered value and i
 change. A deviation is taken once, before the look it applies from (``from_look`` > the looks taken): it is then
 part of the contract, shown in ``sequential.md`` and on ``CLAIMS.md``, and a later change of the same field needs
 a deviation of its own. Pinning the base policy where none was registered (the ledger's own advice) is no deviation.
-Every looks.csv row carries the short fingerprint (``plan``) of the contract in force when it was taken.
+Every looks.csv row carries the short fingerprint (``plan``) of the contract in force when it was taken, and every
+start compares the contract with the last one: a ``contract.json`` edited by hand is refused, and a missing one is
+rebuilt from the plan only where the plan gives the fingerprint its looks recorded (the rebuilding is recorded and
+shown with the deviations); otherwise it is refused, the file to be restored.
 """
 
 from __future__ import annotations
@@ -67,10 +70,13 @@ def read_contract(plan) -> dict | None:
             from None
 
 
-def in_force(contract: dict) -> tuple[dict, dict]:
-    """(fields, files) of a contract with its recorded deviations applied."""
+def in_force(contract: dict, upto: int | None = None) -> tuple[dict, dict]:
+    """(fields, files) of a contract with its recorded deviations applied (those applying from look ``upto`` or
+    earlier where it is given: the contract in force when that look was taken)."""
     fields, files = dict(contract["fields"]), dict(contract["files"])
     for dev in contract["deviations"]:
+        if upto is not None and dev["from_look"] > upto:
+            continue
         if dev["field"] == "files":
             files = dict(dev["value"])
         else:
@@ -82,13 +88,53 @@ def _said(v) -> str:
     return json.dumps(v) if not isinstance(v, str) else v
 
 
+def last_fingerprint(plan) -> tuple[int, str] | None:
+    """(look, fingerprint) of the last looks.csv row that carries the contract's fingerprint (rows from before plans
+    were fingerprinted carry none)."""
+    from .decide import LOOKS
+    from .ledger import read_looks_file
+
+    looks = read_looks_file(plan.folder / LOOKS)
+    if not len(looks) or "plan" not in looks:
+        return None
+    rows = looks[looks["plan"].astype(str).str.len() == 12]
+    return (int(rows["look"].iloc[-1]), str(rows["plan"].iloc[-1])) if len(rows) else None
+
+
+def _fingerprints(fields: dict, files: dict, base) -> set[str]:
+    """The short fingerprints a look may have recorded under these fields: its base as the contract holds it, unset,
+    or pinned by the plan (a pin is no deviation)."""
+    return {short({**fields, "base": b}, files) for b in (fields.get("base"), None, base)}
+
+
 def check(plan, code: Path, taken: int) -> tuple[str, list[dict]]:
     """Compare the plan (and the files its cells run) with its contract, recording it at the first look or taking a
     new deviation in; returns (the short fingerprint in force, the deviations of the contract). Refuses, in one
-    line, a change of a decision's field that the plan records no deviation for."""
+    line, a change of a decision's field that the plan records no deviation for, a contract that is not the one its
+    looks were taken under, and a missing one that the plan cannot rebuild."""
     now_fields, now_files = plan_fields(plan), plan_files(plan, code)
     contract = read_contract(plan)
     f = plan.folder / CONTRACT
+    seen = last_fingerprint(plan) if taken else None
+    if contract is None and seen is not None:
+        k, fp = seen
+        if fp not in _fingerprints(now_fields, now_files, now_fields.get("base")):
+            raise SystemExit(f"{plan.path}: {f} is gone, and the plan is not the one its looks were taken under (look "
+                             f"{k} recorded the contract {fp}; the plan gives {short(now_fields, now_files)}): restore "
+                             f"{f} (git checkout -- {f}); a change of the plan is then recorded as a deviation")
+        contract = {"fields": now_fields, "files": now_files, "deviations": [],
+                    "rebuilt": [{"from_look": taken + 1, "recorded": _now(),
+                                 "reason": f"{CONTRACT} was missing; rebuilt from the plan, which gives the fingerprint "
+                                           f"look {k} recorded ({fp})"}]}
+        _write(f, contract)
+        print(f"{f}: missing; rebuilt from the plan, which gives the fingerprint look {k} recorded ({fp})", flush=True)
+    if contract is not None and seen is not None:
+        k, fp = seen
+        if fp not in _fingerprints(*in_force(contract, upto=k), now_fields.get("base")):
+            raise SystemExit(f"{plan.path}: {f} is not the contract its looks were taken under (look {k} recorded "
+                             f"{fp}; the file gives {short(*in_force(contract, upto=k))}): it was edited; restore it "
+                             f"(git checkout -- {f}), and record a change of the plan as a deviation (deviations: - "
+                             f"{{field: ..., reason: ..., date: ..., from_look: {taken + 1}}})")
     if contract is None:
         if taken == 0:
             return short(now_fields, now_files), []  # written when the first look is taken (register)
@@ -123,12 +169,13 @@ def check(plan, code: Path, taken: int) -> tuple[str, list[dict]]:
                              f"taken already ({taken} looks); a deviation is written before the look it applies "
                              f"from: give from_look: {taken + 1}")
         new.append({**dev, "value": now_files if k == "files" else now_fields.get(k), "recorded": _now()})
-    if new:
+    pinned = contract["fields"].get("base") is None and now_fields.get("base") and "base" not in changed
+    if pinned:  # pinning the base is no deviation, but a later change of it is one
+        contract["fields"]["base"], contract["base_pinned_from_look"] = now_fields["base"], taken + 1
+    if new or pinned:
         contract["deviations"] += new
         _write(f, contract)
     fields, files = in_force(contract)
-    if fields.get("base") is None and now_fields.get("base"):
-        fields["base"] = now_fields["base"]
     return short(fields, files), contract["deviations"]
 
 
@@ -147,6 +194,7 @@ def deviation_lines(plan, taken: int) -> list[str]:
     contract = read_contract(plan)
     recorded = contract["deviations"] if contract else []
     keys = {(d["field"], d["from_look"]) for d in recorded}
+    recorded = recorded + [{"field": "contract", "date": d["recorded"], **d} for d in (contract or {}).get("rebuilt", [])]
     stated = [d for d in plan.deviations if (d["field"], d["from_look"]) not in keys]
     return [f"- from look {d['from_look']} ({d['date']}): {d['field']}: {d['reason']}"
             + (" (to be taken in at the next start)" if d in stated and d["from_look"] > taken else "")

@@ -91,8 +91,7 @@ def _said(v) -> str:
 def last_fingerprint(plan) -> tuple[int, str] | None:
     """(look, fingerprint) of the last looks.csv row that carries the contract's fingerprint (rows from before plans
     were fingerprinted carry none)."""
-    from .decide import LOOKS
-    from .ledger import read_looks_file
+    from .ledger import LOOKS, read_looks_file
 
     looks = read_looks_file(plan.folder / LOOKS)
     if not len(looks) or "plan" not in looks:

@@ -62,10 +62,9 @@ from ...engine.sweeps import failed_record
 from ..launchers import add_launcher_args, launcher_spec
 from ..tracking import cell_overrides, mirror_plan, tracker_args, tracker_choice
 from .contract import check as check_contract, deviation_lines, parse_deviations, register
-from .ledger import finite, read_cells_file, read_looks_file
+from .ledger import LOOKS, finite, read_cells_file, read_looks_file
 from .sequential import OUTLOOKS, Design, look_at, outlook
 
-LOOKS = "looks.csv"  #: every look's numbers, beside the plan
 CELLS = "cells.csv"  #: every finished cell's scores, beside the plan
 #: cells that can count in no look (their base policy was not the plan's), with cells.csv's columns, the cold start
 #: their train.log showed, and why they were set aside

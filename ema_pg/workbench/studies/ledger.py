@@ -23,6 +23,7 @@ import pandas as pd
 from .sequential import VERDICTS
 
 CELL_COLUMNS = ("method", "seed", "scores", "commit")  #: cells.csv's required columns (base, machine: since later)
+LOOKS = "looks.csv"  #: every look's numbers, beside the plan
 LOOK_COLUMNS = ("look", "claim", "text", "better", "worse", "score", "planned_seeds", "seeds", "left_out", "mean_better",
                 "mean_worse", "mean_diff", "sd_diff", "t", "z_bound", "t_bound", "lo", "hi", "verdict", "taken",
                 "commits")  #: looks.csv's required columns (``plan``, the contract's fingerprint: since later)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import errno
 import logging
 import os
 import shutil
@@ -173,6 +174,17 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
     key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop),
                          task_format=task.format_version)
     d = Path(sft_cfg.cache_dir).expanduser() / f"{task.name}-{key}"
+    try:
+        cold_start_lock(d).parent.mkdir(parents=True, exist_ok=True)
+        open(cold_start_lock(d), "a").close()
+    except (PermissionError, NotADirectoryError, FileExistsError) as e:  # not a folder this user can write: one
+        raise NoColdStart(f"sft.cache_dir {d.parent}: cannot write there ({e.strerror}: {e.filename}); set "
+                          "EMA_PG_CACHE (or sft.cache_dir) to a folder you can write") from None  # line, before SFT
+    except OSError as e:
+        if e.errno != errno.EROFS:
+            raise
+        raise NoColdStart(f"sft.cache_dir {d.parent}: its file system is read-only; set EMA_PG_CACHE (or "
+                          "sft.cache_dir) to a folder you can write") from None
     with file_lock(cold_start_lock(d),
                    waiting=lambda: log.info("cold start: another process is building %s; waiting to reuse it", d)):
         return _cold_start(d, model_cfg, task_cfg, sft_cfg, task, seed, max_new_tokens, stop, progress)

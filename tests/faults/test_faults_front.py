@@ -112,6 +112,21 @@ def test_every_training_prompt_of_a_data_file_is_measured_not_a_sample(tmp_path)
         check_fits(cfg, gpt2, task, PromptEncoder(tok, "off"))
 
 
+@pytest.mark.parametrize("where", ["file", "sys"])
+def test_a_cache_folder_that_cannot_be_written_is_one_line_before_any_work(tmp_path, where):
+    """An unwritable EMA_PG_CACHE was a PermissionError traceback from the lock file's folder (here a file where the
+    folder should be, and /sys, which even root cannot write)."""
+    from ema_pg.engine.fit import train
+
+    (tmp_path / "afile").write_text("")
+    cache = tmp_path / "afile" / "cache" if where == "file" else Path("/sys/ema_pg_cache")
+    cfg = compose_cfg(["sft.steps=5", f"sft.cache_dir={cache}"], tmp_path)
+    with pytest.raises(ConfigError) as e:
+        train(cfg)
+    assert f"sft.cache_dir {cache}: cannot write there (" in str(e.value) and "\n" not in str(e.value)
+    assert "set EMA_PG_CACHE (or sft.cache_dir) to a folder you can write" in str(e.value)
+
+
 def test_a_damaged_cold_start_cache_is_rebuilt_and_nan_weights_are_refused(tmp_path, caplog):
     from safetensors.torch import load_file, save_file
 

@@ -154,3 +154,23 @@ def save_model_dir(model, tokenizer, path: str | os.PathLike) -> Path:
     model.save_pretrained(str(p))
     tokenizer.save_pretrained(str(p))
     return p
+
+
+def weights_digest(model: Path) -> str | None:
+    """A digest of the weights in the folder ``model`` (:func:`~ema_pg.engine.runs.run_base`'s): every tensor's name,
+    dtype, shape and bytes, in name order; None when it holds no safetensors."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    files = sorted(Path(model).glob("*.safetensors"))
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in sorted(st.keys()):
+                t = st.get_tensor(name).contiguous()
+                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

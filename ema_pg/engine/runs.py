@@ -103,25 +103,12 @@ def run_base(run_dir: Path) -> str:
     do not count), or ``path:DIR`` for a run that started from ``model.path`` (its ``initial.json``); ``unknown``
     when the folder has neither. Two runs of a sweep that share one base policy (``sft.seed``) have one value here
     when, and only when, their cold starts came out the same: on another kind of CPU they may not (:func:`machine`)."""
-    import hashlib
-
-    import torch
-    from safetensors import safe_open
-
     model = Path(run_dir) / "model"
     if (model / "initial.json").is_file():
         return "path:" + json.loads((model / "initial.json").read_text())["path"]
-    files = sorted(model.glob("*.safetensors"))
-    if not files:
-        return "unknown"
-    h = hashlib.sha256()
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in sorted(st.keys()):
-                t = st.get_tensor(name).contiguous()
-                h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
+    from .models import weights_digest
+
+    return weights_digest(model) or "unknown"
 
 
 def metrics_rows(metrics_file: Path, upto: int) -> list[dict]:

@@ -24,8 +24,8 @@ from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from ..config import ARCH_KEYS, SFT_SCHEDULES, SFTConfig
-from .files import file_lock
-from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer
+from .files import atomic_write, file_lock
+from .models import build_tiny_model, load_model_dir, save_model_dir, train_bpe_tokenizer, weights_digest
 from ..rollout import HFSampler
 from ..rollout.base import pad_id
 from ..tasks.base import Prompt, checked_reward, env_turns
@@ -157,6 +157,9 @@ def check_finite_weights(model, where) -> None:
 
 
 LOCKS = ".locks"  #: the cache's folder of per-base lock files, hidden so that a listing shows the bases only
+#: the digest of a cached base's weights (:func:`~ema_pg.engine.runs.weights_digest`), written when it is built and
+#: compared before each reuse: the cache is keyed by what builds a base, and checked by what it holds
+DIGEST = "weights.sha256"
 
 
 def cold_start_lock(d: Path) -> Path:
@@ -196,8 +199,13 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
 
     if (d / "config.json").is_file():
         try:
+            held, recorded = weights_digest(d), (d / DIGEST).read_text().strip() if (d / DIGEST).is_file() else None
+            if recorded is not None and held != recorded:
+                raise ValueError(f"its weights' digest is {held}, not the {recorded} recorded when it was built")
             model, tok = load_model_dir(d)
             check_finite_weights(model, d)
+            if recorded is None:  # built before bases recorded their digest: recorded now, as it is
+                atomic_write(d / DIGEST, f"{held}\n")
             log.info("cold start: reusing %s", d)
             return model, tok, d
         except Exception as e:  # noqa: BLE001 - a damaged cache (a bad file, NaN weights) is rebuilt, not fatal
@@ -235,6 +243,7 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
         log.info("cold start: %d SFT steps, final loss %.3f", len(losses), losses[-1])
     tmp = d.with_name(f"{d.name}.tmp{os.getpid()}")
     save_model_dir(model, tok, tmp)
+    atomic_write(tmp / DIGEST, f"{weights_digest(tmp)}\n")
     if d.exists():  # built meanwhile where the lock does not reach (a file system without flock): keep that copy
         shutil.rmtree(tmp)
     else:

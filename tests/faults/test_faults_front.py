@@ -127,11 +127,40 @@ def test_a_cache_folder_that_cannot_be_written_is_one_line_before_any_work(tmp_p
     assert "set EMA_PG_CACHE (or sft.cache_dir) to a folder you can write" in str(e.value)
 
 
+def test_a_cached_base_is_checked_by_its_content_before_reuse(tmp_path, caplog):
+    """One bit flipped in a cached base (same size, finite weights) was reused, and the runs' base digest changed
+    without a word: the digest recorded when it was built is now compared, and the base rebuilt to it."""
+    from safetensors.torch import load_file, save_file
+
+    from ema_pg.engine.models import weights_digest
+    from ema_pg.engine.policy import build_policy
+    from ema_pg.engine.sft import DIGEST, LOCKS
+    from ema_pg.tasks import build_task
+
+    cfg = compose_cfg(["sft.steps=5", f"sft.cache_dir={tmp_path / 'cache'}"], tmp_path)
+    task = build_task(cfg.task)
+    model, _ = build_policy(cfg, task)
+    cache, = (p for p in Path(cfg.sft.cache_dir).iterdir() if p.name != LOCKS)
+    built = (cache / DIGEST).read_text().strip()
+    assert built == weights_digest(cache) and len(built) == 16
+    w = load_file(cache / "model.safetensors")
+    name = sorted(w)[0]
+    flat = w[name].reshape(-1).view(torch.int32)
+    flat[0] ^= 1  # the lowest mantissa bit of one weight
+    save_file(w, cache / "model.safetensors", metadata={"format": "pt"})
+    assert weights_digest(cache) != built and torch.isfinite(w[name]).all()
+    caplog.clear()
+    again, _ = build_policy(cfg, task)
+    assert f"not the {built} recorded when it was built" in caplog.text and "building it again" in caplog.text
+    assert weights_digest(cache) == built
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+
+
 def test_a_damaged_cold_start_cache_is_rebuilt_and_nan_weights_are_refused(tmp_path, caplog):
     from safetensors.torch import load_file, save_file
 
     from ema_pg.engine.policy import build_policy
-    from ema_pg.engine.sft import LOCKS
+    from ema_pg.engine.sft import DIGEST, LOCKS
     from ema_pg.tasks import build_task
 
     cfg = compose_cfg(["sft.steps=5", f"sft.cache_dir={tmp_path / 'cache'}"], tmp_path)  # its own: one base in it
@@ -144,6 +173,7 @@ def test_a_damaged_cold_start_cache_is_rebuilt_and_nan_weights_are_refused(tmp_p
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
     w = load_file(cache / "model.safetensors")
     save_file({k: torch.full_like(v, float("nan")) for k, v in w.items()}, cache / "model.safetensors")
+    (cache / DIGEST).unlink()  # a base from before bases recorded their digest
     caplog.clear()
     rebuilt, _ = build_policy(cfg, task)  # NaN weights in the cache: rebuilt, not an IndexError in the sampler
     assert "hold NaN or inf" in caplog.text and all(torch.isfinite(p).all() for p in rebuilt.parameters())

@@ -37,6 +37,7 @@ from .packing import packer
 from .prompts import prompt_ids, sampler_prompts
 from .rollout.base import Rollouts, pad_id, prompt_seeds
 from .rollout.hf import Continuation
+from .tasks.base import sampled
 from .scores import TokenScores
 from .step import OldAndAnchor, OldAndAnchorScorer, Sampled, StepParts, step_seed
 from .tasks.base import checked_reward
@@ -136,7 +137,7 @@ class PartialStream:
             if s not in cache:
                 it_seed = step_seed(parts.seed, s)
                 mine = world.block(B)
-                cache[s] = (list(parts.task.sample(B, seed=it_seed))[mine], prompt_seeds(it_seed, B)[mine])
+                cache[s] = (list(sampled(parts.task, B, it_seed))[mine], prompt_seeds(it_seed, B)[mine])
             prompts, seeds = cache[s]
             self.groups.append(Group(prompts[j], seeds[j], (s, j), [[] for _ in range(G)], [[] for _ in range(G)],
                                      [[] for _ in range(G)], [False] * G))

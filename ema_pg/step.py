@@ -46,7 +46,7 @@ from .packing import Packing, packer
 from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
 from .scores import ScoreRequest, TokenScores, pad_columns
-from .tasks.base import checked_reward, env_turns
+from .tasks.base import checked_reward, env_turns, sampled
 from .update import Proximal, UpdateBatch, Updater, over_micro_batches, update
 
 
@@ -155,7 +155,7 @@ def _collect(it_seed: int, parts: StepParts, score: ScoreRequest | None):
 def _sample_round(round_seed: int, parts: StepParts, score: ScoreRequest | None, offset: int):
     """One round of prompts, their groups' rollouts and rewards: this rank's block, prompt indices from ``offset``."""
     task, algo, rollout = parts.task, parts.algo, parts.rollout
-    all_prompts = task.sample(algo.prompts_per_step, seed=round_seed)
+    all_prompts = sampled(task, algo.prompts_per_step, round_seed)
     mine = parts.world.block(len(all_prompts))  # this rank's prompts, each with its whole group
     prompts = all_prompts[mine]
     ro = parts.sampler.generate(

@@ -155,6 +155,26 @@ def checked_reward(task: Task, prompt: Prompt, response: str) -> float:
                     f"{episode}; a reward is a finite float: fix {cls}.reward")
 
 
+def sampled(task: Task, n: int, seed: int) -> list[Prompt]:
+    """``task.sample(n, seed=seed)``, holding exactly ``n`` prompts: a TaskError naming the class otherwise (the run
+    would train on another number of prompts than it says)."""
+    got = task.sample(n, seed=seed)
+    if isinstance(got, (list, tuple)) and len(got) != n:
+        cls = type(task).__name__
+        raise TaskError(f"task {task.name or cls}: {cls}.sample({n}, seed={seed}) returned {len(got)} prompts; return "
+                        f"exactly n (an iteration trains on algo.prompts_per_step prompts)")
+    return got
+
+
+def bad_prompt(p: Prompt) -> str | None:
+    """What is wrong with a prompt's fields, in words; None when nothing is."""
+    if not isinstance(p.text, str) or not p.text.strip():
+        return f"its text is {p.text!r:.60}; a prompt's text is a non-empty string"
+    if not isinstance(p.answer, str):
+        return f"its answer is {p.answer!r:.60}; a prompt's answer is a string (the gold the reward and SFT use)"
+    return None
+
+
 def env_turns(task: Task, prompts: list[Prompt], n: int):
     """The task's ``on_stop`` (:meth:`Task.on_stop_fn`) for the sampler, each batch of turns under the task's
     ``turn_time_limit_s``: an environment that does not answer stops the run in one line (a TaskError); None for a

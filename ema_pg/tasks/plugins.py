@@ -20,7 +20,7 @@ import importlib
 import inspect
 from importlib.metadata import entry_points
 
-from .base import Prompt, Task, TaskError, checked_reward
+from .base import Prompt, Task, TaskError, bad_prompt, checked_reward, sampled
 
 GROUP = "ema_pg.tasks"  #: the entry-point group an installed package lists its tasks in
 CUSTOM = "custom"  #: ``task=custom``: the class at ``task.target``
@@ -110,7 +110,7 @@ def check_task(task: Task, cold_start: bool, sft: bool) -> None:
         raise TaskError(f"task {task.name or cls.__name__} ({cls.__module__}.{cls.__name__}) does not define "
                         f"{', '.join(missing)}; write {'them' if len(missing) > 1 else 'it'} in the class{why}")
     try:
-        probe = task.sample(2, seed=0)
+        probe = sampled(task, 2, 0)
         evals = task.eval_splits()
     except TaskError:
         raise
@@ -124,6 +124,10 @@ def check_task(task: Task, cold_start: bool, sft: bool) -> None:
                                                            for v in evals.values()):
         raise TaskError(f"task {task.name or cls.__name__}: {cls.__name__}.eval_splits() must return "
                         "{split name: [Prompt, ...]} with at least one prompt in each split")
+    for where, ps in [("sample(2, seed=0)", probe), *((f"eval_splits()[{k!r}]", v) for k, v in evals.items())]:
+        for p in ps:
+            if why := bad_prompt(p):
+                raise TaskError(f"task {task.name or cls.__name__}: {cls.__name__}.{where} gave a prompt whose {why}")
     for p in probe:
-        for response in ("", p.answer if isinstance(p.answer, str) else ""):
+        for response in ("", p.answer):
             checked_reward(task, p, response)

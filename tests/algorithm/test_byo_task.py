@@ -220,6 +220,40 @@ def test_a_sigterm_while_a_reward_stalls_ends_the_run_with_exit_75_and_its_check
     assert "Traceback" not in out
 
 
+def test_prompts_of_the_wrong_count_or_fields_are_named_at_start(on_path):
+    """sample(n) returning n/2 trained on half the responses while the log said n; an empty text was a traceback in
+    the sampler at the base evaluation; a text that is an int one in checked_reward; an answer None a tokenizer's
+    words. Each is now one line at start naming the class and the method."""
+    from ema_pg.tasks.base import sampled
+    from ema_pg.tasks.plugins import check_task
+
+    def task():
+        return build_task({"name": "custom", "target": "byo_task.countdown:CountdownTask"})
+
+    t = task()
+    real = t.sample
+    for k in (lambda n: n // 2, lambda n: n + 3):
+        t.sample = lambda n, seed, k=k: real(k(n), seed)
+        with pytest.raises(TaskError, match=r"CountdownTask.sample\(2, seed=0\) returned (1|5) prompts; return exactly n"):
+            check_task(t, cold_start=True, sft=True)
+        with pytest.raises(TaskError, match=r"CountdownTask.sample\(8, seed=3\) returned (4|11) prompts"):
+            sampled(t, 8, 3)
+    for change, where, said in [({"text": ""}, "sample(2, seed=0)", "its text is ''; a prompt's text is a non-empty"),
+                                ({"text": 12}, "sample(2, seed=0)", "its text is 12;"),
+                                ({"answer": None}, "eval_splits()", "its answer is None; a prompt's answer is a string")]:
+        t = task()
+        if where.startswith("sample"):
+            real = t.sample
+            t.sample = lambda n, seed, real=real, change=change: [Prompt(**{**vars(p), **change}) for p in real(n, seed)]
+        else:
+            real_ev = t.eval_splits
+            t.eval_splits = lambda real_ev=real_ev, change=change: {k: [Prompt(**{**vars(p), **change}) for p in v]
+                                                                   for k, v in real_ev().items()}
+        with pytest.raises(TaskError) as e:
+            check_task(t, cold_start=True, sft=True)
+        assert f"CountdownTask.{where}" in str(e.value) and said in str(e.value) and "\n" not in str(e.value)
+
+
 def test_corpus_and_demonstrations_are_needed_only_by_a_tiny_policy_trained_from_scratch(on_path):
     task = build_task({"name": "custom", "target": "byo_task.broken:PretrainedOnlyTask"})
     assert required_methods(cold_start=False, sft=True) == ("sample", "eval_splits", "reward")

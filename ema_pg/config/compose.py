@@ -87,9 +87,28 @@ def overrides_problem(overrides: list[str]) -> str | None:
                 node = OmegaConf.select(compose(rest), parent) if parent else compose(rest)
             except Exception:  # noqa: BLE001 - another override is wrong too: name this one without a guess
                 node = None
+            if parent == "task" and isinstance(node, DictConfig) and (plus := _class_knob(node, leaf)):
+                return plus
             near = difflib.get_close_matches(leaf, [str(k) for k in node], n=1) if isinstance(node, DictConfig) else []
             hint = f"did you mean {parent + '.' if parent else ''}{near[0]}? " if near else ""
             return f"unknown key {key}: {hint}remove it"
         if isinstance(cause, ValidationError):
             return f"{cause.full_key}: {str(cause).splitlines()[0]}"
         return None  # a sweep's value without -m (Hydra says so) and anything else Hydra reports itself
+
+
+def _class_knob(task, leaf: str) -> str | None:
+    """The advice for ``task.<leaf>=...`` where ``leaf`` is a knob of the task's own class that no option file declares
+    (``task=custom``): the override takes a leading ``+``. None where it is not such a knob."""
+    from ..tasks import task_defaults
+
+    try:
+        knobs = task_defaults(str(task.get("name")), task.get("target"))
+    except Exception:  # noqa: BLE001 - a class that cannot be found is named where the task is built
+        return None
+    if leaf not in knobs:
+        near = difflib.get_close_matches(leaf, [k for k in knobs if k not in task], n=1)
+        return f"unknown key task.{leaf}: did you mean +task.{near[0]}? remove it" if near else None
+    where = task.get("target") or task.get("name")
+    return (f"task.{leaf} is a knob of {where} that no option file declares: give it with a leading +, "
+            f"+task.{leaf}=...")

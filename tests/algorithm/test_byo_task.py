@@ -220,6 +220,19 @@ def test_a_sigterm_while_a_reward_stalls_ends_the_run_with_exit_75_and_its_check
     assert "Traceback" not in out
 
 
+def test_a_class_knob_given_without_its_plus_says_to_add_it(on_path):
+    """task.top=40 on task=custom said "unknown key task.top: remove it", where the class takes top and the fix is
+    +task.top=40; a misspelt one gets the class's nearest knob."""
+    from ema_pg.config.compose import overrides_problem
+
+    run = ["task=custom", "task.target=byo_task.countdown:CountdownTask"]
+    assert overrides_problem([*run, "task.top=40"]) == ("task.top is a knob of byo_task.countdown:CountdownTask that "
+                                                        "no option file declares: give it with a leading +, "
+                                                        "+task.top=...")
+    assert overrides_problem([*run, "task.topp=40"]) == "unknown key task.topp: did you mean +task.top? remove it"
+    assert overrides_problem([*run, "+task.top=40"]) is None
+
+
 def test_prompts_of_the_wrong_count_or_fields_are_named_at_start(on_path):
     """sample(n) returning n/2 trained on half the responses while the log said n; an empty text was a traceback in
     the sampler at the base evaluation; a text that is an int one in checked_reward; an answer None a tokenizer's

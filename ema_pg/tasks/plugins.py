@@ -52,6 +52,10 @@ def load_target(target: str, where: str = "task.target") -> type[Task]:
     except Exception as e:  # noqa: BLE001 - the user's module fails on import: name it and its error, in one line
         raise TaskError(f"{where}={target}: importing {module} raised {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}; fix that module") from None
+    except (SystemExit, KeyboardInterrupt) as e:  # sys.exit or an interrupt raised by the module's own code
+        what = f"SystemExit({e.code!r})" if isinstance(e, SystemExit) else type(e).__name__
+        raise TaskError(f"{where}={target}: importing {module} raised {what}: a module ends no process at import; "
+                        "fix that module") from None
     cls = getattr(mod, attr, None)
     if cls is None:
         near = [n for n in dir(mod) if isinstance(getattr(mod, n), type) and issubclass(getattr(mod, n), Task)

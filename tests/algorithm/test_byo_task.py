@@ -220,6 +220,18 @@ def test_a_sigterm_while_a_reward_stalls_ends_the_run_with_exit_75_and_its_check
     assert "Traceback" not in out
 
 
+@pytest.mark.parametrize("body, said", [("import sys\nsys.exit(3)\n", "raised SystemExit(3)"),
+                                        ("raise KeyboardInterrupt\n", "raised KeyboardInterrupt")])
+def test_a_task_module_that_exits_or_is_interrupted_at_import_is_one_line(tmp_path, monkeypatch, body, said):
+    """sys.exit(3) at import ended the run with exit 3 and nothing printed; a KeyboardInterrupt was a traceback."""
+    name = f"exits_{abs(hash(body))}"
+    (tmp_path / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError) as e:
+        build_task({"name": "custom", "target": f"{name}:MyTask"})
+    assert f"task.target={name}:MyTask: importing {name} {said}: a module ends no process at import" in str(e.value)
+
+
 def test_a_class_knob_given_without_its_plus_says_to_add_it(on_path):
     """task.top=40 on task=custom said "unknown key task.top: remove it", where the class takes top and the fix is
     +task.top=40; a misspelt one gets the class's nearest knob."""

@@ -5,6 +5,7 @@ line's typos in one line each (:func:`overrides_problem`)."""
 from __future__ import annotations
 
 import difflib
+import logging
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -12,6 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..cli import PACKAGE_ROOT
 from .schema import Config
+
+log = logging.getLogger("ema_pg")
 
 CONF_DIR = PACKAGE_ROOT / "conf"
 
@@ -28,6 +31,9 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+_SHADOWED: set[str] = set()  #: installed tasks named like ema-pg's own, said once per process
+
+
 def register_configs() -> None:
     """The schema, and an option of the task group for each installed package's task (entry points of
     ``ema_pg.tasks``): ``task=NAME`` composes its class's keyword defaults as if they were ``conf/task/NAME.yaml``."""
@@ -38,7 +44,12 @@ def register_configs() -> None:
     cs.store(name="config_schema", node=Config)
     for name in entry_point_tasks():
         if name in TASKS or (CONF_DIR / "task" / f"{name}.yaml").is_file():
-            continue  # a package cannot replace a task of ema-pg's own (build_task takes ours)
+            if name not in _SHADOWED:  # a package cannot replace a task of ema-pg's own (build_task takes ours)
+                _SHADOWED.add(name)
+                log.warning("the installed entry point task %s (%s) has the name of ema-pg's own task, which task=%s "
+                            "runs; rename it in its package's entry points to run it", name,
+                            entry_point_tasks()[name].value, name)
+            continue
         try:
             cs.store(group="task", name=name, node=task_defaults(name))
         except TaskError:
@@ -75,6 +86,17 @@ def overrides_problem(overrides: list[str]) -> str | None:
     except MissingConfigException as e:
         group, _, option = str(e.missing_cfg_file or "").rpartition("/")
         options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml") if not p.stem.startswith("_")) if group else []
+        if group == "task":  # the installed packages' tasks are options too; a broken one says why it is not
+            from ..tasks import TaskError, task_defaults
+            from ..tasks.plugins import entry_point_tasks
+
+            eps = entry_point_tasks()
+            if option in eps:
+                try:
+                    task_defaults(option)
+                except TaskError as err:
+                    return str(err)
+            options = sorted({*options, *(n for n in eps if n not in options)})
         return (f"{group}={option}: no such option; choose one of: {', '.join(options)}" if options
                 else str(e).splitlines()[0])
     except ConfigCompositionException as e:

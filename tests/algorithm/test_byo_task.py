@@ -232,6 +232,30 @@ def test_a_task_module_that_exits_or_is_interrupted_at_import_is_one_line(tmp_pa
     assert f"task.target={name}:MyTask: importing {name} {said}: a module ends no process at import" in str(e.value)
 
 
+def test_an_entry_point_that_does_not_import_or_shadows_a_built_in_is_named(on_path, tmp_path, monkeypatch, caplog):
+    """task=ep_missing said "no such option" with a list that left out the installed task that works, and an entry
+    point named like a built-in (toy_add) was skipped without a word."""
+    from ema_pg.config import compose
+    from ema_pg.config.compose import overrides_problem
+
+    info = tmp_path / "fake_eps-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-eps\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[ema_pg.tasks]\nep_missing = no_such_module_xyz:MyTask\n"
+                                           "ep_ok = byo_task.countdown:CountdownTask\n"
+                                           "toy_add = byo_task.countdown:CountdownTask\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    said = overrides_problem(["task=ep_missing"])
+    assert said.startswith("the entry point ep_missing (ema_pg.tasks)=no_such_module_xyz:MyTask: cannot import "
+                           "no_such_module_xyz (No module named 'no_such_module_xyz')"), said
+    listed = overrides_problem(["task=ep_nope"])
+    assert listed.startswith("task=ep_nope: no such option; choose one of: ") and "ep_ok" in listed
+    with caplog.at_level("WARNING", logger="ema_pg"):
+        assert compose(["task=toy_add"]).task.name == "toy_add"
+    assert ("the installed entry point task toy_add (byo_task.countdown:CountdownTask) has the name of ema-pg's own "
+            "task, which task=toy_add runs") in caplog.text
+
+
 def test_a_class_knob_given_without_its_plus_says_to_add_it(on_path):
     """task.top=40 on task=custom said "unknown key task.top: remove it", where the class takes top and the fix is
     +task.top=40; a misspelt one gets the class's nearest knob."""

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import inspect
 from importlib.metadata import entry_points
 
 from .base import Prompt, Task, TaskError, bad_prompt, checked_reward, sampled
 
+log = logging.getLogger("ema_pg")
+OVERLAP_PROBE = 64  #: training prompts a task from outside draws at start to compare with its evaluation splits
 GROUP = "ema_pg.tasks"  #: the entry-point group an installed package lists its tasks in
 CUSTOM = "custom"  #: ``task=custom``: the class at ``task.target``
 #: what every task has; what a tiny policy trained from scratch needs besides (its tokenizer's text; its SFT data)
@@ -135,3 +138,11 @@ def check_task(task: Task, cold_start: bool, sft: bool) -> None:
     for p in probe:
         for response in ("", p.answer):
             checked_reward(task, p, response)
+    if not cls.__module__.startswith("ema_pg."):  # a task from outside: its splits held out from its training?
+        trained = {p.text for p in (task.train_set or sampled(task, OVERLAP_PROBE, 0))}
+        for split, ps in evals.items():
+            if seen := sum(p.text in trained for p in ps):
+                log.warning("task %s: %d of the %d prompts of its evaluation split %s are among its training prompts "
+                            "(%s): that split measures recall, not generalization; hold them out in %s.eval_splits",
+                            task.name or cls.__name__, seen, len(ps), split,
+                            "its train_set" if task.train_set else f"sample({OVERLAP_PROBE}, seed=0)", cls.__name__)

@@ -256,6 +256,21 @@ def test_an_entry_point_that_does_not_import_or_shadows_a_built_in_is_named(on_p
             "task, which task=toy_add runs") in caplog.text
 
 
+def test_an_evaluation_split_of_training_prompts_is_said(on_path, caplog):
+    """A custom task's eval_splits returning its training questions was taken without a word."""
+    from ema_pg.tasks.plugins import check_task
+
+    t = build_task({"name": "custom", "target": "byo_task.countdown:CountdownTask"})
+    with caplog.at_level("WARNING", logger="ema_pg"):
+        check_task(t, cold_start=True, sft=True)
+    assert "evaluation split" not in caplog.text  # its own split is held out
+    t.eval_splits = lambda: {"heldout": t.sample(8, seed=0)}
+    with caplog.at_level("WARNING", logger="ema_pg"):
+        check_task(t, cold_start=True, sft=True)
+    assert "8 of the 8 prompts of its evaluation split heldout are among its training prompts (sample(64, seed=0))" \
+        in caplog.text
+
+
 def test_a_class_knob_given_without_its_plus_says_to_add_it(on_path):
     """task.top=40 on task=custom said "unknown key task.top: remove it", where the class takes top and the fix is
     +task.top=40; a misspelt one gets the class's nearest knob."""

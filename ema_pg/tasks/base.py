@@ -64,6 +64,9 @@ class ServiceError(RuntimeError):
     """A service a task depends on (a retrieval server) failed; the message is one line naming it."""
 
 
+FLOAT32_MAX = 3.4028234663852886e38  #: the largest |reward| a float32 rewards tensor holds
+
+
 class TaskError(ValueError, ServiceError):
     """A task class that cannot serve the run (not importable, a method missing, a reward not a number); one line.
     At start-up it is a refusal (a ValueError); during a run a failing environment stops it as a failing service
@@ -150,6 +153,9 @@ def checked_reward(task: Task, prompt: Prompt, response: str) -> float:
                         f"{str(e).splitlines()[0] if str(e) else ''} on {episode}; a reward never raises on "
                         "malformed text: return 0.0 for it") from None
     if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+        if abs(float(value)) > FLOAT32_MAX:  # the rewards' tensor would hold inf
+            raise TaskError(f"task {task.name or cls} ({cls}.reward) returned {float(value):g} for {episode}: past "
+                            f"float32's range, the rewards' dtype; scale {cls}.reward's values (near [-1, 1])")
         return float(value)
     raise TaskError(f"task {task.name or cls} ({cls}.reward) returned {value!r} ({type(value).__name__}) for "
                     f"{episode}; a reward is a finite float: fix {cls}.reward")

@@ -256,6 +256,22 @@ def test_an_entry_point_that_does_not_import_or_shadows_a_built_in_is_named(on_p
             "task, which task=toy_add runs") in caplog.text
 
 
+def test_a_reward_past_float32s_range_is_refused_at_start_naming_its_scale(on_path, tmp_path, monkeypatch):
+    """A finite reward of 1e308 passed the reward check, became inf in the rewards' float32 tensor, and the run
+    stopped after three non-finite updates blaming optim.lr and algo.beta: now the start-up check names the scale."""
+    (tmp_path / "huge_reward.py").write_text("from byo_task.countdown import CountdownTask\n\n\n"
+                                             "class HugeTask(CountdownTask):\n"
+                                             "    def reward(self, prompt, response):\n"
+                                             "        return 1e308 * super().reward(prompt, response)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = compose_cfg(["task=custom", "task.target=huge_reward:HugeTask", *TINY_RUN], tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"\(HugeTask.reward\) returned 1e\+308 for prompt .*: past float32's range, "
+                                          r"the rewards' dtype; scale HugeTask.reward's values \(near \[-1, 1\]\)"):
+        train(cfg)
+    task = build_task({"name": "custom", "target": "huge_reward:HugeTask"})
+    assert checked_reward(task, Prompt(text="before 5:", answer="4"), "x") == 0.0
+
+
 def test_an_evaluation_split_of_training_prompts_is_said(on_path, caplog):
     """A custom task's eval_splits returning its training questions was taken without a word."""
     from ema_pg.tasks.plugins import check_task

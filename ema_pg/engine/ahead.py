@@ -42,6 +42,7 @@ from ..partial import PartialStream
 from ..rollout import build_sampler
 from ..rollout.base import pad_id
 from ..step import Sampled, StepParts, sample_ahead
+from ..tasks.base import TaskError
 from . import attention  # noqa: F401 - registers the attention kernel a policy may name
 from .console import quiet_third_party
 from .lora import ANCHOR, AdapterView, add_anchor_adapter, is_lora, wrap_lora
@@ -148,9 +149,9 @@ def _serve(conn, threads: int) -> None:
                     out = stream.batch(t, version, parts)
                     out.carry = [_dumps(stream.state())]
                 conn.send_bytes(_dumps(("batch", t, _dumps(out))))  # the batch stays bytes until the trainer takes it
-    except Exception:  # noqa: BLE001 - reported to the trainer, which stops with it
-        try:
-            conn.send_bytes(_dumps(("error", traceback.format_exc())))
+    except Exception as e:  # noqa: BLE001 - reported to the trainer, which stops with it
+        try:  # the task's own failure is one line that names its episode; anything else, its traceback
+            conn.send_bytes(_dumps(("error", str(e) if isinstance(e, TaskError) else traceback.format_exc())))
         except (BrokenPipeError, OSError):
             pass
 
@@ -311,7 +312,8 @@ class RolloutsAhead:
                 continue
             with self._cond:
                 if kind == "error":
-                    self._failure = RolloutWorkerError(f"{self._name(w)} failed:\n" + rest[0])
+                    sep = "\n" if "\n" in rest[0].strip() else " "  # a traceback below; a task's line beside
+                    self._failure = RolloutWorkerError(f"{self._name(w)} failed:{sep}" + rest[0])
                 elif kind == "ready":
                     self._ready += 1
                 self._cond.notify_all()

@@ -272,6 +272,26 @@ def test_a_reward_past_float32s_range_is_refused_at_start_naming_its_scale(on_pa
     assert checked_reward(task, Prompt(text="before 5:", answer="4"), "x") == 0.0
 
 
+def test_a_reward_raising_in_the_rollout_worker_is_one_line_naming_the_episode(on_path, tmp_path, monkeypatch):
+    """The synchronous path's one line arrived inside a 29-line traceback of the worker."""
+    from ema_pg.engine.ahead import RolloutWorkerError
+
+    (tmp_path / "picky_reward.py").write_text("from byo_task.countdown import CountdownTask\n\n\n"
+                                              "class PickyTask(CountdownTask):\n"
+                                              "    def reward(self, prompt, response):\n"
+                                              "        if response not in ('', prompt.answer):\n"
+                                              "            raise ValueError('cannot parse ' + repr(response))\n"
+                                              "        return super().reward(prompt, response)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = compose_cfg(["task=custom", "task.target=picky_reward:PickyTask", *TINY_RUN, "rollout.max_staleness=1",
+                       "algo.iterations=4", "algo.eval_only_at_end=true"], tmp_path / "run")  # no base evaluation
+    with pytest.raises(RolloutWorkerError) as e:
+        train(cfg)
+    msg = str(e.value)
+    assert msg.startswith("the rollout worker failed: task countdown (PickyTask.reward) raised ValueError: cannot parse ")
+    assert "on prompt 'before" in msg and "\n" not in msg and "Traceback" not in msg
+
+
 def test_an_evaluation_split_of_training_prompts_is_said(on_path, caplog):
     """A custom task's eval_splits returning its training questions was taken without a word."""
     from ema_pg.tasks.plugins import check_task

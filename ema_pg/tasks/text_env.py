@@ -71,6 +71,9 @@ class TextEnvTask(Task):
                              f"{' and '.join(FILES)}")
         if not turn_end:
             raise ValueError("task.turn_end is empty; give the text that ends a policy turn (e.g. '</answer>')")
+        if max_turns is not None and (isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1):
+            raise ValueError(f"task.max_turns={max_turns!r}: give a whole number >= 1 (the turns an episode may take), "
+                             "or null for each row's own")
         try:
             observation_format.format(role="user", content="x")
         except (KeyError, IndexError, ValueError) as e:
@@ -103,6 +106,13 @@ class TextEnvTask(Task):
             if self.max_turns is not None:
                 row["max_turns"] = int(self.max_turns)  # the generator's override, as SkyRL passes it
             messages = row.pop("prompt")
+            if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and "content" in m
+                                                                    for m in messages)):
+                raise ValueError(f"{f}: row {i}'s prompt is {str(messages)[:60]!r}; SkyRL's prompt is a list of chat "
+                                 "messages, [{role: user, content: ...}, ...]")
+            if not any(m.get("role") == "user" and str(m["content"]).strip() for m in messages):
+                raise ValueError(f"{f}: row {i}'s prompt has no user message with text; give each row the question "
+                                 "as a user message")
             env_class = self.env_class or row.get("env_class")
             gold = (row.get("reward_spec") or {}).get("ground_truth")
             out.append(Prompt(text="\n\n".join(str(m["content"]) for m in messages), answer=str(gold), messages=messages,

@@ -138,11 +138,35 @@ def test_an_environment_that_raises_or_returns_no_float_is_named_with_its_episod
     ({"data_dir": "/nonexistent"}, "no train.parquet, validation.parquet; SkyRL's dataset scripts write"),
     ({"turn_end": ""}, "task.turn_end is empty"),
     ({"observation_format": "{obs}"}, "task.observation_format='{obs}'"),
+    ({"max_turns": -3}, "task.max_turns=-3: give a whole number >= 1"),
+    ({"max_turns": 0}, "task.max_turns=0: give a whole number >= 1"),
 ])
 def test_bad_settings_are_one_line(data, kw, said):
     with pytest.raises(ValueError) as e:
         env_task(data, **kw) if "data_dir" not in kw else build_task({"name": "text_env", "turn_end": " ", **kw})
     assert said in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("prompt, said", [
+    ("plain text", "row 0's prompt is 'plain text'; SkyRL's prompt is a list of chat messages"),
+    ([{"role": "user", "content": "  "}], "row 1's prompt has no user message with text"),
+])
+def test_data_rows_whose_prompt_is_not_chat_messages_are_named_by_file_and_row(data, tmp_path, prompt, said):
+    """A prompt column of plain strings said "string indices must be integers" with the wrong advice, and a row
+    with an empty user message was taken."""
+    import shutil
+
+    import pandas as pd
+
+    d = tmp_path / "data"
+    shutil.copytree(data, d)
+    df = pd.read_parquet(d / "train.parquet")
+    df["prompt"] = ([prompt] * len(df) if isinstance(prompt, str)  # a column of plain strings
+                    else [df["prompt"].iloc[0], prompt, *df["prompt"].iloc[2:]])
+    df.to_parquet(d / "train.parquet")
+    with pytest.raises(ValueError) as e:
+        env_task(d)
+    assert f"{d / 'train.parquet'}: {said}" in str(e.value) and "\n" not in str(e.value)
 
 
 def _runs(positions: list[int]) -> list[list[int]]:

@@ -42,10 +42,12 @@ RUNTIME_TASK_KEYS = ("chat_template", "retriever_timeout", "retriever_retries")
 LATER_SFT_KEYS = {k: SFTConfig.__dataclass_fields__[k].default for k in ("lr_schedule", "env_loss")}
 
 
-def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), task_format: int = 0) -> str:
+def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), task_format: int = 0,
+                   sources: str = "") -> str:
     """Hash of what determines the base policy: architecture, task, SFT knobs, ``seed`` (the one it is built with:
     ``sft.seed`` is not hashed apart; not run-time knobs);
-    ``task_format`` > 0: the version of the task's demonstration layout (``Task.format_version``)."""
+    ``task_format`` > 0: the version of the task's demonstration layout (``Task.format_version``);
+    ``sources``: the digest of the text it is built from (:func:`sources_digest`)."""
     task = {k: v for k, v in OmegaConf.to_container(task_cfg, resolve=True).items() if k not in RUNTIME_TASK_KEYS
             and not (k == "retriever_url" and v is not None)}  # a server's address is not the policy's identity (a
     # null address stays in the hash, as every key before this had it, so the cached base policies keep their keys)
@@ -54,7 +56,8 @@ def cold_start_key(model_cfg, task_cfg, sft_cfg, seed: int, probe: tuple = (), t
          "probe": list(probe),
          "sft": {k: v for k, v in OmegaConf.to_container(sft_cfg, resolve=True).items()
                  if k not in ("cache_dir", "seed") and (k not in LATER_SFT_KEYS or v != LATER_SFT_KEYS[k])},
-         "seed": seed, "version": 1, **({"task_format": task_format} if task_format else {})},
+         "seed": seed, "version": 1, **({"task_format": task_format} if task_format else {}),
+         **({"sources": sources} if sources else {})},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -145,6 +148,20 @@ def loss_mask_fn(task, sft_cfg):
     return None if sft_cfg.env_loss else task.masked_spans
 
 
+def sources_digest(demos: list[tuple] | None, corpus: list[str]) -> str:
+    """The digest of the text a base policy is built from: the demonstrations (prompt, with its chat messages, and
+    response) and the tokenizer's corpus. Part of the cache key, so that a task whose demonstrations or corpus
+    changed (its code edited, its data file replaced) builds a new base instead of reusing the old one."""
+    h = hashlib.sha256()
+    for p, r in demos or ():
+        text, messages = (p, None) if isinstance(p, str) else (p.text, p.messages)
+        h.update(json.dumps([text, messages, r], sort_keys=True, default=repr).encode() + b"\n")
+    h.update(b"corpus\n")
+    for line in corpus:
+        h.update(json.dumps(line).encode() + b"\n")
+    return h.hexdigest()[:16]
+
+
 class NoColdStart(ValueError):
     """The task has no demonstrations to cold-start from; the message says how to start instead."""
 
@@ -174,8 +191,15 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
     Built once: a process that asks for a base policy another is building (the workers of a sweep on a fresh
     machine) waits for it and reuses it. A run that reuses a cold start equals one that built it (the run reseeds
     after), so waiting changes no result."""
+    demos = None
+    if sft_cfg.steps > 0:  # before anything is built: a task without demonstrations says so at once
+        try:
+            demos = task.demonstrations(sft_cfg.num_demos, seed)
+        except ValueError as e:
+            raise NoColdStart(str(e)) from None
+    corpus = list(task.corpus())
     key = cold_start_key(model_cfg, task_cfg, sft_cfg, seed, probe=(max_new_tokens, *stop),
-                         task_format=task.format_version)
+                         task_format=task.format_version, sources=sources_digest(demos, corpus))
     d = Path(sft_cfg.cache_dir).expanduser() / f"{task.name}-{key}"
     try:
         cold_start_lock(d).parent.mkdir(parents=True, exist_ok=True)
@@ -190,11 +214,11 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
                           "sft.cache_dir) to a folder you can write") from None
     with file_lock(cold_start_lock(d),
                    waiting=lambda: log.info("cold start: another process is building %s; waiting to reuse it", d)):
-        return _cold_start(d, model_cfg, task_cfg, sft_cfg, task, seed, max_new_tokens, stop, progress)
+        return _cold_start(d, model_cfg, task_cfg, sft_cfg, task, seed, max_new_tokens, stop, progress, demos, corpus)
 
 
 def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int, stop: tuple,
-                progress: bool):
+                progress: bool, demos: list[tuple] | None, corpus: list[str]):
     from ..prompts import PromptEncoder
 
     if (d / "config.json").is_file():
@@ -212,13 +236,7 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
             log.warning("cold start: the cached policy at %s is damaged (%s); building it again",
                         d, str(e).splitlines()[0] if str(e) else type(e).__name__)
             shutil.rmtree(d, ignore_errors=True)
-    demos = None
-    if sft_cfg.steps > 0:  # before anything is built: a task without demonstrations says so at once
-        try:
-            demos = task.demonstrations(sft_cfg.num_demos, seed)
-        except ValueError as e:
-            raise NoColdStart(str(e)) from None
-    tok = train_bpe_tokenizer(task.corpus(), vocab_size=model_cfg.tokenizer_vocab)
+    tok = train_bpe_tokenizer(corpus, vocab_size=model_cfg.tokenizer_vocab)
     encode = PromptEncoder.of(tok, task_cfg)
     model = build_tiny_model(
         len(tok), hidden_size=model_cfg.hidden_size, num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads,

@@ -201,7 +201,8 @@ def env_turns(task: Task, prompts: list[Prompt], n: int):
 class Task:
     name: str = ""
     metric: str = "em"  #: the name of the evaluation metric (the mean reward on an eval split)
-    #: the version of the layout of its demonstrations (a new layout makes a new cold start: part of its cache key)
+    #: part of the cold-start cache key, beside a digest of the demonstrations and corpus: raise it when what builds
+    #: the base changed in a way those texts do not show (``masked_spans``, the stop probe's ``sample``/``reward``)
     format_version: int = 0
     #: its questions come from worlds generated from ``task.seed`` (``--transfer`` can score other worlds)
     generated: bool = False

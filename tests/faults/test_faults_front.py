@@ -156,6 +156,34 @@ def test_a_cached_base_is_checked_by_its_content_before_reuse(tmp_path, caplog):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
+def test_a_task_whose_demonstrations_or_corpus_changed_builds_a_new_base(tmp_path, caplog):
+    """A task class whose demonstrations were edited, same config, reused the old cold start: the key now holds a
+    digest of the demonstrations and the corpus, so each edit builds its own base and the old one stays."""
+    from ema_pg.engine.policy import build_policy
+    from ema_pg.engine.sft import LOCKS
+    from ema_pg.tasks import build_task
+
+    caplog.set_level("INFO", logger="ema_pg.engine.sft")
+    cfg = compose_cfg(["sft.steps=3", f"sft.cache_dir={tmp_path / 'cache'}"], tmp_path)
+    task = build_task(cfg.task)
+    bases = lambda: sorted(p.name for p in Path(cfg.sft.cache_dir).iterdir() if p.name != LOCKS)
+    build_policy(cfg, task)
+    first = bases()
+    caplog.clear()
+    build_policy(cfg, task)  # unchanged: reused
+    assert bases() == first and "cold start: reusing" in caplog.text
+    demos = task.demonstrations
+    task.demonstrations = lambda n, seed: [(p, r + " ") if i == 0 else (p, r) for i, (p, r) in enumerate(demos(n, seed))]
+    caplog.clear()
+    build_policy(cfg, task)  # one response of 4000 edited: a new base
+    assert len(bases()) == 2 and set(first) < set(bases()) and "cold start: reusing" not in caplog.text
+    corpus = task.corpus
+    task.demonstrations = demos
+    task.corpus = lambda: [*corpus(), "one more line"]
+    build_policy(cfg, task)
+    assert len(bases()) == 3
+
+
 def test_a_damaged_cold_start_cache_is_rebuilt_and_nan_weights_are_refused(tmp_path, caplog):
     from safetensors.torch import load_file, save_file
 

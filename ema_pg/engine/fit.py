@@ -113,7 +113,8 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
             check_reachable(cfg.logger)  # an online tracker out of reach: one line, before any model is built
         task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
         check_task(task, cold_start=not cfg.model.path, sft=cfg.sft.steps > 0)  # (a class from outside, above all)
-        policy, tok = build_policy(cfg, task)
+        policy, tok = build_policy(cfg, task, check=lambda tok: check_context(  # before a cold start's SFT
+            cfg, task, PromptEncoder.of(tok, cfg.task), cfg.model.max_positions))
         check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step
         if cfg.algo.padding_free and (problem := pack_problem(policy)):
             raise ValueError(problem)
@@ -228,6 +229,25 @@ def check_fits(cfg, policy, task, encode) -> None:
     mc = policy.config
     ro, a = cfg.rollout, cfg.algo
     context = getattr(mc, "max_position_embeddings", None) or getattr(mc, "n_positions", None)
+    longest = check_context(cfg, task, encode, context)
+    n, t = a.prompts_per_step * a.group_size, longest + ro.max_new_tokens
+    heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
+    elem = torch.finfo(next(policy.parameters()).dtype).bits // 8
+    need = n * (t * mc.num_hidden_layers * 2 * heads * head_dim(mc) * elem + mc.vocab_size * 4)
+    have = (torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if need > 0.8 * have:
+        raise ConfigError(f"one iteration samples {n} responses (algo.prompts_per_step={a.prompts_per_step} x "
+                          f"algo.group_size={a.group_size}) of up to {t} tokens: their KV cache alone needs about "
+                          f"{need / 2**30:.1f} GiB of the {have / 2**30:.0f} GiB here; lower them")
+
+
+def check_context(cfg, task, encode, context: int | None) -> int:
+    """The longest prompt (of a sample of the training prompts and of every evaluation prompt), in tokens; refused
+    in one line when it and a response (and, for a multi-turn task, one observation) do not fit ``context``. Run
+    on the built model, and on a tiny policy's tokenizer before its cold start trains (a prompt too long for the
+    context made the cold start's SFT ask for tens of GiB)."""
+    ro = cfg.rollout
     train = task.train_prompts() or task.sample(64, seed=cfg.seed)  # every one a data file holds
     where = [("training prompt", i) for i in range(len(train))] + [
         (f"prompt of eval split {name}", i) for name, split in task.eval_splits().items() for i in range(len(split))]
@@ -248,16 +268,7 @@ def check_fits(cfg, policy, task, encode) -> None:
                           f"rollout.max_obs_tokens={ro.max_obs_tokens} an episode of task {cfg.task.name} needs "
                           f"{longest + ro.max_new_tokens + ro.max_obs_tokens}; lower rollout.max_obs_tokens or "
                           "rollout.max_new_tokens (or use a model with a longer context)")
-    n, t = a.prompts_per_step * a.group_size, longest + ro.max_new_tokens
-    heads = getattr(mc, "num_key_value_heads", None) or mc.num_attention_heads
-    elem = torch.finfo(next(policy.parameters()).dtype).bits // 8
-    need = n * (t * mc.num_hidden_layers * 2 * heads * head_dim(mc) * elem + mc.vocab_size * 4)
-    have = (torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available()
-            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    if need > 0.8 * have:
-        raise ConfigError(f"one iteration samples {n} responses (algo.prompts_per_step={a.prompts_per_step} x "
-                          f"algo.group_size={a.group_size}) of up to {t} tokens: their KV cache alone needs about "
-                          f"{need / 2**30:.1f} GiB of the {have / 2**30:.0f} GiB here; lower them")
+    return longest
 
 
 def command(cfg: DictConfig) -> float:

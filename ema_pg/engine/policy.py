@@ -29,15 +29,16 @@ DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}  #: model.dtype -
 WHICH = ("policy", "anchor", "initial")  #: what load_run_model can rebuild
 
 
-def build_policy(cfg, task):
-    """(model, tokenizer): a local model directory, or the cached cold-start base policy."""
+def build_policy(cfg, task, check=None):
+    """(model, tokenizer): a local model directory, or the cached cold-start base policy (``check(tokenizer)``:
+    run on the tokenizer of a base about to be built, before its SFT: see :func:`~ema_pg.engine.sft.cold_start`)."""
     if cfg.model.path:
         model, tok = load_model_dir(cfg.model.path, dtype=DTYPES[cfg.model.dtype])
         check_finite_weights(model, f"model.path={cfg.model.path}")
         return model, tok
     seed = cfg.seed if cfg.sft.seed is None else cfg.sft.seed
     model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                               stop=tuple(cfg.rollout.stop), progress=cfg.trainer.progress_bar)
+                               stop=tuple(cfg.rollout.stop), progress=cfg.trainer.progress_bar, check=check)
     return model.to(DTYPES[cfg.model.dtype]), tok
 
 

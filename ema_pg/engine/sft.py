@@ -166,6 +166,19 @@ class NoColdStart(ValueError):
     """The task has no demonstrations to cold-start from; the message says how to start instead."""
 
 
+def check_demo_lengths(demos: list[tuple], tok, encode, context: int, cls: str) -> None:
+    """Refuse, in one line, a demonstration whose prompt, response and EOS do not fit the tiny model's context
+    (``model.max_positions``): its SFT batch would not run (or ask for tens of GiB first)."""
+    prompts = encode([Prompt(text=p, answer="") if isinstance(p, str) else p for p, _ in demos])
+    responses = tok([r for _, r in demos], add_special_tokens=False)["input_ids"]
+    lengths = [len(p) + len(r) + 1 for p, r in zip(prompts, responses)]
+    at = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[at] > context:
+        raise NoColdStart(f"{cls}.demonstrations: demonstration {at} has {lengths[at]} tokens (prompt, response and "
+                          f"EOS), more than the tiny model's context, model.max_positions={context}; shorten it, or "
+                          "raise model.max_positions")
+
+
 def check_finite_weights(model, where) -> None:
     """Refuse a model whose weights hold NaN or inf (it would sample garbage ids, not fail clearly)."""
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
@@ -185,8 +198,10 @@ def cold_start_lock(d: Path) -> Path:
 
 
 def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int = 16, stop: tuple = (),
-               progress: bool = True):
-    """(model, tokenizer, model_dir) of the cached base policy, built on first use (``progress``: its SFT bar).
+               progress: bool = True, check=None):
+    """(model, tokenizer, model_dir) of the cached base policy, built on first use (``progress``: its SFT bar;
+    ``check(tokenizer)``: called once the tokenizer of a base to build is trained, before its SFT: it raises to
+    refuse what the base could not serve, as a prompt longer than its context).
 
     Built once: a process that asks for a base policy another is building (the workers of a sweep on a fresh
     machine) waits for it and reuses it. A run that reuses a cold start equals one that built it (the run reseeds
@@ -214,11 +229,12 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
                           "sft.cache_dir) to a folder you can write") from None
     with file_lock(cold_start_lock(d),
                    waiting=lambda: log.info("cold start: another process is building %s; waiting to reuse it", d)):
-        return _cold_start(d, model_cfg, task_cfg, sft_cfg, task, seed, max_new_tokens, stop, progress, demos, corpus)
+        return _cold_start(d, model_cfg, task_cfg, sft_cfg, task, seed, max_new_tokens, stop, progress, demos, corpus,
+                           check)
 
 
 def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int, stop: tuple,
-                progress: bool, demos: list[tuple] | None, corpus: list[str]):
+                progress: bool, demos: list[tuple] | None, corpus: list[str], check):
     from ..prompts import PromptEncoder
 
     if (d / "config.json").is_file():
@@ -238,6 +254,10 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
             shutil.rmtree(d, ignore_errors=True)
     tok = train_bpe_tokenizer(corpus, vocab_size=model_cfg.tokenizer_vocab)
     encode = PromptEncoder.of(tok, task_cfg)
+    if check is not None:
+        check(tok)
+    if demos:
+        check_demo_lengths(demos, tok, encode, model_cfg.max_positions, type(task).__name__)
     model = build_tiny_model(
         len(tok), hidden_size=model_cfg.hidden_size, num_layers=model_cfg.num_layers, num_heads=model_cfg.num_heads,
         num_kv_heads=model_cfg.num_kv_heads, max_positions=model_cfg.max_positions, seed=seed,

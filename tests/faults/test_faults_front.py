@@ -184,6 +184,33 @@ def test_a_task_whose_demonstrations_or_corpus_changed_builds_a_new_base(tmp_pat
     assert len(bases()) == 3
 
 
+def test_a_prompt_or_demonstration_longer_than_the_context_is_refused_before_the_cold_start(tmp_path, monkeypatch):
+    """A prompt of 16k characters with the cold start on was measured against the context only after the cold
+    start, whose SFT asked for 25.6 GB; both are now one line once the tokenizer is trained, and no base is built."""
+    from ema_pg.engine.fit import train
+    from ema_pg.engine.sft import LOCKS
+    from ema_pg.tasks import Prompt
+    from ema_pg.tasks.toy import AdditionTask
+
+    cfg = compose_cfg(["sft.steps=200", f"sft.cache_dir={tmp_path / 'cache'}"], tmp_path)
+    bases = lambda: [p for p in Path(cfg.sft.cache_dir).iterdir() if p.name != LOCKS]
+    sample = AdditionTask.sample
+    monkeypatch.setattr(AdditionTask, "sample", lambda self, n, seed: [
+        Prompt(text=p.text + " 12" * 5000, answer=p.answer, meta=p.meta) if i == 0 else p
+        for i, p in enumerate(sample(self, n, seed))])
+    with pytest.raises(ConfigError) as e:
+        train(cfg)
+    assert str(e.value).startswith("the model's context is 512 tokens, but training prompt 0 has ") and not bases()
+    monkeypatch.setattr(AdditionTask, "sample", sample)
+    demos = AdditionTask.demonstrations
+    monkeypatch.setattr(AdditionTask, "demonstrations", lambda self, n, seed: [
+        (p, r + " 12" * 5000) if i == 3 else (p, r) for i, (p, r) in enumerate(demos(self, n, seed))])
+    with pytest.raises(ConfigError) as e:
+        train(cfg)
+    assert str(e.value).startswith("AdditionTask.demonstrations: demonstration 3 has ") and not bases()
+    assert "model.max_positions=512; shorten it" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_a_damaged_cold_start_cache_is_rebuilt_and_nan_weights_are_refused(tmp_path, caplog):
     from safetensors.torch import load_file, save_file
 

@@ -34,9 +34,11 @@ EXIT_INTERRUPTED = 75
 RUN_DIR_ENV = "EMA_PG_RUN_DIR"  #: the run folder rank 0 claimed, for the processes it launches
 
 #: settings a user may change when continuing a run (more iterations, another machine, quieter output, the
-#: retrieval server restarted elsewhere or given more patience: where the service lives, not what it serves)
+#: retrieval server restarted elsewhere or given more patience: where the service lives, not what it serves; the
+#: rollout workers' count, of whole rollouts: a pool samples the batches one worker does, and its checkpoint holds
+#: whole batches; partial rollouts' streams are the workers' own: see :func:`check_workers`)
 RESUMABLE_SETTINGS = ("algo.iterations", "trainer.progress_bar", "trainer.num_threads", "task.retriever_url",
-                      "task.retriever_timeout", "task.retriever_retries")
+                      "task.retriever_timeout", "task.retriever_retries", "rollout.workers")
 #: keys that differ between a run and its continuation by construction, or by the user's leave
 RESUMABLE_CHANGES = ("run_dir", "resume", "if_exists", "logger", *RESUMABLE_SETTINGS)  # logger: the trackers it
 # reports to, which a continuation may add (it sends them the record so far: ema_pg.engine.tracking)
@@ -189,7 +191,21 @@ def resolve_resume(cfg, composed: bool = False) -> DictConfig:
         raise ConfigError(f"resume: the settings differ from the run's ({', '.join(diff[:6])}); a resumed run keeps the "
                           f"settings it started with (only {', '.join(RESUMABLE_SETTINGS)} may change); start a new "
                           "run for other settings")
+    check_workers(upgraded(saved), cfg)
     return cfg
+
+
+def check_workers(saved: DictConfig, cfg: DictConfig) -> None:
+    """A run of partial rollouts continues on as many rollout workers as it ran on: each worker's stream (its
+    groups in flight) is saved with the batches in flight, and only that many workers can take them back."""
+    was, now = saved.rollout.workers, cfg.rollout.workers
+    if cfg.rollout.partial and was != now:
+        raise ConfigError(f"resume: rollout.workers={now}, but this run of partial rollouts ran on {was} workers, each "
+                          f"continuing its own stream of groups in flight: resume with rollout.workers={was} (a run of "
+                          "whole rollouts may change it)")
+    if was != now:
+        log.info("resume: rollout.workers %s -> %s (a pool samples the batches one worker does: the same prompts, "
+                 "tokens and rewards; each block's pi_old is its own forward pass, the same within rounding)", was, now)
 
 
 def outcome(metric: str, avg: float, iteration: int | None, base: float = float("nan"), **extra) -> dict:

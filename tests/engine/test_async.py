@@ -602,3 +602,63 @@ def test_a_staleness_that_leaves_every_batch_to_the_initial_policy_is_said(tmp_p
         train(cfg)
     assert "rollout.max_staleness=500 with algo.iterations=2: every batch of this run is sampled by the initial " \
            "policy" in caplog.text
+
+
+def test_a_run_of_whole_rollouts_resumes_on_another_number_of_workers_and_partial_rollouts_do_not(tmp_path):
+    """``resume=RUN rollout.workers=1`` on a 2-worker run was refused ("the settings differ ... rollout.workers")
+    where docs/async.md promises a resume on any number of workers: whole rollouts now take it (a pool's checkpoint
+    holds whole batches, which one worker takes back: the slow pool test above); partial rollouts, whose streams
+    are each worker's own, are refused in one line before anything starts."""
+    from omegaconf import OmegaConf, open_dict
+
+    from ema_pg.engine.runs import resolve_resume
+
+    for partial in (False, True):
+        extra = ["rollout.partial=true"] if partial else []
+        saved = compose_cfg(["rollout.max_staleness=1", "rollout.workers=2", *extra], tmp_path)
+        run = tmp_path / f"run{int(partial)}"
+        run.mkdir()
+        (run / "config.yaml").write_text(OmegaConf.to_yaml(saved, resolve=True))
+        now = copy.deepcopy(saved)
+        with open_dict(now):
+            now.resume, now.rollout.workers, now.algo.iterations = str(run), 1, saved.algo.iterations + 2
+        if partial:
+            with pytest.raises(ConfigError) as e:
+                resolve_resume(now)
+            assert str(e.value) == ("resume: rollout.workers=1, but this run of partial rollouts ran on 2 workers, "
+                                    "each continuing its own stream of groups in flight: resume with "
+                                    "rollout.workers=2 (a run of whole rollouts may change it)")
+        else:
+            assert resolve_resume(now).rollout.workers == 1
+        now.rollout.workers, now.algo.beta = 2, 0.5  # another setting is still refused
+        with pytest.raises(ConfigError, match=r"settings differ from the run's \(algo.beta\)"):
+            resolve_resume(now)
+
+
+@pytest.mark.slow  # three runs with rollout workers: about 30 s
+def test_a_two_worker_run_resumed_by_one_worker_samples_what_the_pool_would_have(tmp_path):
+    """End to end: a 2-worker run to iteration 2, continued to 4 by one worker, against the uninterrupted 2-worker
+    run: the same rewards every iteration (the same prompts and tokens), and weights within pi_old's rounding."""
+    import pandas as pd
+
+    from ema_pg.engine.fit import train
+    from ema_pg.engine.policy import load_run_model
+
+    common = ["rollout.max_staleness=1", "algo.iterations=4", "algo.eval_every=4", "task.digits=1", "task.eval_size=4",
+              "sft.steps=150"]  # a base with some reward: the updates move the weights
+    ref = compose_cfg([*common, "rollout.workers=2"], tmp_path / "ref")
+    train(ref)
+    cut = compose_cfg([*common, "rollout.workers=2", "algo.iterations=2"], tmp_path / "cut")
+    train(cut)
+    from omegaconf import open_dict
+
+    again = compose_cfg([*common, "rollout.workers=1"], tmp_path / "cut")
+    with open_dict(again):
+        again.resume = cut.run_dir
+    train(again)
+    rewards = lambda c: pd.read_csv(f"{c.run_dir}/metrics.csv")["train/reward_mean"].dropna().tolist()
+    assert len(rewards(ref)) == 4 and rewards(again) == rewards(ref) and any(rewards(ref))
+    init = load_run_model(ref.run_dir, which="initial")[0].state_dict()
+    a, b = (load_run_model(c.run_dir)[0].state_dict() for c in (ref, again))
+    step = sum(((a[k] - init[k]) ** 2).sum() for k in a) ** 0.5
+    assert step > 0 and sum(((a[k] - b[k]) ** 2).sum() for k in a) ** 0.5 / step < 1e-2

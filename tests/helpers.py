@@ -139,6 +139,21 @@ def postgres_server(tmp_root: Path | None = None):
     return server()
 
 
+def postgres_ctl(url: str, action: str) -> None:
+    """Stop (``immediate``: as a crash does) or start again the server :func:`postgres_server` started for ``url``."""
+    import glob
+    import os
+    import subprocess
+
+    root = url.split("host=")[1].split("&")[0]
+    port = url.split("port=")[1].split("&")[0]
+    pg_ctl = f"{sorted(glob.glob('/usr/lib/postgresql/*/bin'))[-1]}/pg_ctl"
+    as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    how = (["-m", "immediate", "stop"] if action == "stop" else
+           ["-l", f"{root}/server.log", "-o", f"-k {root} -p {port} -c listen_addresses=''", "start"])
+    subprocess.run([*as_user, pg_ctl, "-D", f"{root}/data", "-w", *how], check=True, capture_output=True)
+
+
 def moved(model, scale: float, seed: int):
     """A copy of ``model`` with every weight moved by ``scale`` of its spread: another version of it."""
     import copy

@@ -53,7 +53,8 @@ class _DropDistutils(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Install the filters above (idempotent)."""
+    """Install the filters above, and the masking of secrets in log lines (idempotent)."""
+    mask_logged_secrets()
     installed = {f[1].pattern for f in warnings.filters if f[0] == "ignore" and f[1] is not None}
     for message in QUIET_WARNINGS:
         if message not in installed:
@@ -80,6 +81,33 @@ def quiet_third_party() -> None:
     if "DS_ACCELERATOR" not in os.environ and "torch" in sys.modules:  # DeepSpeed runs where torch does
         if not sys.modules["torch"].cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def _masking_factory(base):
+    """A log-record factory over ``base`` that masks every URL's password in the record's message and in the text
+    of its exception (formatted now, once, masked), whichever library logs it and whichever handler prints it."""
+
+    def make(*args, **kwargs):
+        record = base(*args, **kwargs)
+        try:
+            text = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record whose args do not fit its message: logging reports it itself
+            return record
+        if masked(text) != text:
+            record.msg, record.args = masked(text), None
+        if record.exc_info and record.exc_info[0] is not None and not record.exc_text:
+            record.exc_text = masked(logging.Formatter().formatException(record.exc_info))
+        return record
+
+    make.masks_secrets = True
+    return make
+
+
+def mask_logged_secrets() -> None:
+    """Every log record from now on has its URLs' passwords masked (idempotent): a study's storage URL or a
+    tracking URI in a third-party line (Optuna's, SQLAlchemy's) is never printed or written with its password."""
+    if not getattr(logging.getLogRecordFactory(), "masks_secrets", False):
+        logging.setLogRecordFactory(_masking_factory(logging.getLogRecordFactory()))
 
 
 def log_file_only(logger: logging.Logger, level: int, msg: str, *args) -> None:

@@ -52,6 +52,7 @@ from ..engine.files import file_lock
 from ..engine.fit import RunInterrupted
 from ..engine.module import EvalCallback
 from ..engine.runs import EXIT_INTERRUPTED
+from .launchers import STORAGE_ENV
 
 log = logging.getLogger("ema_pg.hpo")
 
@@ -270,12 +271,46 @@ class OptunaPruning(EvalCallback):
             log.info("trial %d pruned at iteration %d (avg %.3f)", self.trial.number, step, result["avg"])
 
 
+class StorageLost(RuntimeError):
+    """The study's storage failed mid-study (a database server stopped, a connection dropped): the message is the
+    one line the console shows, naming the storage (masked) and the trial, and saying how to resume."""
+
+
+def storage_failure(e: BaseException) -> BaseException | None:
+    """The database error at the root of ``e`` where the study's storage failed (Optuna's StorageInternalError, or
+    SQLAlchemy's errors: a connection lost, a server gone); None for any other error."""
+    import sqlalchemy.exc
+
+    chain: list[BaseException] = []
+    while e is not None and all(e is not x for x in chain):
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(isinstance(x, (optuna.exceptions.StorageInternalError, sqlalchemy.exc.SQLAlchemyError)) for x in chain):
+        return chain[-1]
+    return None
+
+
+def storage_lost_line(spec: StudySpec, root: BaseException, trial: int | None, run_dir: Path | None) -> str:
+    """One line: which storage failed and why (its password masked), the trial it stopped and where it resumes."""
+    why = str(root).strip().splitlines()[0] if str(root).strip() else ""
+    at = "" if trial is None else (f" during trial {trial}" + (f" (its run folder {run_dir} keeps its checkpoints)"
+                                                               if run_dir is not None else ""))
+    return (f"study storage {masked(spec.storage)} failed{at}: {type(root).__name__}: {masked(why)}; nothing is "
+            "lost: once the storage answers again, run the same command to resume the study (the trial is re-queued "
+            f"after grace_period={spec.grace_period} s and continues its run folder)")
+
+
 def _heartbeat(storage, trial_id: int, interval: int):
     stop = threading.Event()
 
     def beat():
         while not stop.wait(interval):
-            storage.record_heartbeat(trial_id)
+            try:
+                storage.record_heartbeat(trial_id)
+            except Exception as e:  # noqa: BLE001 - the storage is gone: the worker's next call says so, once
+                if storage_failure(e) is None:
+                    raise
+                return
 
     storage.record_heartbeat(trial_id)
     t = threading.Thread(target=beat, daemon=True)
@@ -350,6 +385,7 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
             raise _Interrupted(f"signal {signum}")
 
     old = signal.signal(signal.SIGTERM, on_term)
+    current: tuple[int | None, Path | None] = (None, None)  # the trial running now, and its run folder
     try:
         while True:
             with file_lock(lock):
@@ -376,8 +412,10 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
                                        "exhausted; lower n_trials or widen the space")
                 continue
             done.append(trial.number)
+            current = (trial.number, None)
             try:
                 run_dir = Path(trial.user_attrs.get("run_dir") or spec.trials_dir / f"trial_{trial.number:04d}")
+                current = (trial.number, run_dir)
                 trial.set_user_attr("run_dir", str(run_dir))
                 trial.set_user_attr("worker", f"{os.uname().nodename}:{os.getpid()}")
                 cfg = compose_trial_cfg(spec, params, run_dir, extra)
@@ -404,7 +442,9 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
             except (StudyFileError, ConfigError, ModelPathError):  # every trial would fail the same way
                 study.tell(trial, state=TrialState.FAIL)
                 raise
-            except Exception:
+            except Exception as e:
+                if storage_failure(e) is not None:  # not the trial's fault: nothing can be told; said below, once
+                    raise
                 log.exception("trial %d failed", trial.number)
                 study.tell(trial, state=TrialState.FAIL)
                 failures += 1
@@ -412,6 +452,11 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
                     raise RuntimeError(f"{failures} trials failed in this worker; see the log above") from None
             finally:
                 stop.set()
+            current = (None, None)
+    except Exception as e:
+        if (root := storage_failure(e)) is None:
+            raise
+        raise StorageLost(storage_lost_line(spec, root, *current)) from None
     finally:
         signal.signal(signal.SIGTERM, old)
     return done
@@ -431,6 +476,28 @@ def summary(spec: StudySpec) -> str:
     return "\n".join(lines)
 
 
+def final_summary(spec: StudySpec) -> str:
+    """The summary the command ends with; where the storage fails now, one line that says so (the workers' own
+    lines said what happened to their trials)."""
+    try:
+        return summary(spec)
+    except Exception as e:  # noqa: BLE001 - only the storage's errors are turned into a line
+        if (root := storage_failure(e)) is None:
+            raise
+        return storage_lost_line(spec, root, None, None)
+
+
+def worker_command(study: str, n: int, storage: str, threads: int, extra: list[str]) -> list[str]:
+    """The command of one worker of this study. A storage URL with a password travels in :data:`STORAGE_ENV`,
+    set here in this process's environment, which the workers inherit (a Ray task is handed it: launchers)."""
+    cmd = [sys.executable, "-m", "ema_pg.hpo", study, "--n-trials", str(n)]
+    if masked(storage) != storage:
+        os.environ[STORAGE_ENV] = storage
+    else:
+        cmd += ["--storage", storage]
+    return [*cmd, f"trainer.num_threads={threads}", *extra]
+
+
 def launched_workers(a, spec: StudySpec, n: int, extra: list[str]) -> int:
     """``--launcher submitit|ray``: the ``--workers`` workers as jobs (each ``--cell-cpus`` threads), their output in
     ``<trials folder>/workers/``; this process waits for them, passes a SIGTERM on, then prints the summary. The
@@ -440,8 +507,7 @@ def launched_workers(a, spec: StudySpec, n: int, extra: list[str]) -> int:
 
     folder = spec.trials_dir / "workers"
     launcher = make_launcher(launcher_spec(a), folder, a.workers)
-    cmd = [sys.executable, "-m", "ema_pg.hpo", str(Path(a.study).resolve()), "--n-trials", str(n), "--storage",
-           spec.storage, f"trainer.num_threads={a.cell_cpus}", *extra]
+    cmd = worker_command(str(Path(a.study).resolve()), n, spec.storage, a.cell_cpus, extra)
     jobs = [launcher.start(f"worker{i}", cmd + ["--worker-index", str(i)], Path.cwd(), folder / f"worker{i}.log")
             for i in range(a.workers)]
     print(f"{a.workers} workers started through {a.launcher} ({', '.join(j.job for j in jobs)}); their output: {folder}",
@@ -452,7 +518,7 @@ def launched_workers(a, spec: StudySpec, n: int, extra: list[str]) -> int:
             time.sleep(2)
     finally:
         launcher.close()
-    print(summary(spec))
+    print(final_summary(spec))
     return EXIT_INTERRUPTED if EXIT_INTERRUPTED in rcs else max(rcs)
 
 
@@ -466,7 +532,8 @@ def main(argv=None) -> int:
     ap.add_argument("study", help="a study file, e.g. conf/hparams_search/ema_topk.yaml")
     ap.add_argument("--n-trials", type=int, help="total trials of the study (over all workers); default: the file's")
     ap.add_argument("--workers", type=int, default=1, help="worker processes to start on this machine")
-    ap.add_argument("--storage", help="override the file's storage URL")
+    ap.add_argument("--storage", help=f"override the file's storage URL (or set {STORAGE_ENV}, which keeps a "
+                                      "password off the command line)")
     ap.add_argument("--worker-index", type=int, default=0,
                     help="this worker's index when workers are started separately (SLURM array: $SLURM_ARRAY_TASK_ID); "
                          "offsets the sampler seed")
@@ -477,8 +544,8 @@ def main(argv=None) -> int:
         spec = load_study_spec(a.study)
     except StudyFileError as e:
         raise SystemExit(f"study file error: {e}") from None
-    if a.storage:
-        spec.storage = a.storage
+    if a.storage or os.environ.get(STORAGE_ENV):
+        spec.storage = a.storage or os.environ[STORAGE_ENV]
     if a.n_trials is not None and a.n_trials < 1:
         raise SystemExit(f"--n-trials {a.n_trials}: give the study's total number of trials, >= 1 (or leave it out "
                          f"for the file's {spec.n_trials})")
@@ -496,8 +563,7 @@ def main(argv=None) -> int:
         return launched_workers(a, spec, n, extra)
     if a.workers > 1:
         threads = max(1, (os.cpu_count() or 2) // a.workers)
-        cmd = [sys.executable, "-m", "ema_pg.hpo", a.study, "--n-trials", str(n), "--storage", spec.storage,
-               f"trainer.num_threads={threads}", *extra]
+        cmd = worker_command(a.study, n, spec.storage, threads, extra)
         procs = [subprocess.Popen(cmd + ["--worker-index", str(i)], cwd=os.getcwd()) for i in range(a.workers)]
 
         def forward(signum, frame):  # a scheduler's SIGTERM reaches every worker: each saves its trial and exits 75
@@ -507,10 +573,12 @@ def main(argv=None) -> int:
 
         signal.signal(signal.SIGTERM, forward)
         rcs = [p.wait() for p in procs]
-        print(summary(spec))
+        print(final_summary(spec))
         return EXIT_INTERRUPTED if EXIT_INTERRUPTED in rcs else max(rcs)
     try:
         run_worker(spec, extra, n, a.worker_index)
+    except StorageLost as e:
+        raise SystemExit(str(e)) from None
     except StudyFileError as e:
         raise SystemExit(f"study file error: {e}") from None
     except ValueError as e:  # ConfigError / ModelPathError: the overrides or the model path
@@ -522,7 +590,7 @@ def main(argv=None) -> int:
         what = e if isinstance(e, RunInterrupted) else "stopped by SIGTERM before a trial's training started"
         print(f"{what}; run the same command again to resume the study", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(summary(spec))
+    print(final_summary(spec))
     return 0
 
 

@@ -44,6 +44,10 @@ LAUNCHED = "launched.csv"  #: every job a coordinator started, in the plan's run
 _FIELDS = ("cell", "launcher", "job", "started")
 #: the exit code a cell reports when its job ended without telling one (cancelled, its node lost)
 EXIT_LOST = 1
+#: the environment variable a study's worker reads its storage URL from where the URL holds a password: a command
+#: line is shown by ps and written into a scheduler's job files (submitit's), the environment is not
+STORAGE_ENV = "EMA_PG_STORAGE"
+HANDED_ENV = (STORAGE_ENV,)  #: the coordinator's variables a Ray task is handed (the others inherit its environment)
 RAY_ANSWER_S = 5.0  #: seconds a Ray cluster's address has to accept a connection (Ray's own join retries for minutes)
 
 
@@ -290,7 +294,9 @@ class _RayLauncher(Launcher):
             self.capacity = max(workers, int(ray.cluster_resources().get("CPU", 1)) // spec.cell_cpus)
 
     def _start(self, cell, cmd, cwd, log):
-        return _Ray(self._remote.options(name=cell).remote(cmd, str(cwd), str(log)))
+        env = {k: os.environ[k] for k in HANDED_ENV if k in os.environ}  # a Ray worker's environment is the node's
+        return _Ray(self._remote.options(name=cell, **({"runtime_env": {"env_vars": env}} if env else {}))
+                    .remote(cmd, str(cwd), str(log)))
 
     def close(self):
         import ray

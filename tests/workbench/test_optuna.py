@@ -305,3 +305,85 @@ def test_a_storage_password_is_never_printed(tmp_path):
     line = str(e.value)
     assert "cannot be opened" in line and "postgres:***@127.0.0.1:1/optuna" in line and "s3cret" not in line
     assert len(line.splitlines()) == 1
+
+
+@pytest.mark.slow  # a PostgreSQL server stopped mid-study, then started again: about 30 s
+def test_a_storage_that_stops_mid_study_is_one_line_and_the_same_command_resumes(tmp_path):
+    """PostgreSQL stopped while a trial trained: 407 lines and 9 Optuna tracebacks, exit 1 (the same command then
+    finished the study). Now one line naming the storage (password masked), the trial and its run folder, and how
+    to resume; the same command, once the server is back, finishes the study with no trial run twice."""
+    import time
+
+    from helpers import postgres_ctl, postgres_server
+
+    with postgres_server() as trust:
+        url = trust.replace("postgres@", "postgres:s3cret@")  # trust authentication: the password is only shown
+        f = study_file(tmp_path, n_trials=2, storage=url, heartbeat_interval=1, grace_period=3,
+                       runs_dir=str(tmp_path / "trials"),
+                       overrides=["experiment=demo", *TINY_RUN, "algo.iterations=60", "algo.eval_every=2",
+                                  f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
+        cmd = [sys.executable, "-m", "ema_pg.hpo", str(f)]
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.time() + 300
+        while not (tmp_path / "trials" / "trial_0000" / "metrics.csv").is_file() and p.poll() is None:
+            assert time.time() < deadline
+            time.sleep(0.2)
+        postgres_ctl(url, "stop")
+        out, _ = p.communicate(timeout=300)
+        last = out.strip().splitlines()[-1]
+        assert p.returncode == 1 and "Traceback" not in out and "s3cret" not in out, out[-3000:]
+        assert last.startswith("study storage postgresql+psycopg2://postgres:***@/optuna?") and " failed during trial 0 " \
+            f"(its run folder {tmp_path / 'trials' / 'trial_0000'} keeps its checkpoints): " in last, last
+        assert last.endswith("run the same command to resume the study (the trial is re-queued after grace_period=3 s "
+                             "and continues its run folder)")
+        postgres_ctl(url, "start")
+        again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stderr[-3000:]
+        trials = optuna.load_study(study_name="t", storage=url).get_trials()
+        done = [t for t in trials if t.state == TrialState.COMPLETE]
+        assert len(done) == 2 and len({t.user_attrs["run_dir"] for t in done}) == 2
+        assert str(tmp_path / "trials" / "trial_0000") in {t.user_attrs["run_dir"] for t in done}  # continued
+
+
+def test_a_url_password_in_a_third_party_log_line_is_masked(tmp_path):
+    """Optuna's and SQLAlchemy's own lines went out as they were: after any command's start-up every log record,
+    its exception's text included, has its URLs' passwords masked, whichever handler prints it."""
+    import io
+    import logging
+
+    from ema_pg.engine.console import quiet_third_party
+
+    quiet_third_party()
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    lg = logging.getLogger("optuna.storages._rdb.storage")
+    lg.addHandler(handler)
+    try:
+        lg.warning("Caught an error from sqlalchemy: %s", "postgresql://me:hunter2@db:5432/x refused")
+        try:
+            raise RuntimeError("cannot reach mysql+pymysql://root:pa55@10.0.0.1/optuna")
+        except RuntimeError:
+            lg.exception("storage failed")
+    finally:
+        lg.removeHandler(handler)
+    text = out.getvalue()
+    assert "postgresql://me:***@db:5432/x refused" in text and "mysql+pymysql://root:***@10.0.0.1/optuna" in text
+    assert "hunter2" not in text and "pa55" not in text and "Traceback" in text
+
+
+def test_a_storage_password_stays_off_the_workers_command_lines(tmp_path, monkeypatch):
+    """--workers N and the launchers put the storage URL on each worker's command line, which ps shows and
+    submitit writes into its job files: a URL with a password now travels in EMA_PG_STORAGE, which hpo reads."""
+    from ema_pg.workbench.hpo import main, worker_command
+    from ema_pg.workbench.launchers import STORAGE_ENV
+
+    monkeypatch.delenv(STORAGE_ENV, raising=False)
+    url = "postgresql+psycopg2://postgres:s3cret@127.0.0.1:1/optuna"
+    cmd = worker_command("study.yaml", 4, url, 2, ["algo.iterations=3"])
+    assert "s3cret" not in " ".join(cmd) and "--storage" not in cmd and os.environ[STORAGE_ENV] == url
+    assert cmd[-2:] == ["trainer.num_threads=2", "algo.iterations=3"]
+    plain = f"sqlite:///{tmp_path}/t.db"
+    assert worker_command("study.yaml", 4, plain, 2, [])[6:8] == ["--storage", plain]
+    with pytest.raises(SystemExit) as e:  # the worker's side: it opens the URL the variable holds
+        main([str(study_file(tmp_path))])
+    assert "postgres:***@127.0.0.1:1/optuna cannot be opened" in str(e.value) and "s3cret" not in str(e.value)

@@ -229,12 +229,14 @@ def cold_start(model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: in
                           "sft.cache_dir) to a folder you can write") from None
     with file_lock(cold_start_lock(d),
                    waiting=lambda: log.info("cold start: another process is building %s; waiting to reuse it", d)):
-        return _cold_start(d, model_cfg, task_cfg, sft_cfg, task, seed, max_new_tokens, stop, progress, demos, corpus,
-                           check)
+        return _cold_start(d, model_cfg, task_cfg, sft_cfg, task, seed, (max_new_tokens, *stop), progress,
+                           (demos, corpus), check)
 
 
-def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_tokens: int, stop: tuple,
-                progress: bool, demos: list[tuple] | None, corpus: list[str], check):
+def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, generation: tuple, progress: bool,
+                sources: tuple, check):
+    """``generation``: (max_new_tokens, *stop) of the reward probe's sampling; ``sources``: (demonstrations or None,
+    corpus), read before the cache was looked up."""
     from ..prompts import PromptEncoder
 
     if (d / "config.json").is_file():
@@ -252,6 +254,7 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, max_new_
             log.warning("cold start: the cached policy at %s is damaged (%s); building it again",
                         d, str(e).splitlines()[0] if str(e) else type(e).__name__)
             shutil.rmtree(d, ignore_errors=True)
+    (max_new_tokens, *stop), (demos, corpus) = generation, sources
     tok = train_bpe_tokenizer(corpus, vocab_size=model_cfg.tokenizer_vocab)
     encode = PromptEncoder.of(tok, task_cfg)
     if check is not None:

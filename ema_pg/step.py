@@ -46,7 +46,7 @@ from .packing import Packing, packer
 from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
 from .scores import ScoreRequest, TokenScores, pad_columns
-from .tasks.base import checked_reward, env_turns, sampled
+from .tasks.base import checked_reward, env_turns, sampled, sampler_stops
 from .update import Proximal, UpdateBatch, Updater, over_micro_batches, update
 
 
@@ -160,7 +160,7 @@ def _sample_round(round_seed: int, parts: StepParts, score: ScoreRequest | None,
     prompts = all_prompts[mine]
     ro = parts.sampler.generate(
         parts.policy, sampler_prompts(prompts, parts.encode), algo.group_size, temperature=rollout.temperature,
-        top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens, stop=list(rollout.stop),
+        top_p=rollout.top_p, max_new_tokens=rollout.max_new_tokens, stop=sampler_stops(task, rollout.stop),
         on_stop=env_turns(task, prompts, algo.group_size),
         seed=prompt_seeds(round_seed, len(all_prompts))[mine], score=score)
     rewards = torch.tensor([checked_reward(task, prompts[i], text) for i, text in zip(ro.prompt_index, ro.responses)],

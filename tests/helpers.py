@@ -11,6 +11,9 @@ from omegaconf import OmegaConf, open_dict
 
 from ema_pg.config import compose
 
+ROOT = Path(__file__).resolve().parents[1]  #: the repository
+BYO_FIXTURE = ROOT / "tests" / "fixtures" / "byo_task"  #: the package of a researcher's own tasks
+
 TINY = [
     "model.hidden_size=32", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.tokenizer_vocab=300",
     "sft.steps=20", "sft.batch_size=16", "sft.num_demos=200",

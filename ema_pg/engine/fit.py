@@ -113,6 +113,10 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
             check_reachable(cfg.logger)  # an online tracker out of reach: one line, before any model is built
         task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
         check_task(task, cold_start=not cfg.model.path, sft=cfg.sft.steps > 0)  # (a class from outside, above all)
+        if cfg.rollout.partial and task.turn_ends:
+            raise ConfigError(f"rollout.partial=true is built for single-turn tasks; task {cfg.task.name} ends its "
+                              f"turns at {', '.join(map(repr, task.turn_ends))} (its environment's turns are not "
+                              "continued across versions): use rollout.partial=false")
         policy, tok = build_policy(cfg, task, check=lambda tok: check_context(  # before a cold start's SFT
             cfg, task, PromptEncoder.of(tok, cfg.task), cfg.model.max_positions))
         check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step

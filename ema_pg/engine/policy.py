@@ -21,6 +21,7 @@ from ..config import DTYPES as MODEL_DTYPES
 from .attention import use_fast_attention
 from .files import atomic_dir, nbytes
 from .models import load_model_dir, model_shell, save_model_dir, unfilled
+from ..tasks.base import sampler_stops
 from .sft import check_finite_weights, cold_start
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ def build_policy(cfg, task, check=None):
         return model, tok
     seed = cfg.seed if cfg.sft.seed is None else cfg.sft.seed
     model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                               stop=tuple(cfg.rollout.stop), progress=cfg.trainer.progress_bar, check=check)
+                               stop=tuple(sampler_stops(task, cfg.rollout.stop)), progress=cfg.trainer.progress_bar,
+                               check=check)
     return model.to(DTYPES[cfg.model.dtype]), tok
 
 

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from ..cli import PACKAGE_ROOT
 from .base import Prompt, ServiceError, Task
+from .env import Environment, Step
 from .math import MathTask
 from .reasoning_gym import ReasoningGymTask
 from .text_env import TextEnvTask
@@ -98,5 +99,5 @@ def build_task(cfg) -> Task:
     return task
 
 
-__all__ = ["TASKS", "Prompt", "ServiceError", "Task", "TaskError", "build_task", "common_defaults", "task_class",
-           "task_defaults", "task_metric"]
+__all__ = ["TASKS", "Environment", "Prompt", "ServiceError", "Step", "Task", "TaskError", "build_task",
+           "common_defaults", "task_class", "task_defaults", "task_metric"]

@@ -181,6 +181,13 @@ def bad_prompt(p: Prompt) -> str | None:
     return None
 
 
+def sampler_stops(task: Task, stop) -> list[str]:
+    """The texts the sampler pauses a row at: ``rollout.stop``, then the task's own turn ends
+    (:attr:`Task.turn_ends`) not among them."""
+    out = list(stop)
+    return out + [s for s in task.turn_ends if s not in out]
+
+
 def env_turns(task: Task, prompts: list[Prompt], n: int):
     """The task's ``on_stop`` (:meth:`Task.on_stop_fn`) for the sampler, each batch of turns under the task's
     ``turn_time_limit_s``: an environment that does not answer stops the run in one line (a TaskError); None for a
@@ -210,6 +217,9 @@ class Task:
     episodic: bool = False
     #: every training prompt where the task holds a finite set of them (a data file); None where they are generated
     train_set: list[Prompt] | None = None
+    #: the texts that end a policy turn (a multi-turn task's): the sampler pauses a row there for its environment's
+    #: answer (:meth:`on_stop_fn`), as at ``rollout.stop`` (:func:`sampler_stops`)
+    turn_ends: tuple[str, ...] = ()
     #: seconds one call of :meth:`reward` may take; past it the run stops in one line naming the episode (0: none)
     reward_time_limit_s: float = 60.0
     #: seconds one batch of environment turns (the ``on_stop`` of :meth:`on_stop_fn`) may take (0: none)

@@ -22,6 +22,7 @@ import inspect
 from importlib.metadata import entry_points
 
 from .base import Prompt, Task, TaskError, bad_prompt, checked_reward, sampled
+from .env import ENV_METHODS, Environment
 
 log = logging.getLogger("ema_pg")
 OVERLAP_PROBE = 64  #: training prompts a task from outside draws at start to compare with its evaluation splits
@@ -110,6 +111,12 @@ def check_task(task: Task, cold_start: bool, sft: bool) -> None:
     (not :class:`Task`'s placeholder), prompts to train and evaluate on, and a float reward on a few of them."""
     cls = type(task)
     missing = [m for m in required_methods(cold_start, sft) if getattr(cls, m) is getattr(Task, m)]
+    if issubclass(cls, Environment):
+        missing += [m for m in ENV_METHODS if getattr(cls, m) is getattr(Environment, m)]
+        if not isinstance(task.turn_end, str) or not task.turn_end:
+            raise TaskError(f"task {task.name or cls.__name__} ({cls.__module__}.{cls.__name__}): turn_end is "
+                            f"{task.turn_end!r}; give the text that ends a policy turn, turn_end = \"</guess>\" on "
+                            "the class (the sampler pauses each row there for its step)")
     if missing:
         why = ("" if set(missing) <= set(ALWAYS) else
                "; corpus and demonstrations serve a tiny policy trained from scratch: with your own model and tokenizer "

@@ -25,12 +25,11 @@ then each policy turn is ``env.step(turn text)``, which answers ``observations``
 
 from __future__ import annotations
 
-import math
-import numbers
 import random
 from pathlib import Path
 
-from .base import Prompt, Task, TaskError
+from .base import Prompt
+from .env import Environment, Step
 
 FILES = ("train.parquet", "validation.parquet")  #: SkyRL's dataset scripts' two files
 
@@ -55,9 +54,8 @@ def _plain(v):
     return v
 
 
-class TextEnvTask(Task):
+class TextEnvTask(Environment):
     name = "text_env"
-    metric = "return"  #: the mean episode return (the sum of its turns' rewards)
 
     def __init__(self, *, data_dir: str | None, env_class: str | None, env_config: dict | None, turn_end: str,
                  observation_format: str, max_turns: int | None, seed: int):
@@ -80,7 +78,6 @@ class TextEnvTask(Task):
             raise ValueError(f"task.observation_format={observation_format!r}: {e}; use {{role}} and {{content}}") \
                 from None
         self.turn_end, self.observation_format, self.seed = turn_end, observation_format, seed
-        self._last: tuple = (None, None)  # the last episode replayed: (key, turns)
         self.env_class, self.env_config, self.max_turns = env_class, dict(env_config or {}), max_turns
         self.train_set = self._load(d / FILES[0], "train")
         evals: dict[str, list[Prompt]] = {}
@@ -131,96 +128,19 @@ class TextEnvTask(Task):
         return self.eval_sets
 
     # ------------------------------------------------------------------ episodes
-    def _env(self, prompt: Prompt):
-        """A fresh environment for ``prompt``'s episode, initialised with its prompt."""
-        try:
-            env = _gym().make(prompt.meta["env_class"], env_config=self.env_config, extras=prompt.meta["extras"])
-            env.init(prompt.messages)
-        except Exception as e:  # noqa: BLE001 - the environment's own error, as one line naming it
-            raise self._fault(prompt, "could not start", e) from None
+    def episode_name(self, prompt: Prompt) -> str:
+        return f"environment {prompt.meta['env_class']} (row {prompt.meta['row']} of {prompt.meta['split']})"
+
+    def reset(self, prompt: Prompt):
+        """A fresh skyrl-gym environment for ``prompt``'s episode, initialised with its prompt."""
+        env = _gym().make(prompt.meta["env_class"], env_config=self.env_config, extras=prompt.meta["extras"])
+        env.init(prompt.messages)
         return env
 
-    def _fault(self, prompt: Prompt, what: str, e: BaseException | str) -> TaskError:
-        why = e if isinstance(e, str) else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        return TaskError(f"environment {prompt.meta['env_class']} (row {prompt.meta['row']} of {prompt.meta['split']}) "
-                         f"{what}: {why}")
-
-    def _step(self, env, prompt: Prompt, turn: str) -> tuple[float, bool, str]:
-        """(reward, done, the observation text) of one turn, the environment's answer checked."""
-        try:
-            out = env.step(turn)
-        except Exception as e:  # noqa: BLE001
-            raise self._fault(prompt, f"raised on turn {turn[:40]!r}", e) from None
-        r = out.get("reward") if isinstance(out, dict) else None
-        if isinstance(r, bool) or not isinstance(r, numbers.Real) or not math.isfinite(float(r)):
-            raise self._fault(prompt, f"returned reward {r!r} ({type(r).__name__}) on turn {turn[:40]!r}",
-                              "a reward is a finite float")
+    def step(self, env, turn: str) -> Step:
+        out = env.step(turn)
+        if not isinstance(out, dict):
+            return out  # named by the check: not a Step
         obs = "".join(self.observation_format.format(role=m.get("role", "user"), content=m.get("content", ""))
                       for m in (out.get("observations") or []))
-        return float(r), bool(out.get("done")), obs
-
-    def on_stop_fn(self, prompts: list[Prompt], n: int):
-        """The live episodes of one batch: row r's environment is made at its first turn end."""
-        envs: dict[int, object] = {}
-
-        def on_stop(rows: list[int], texts: list[str]) -> list[str | None]:
-            out: list[str | None] = []
-            for row, text in zip(rows, texts):
-                p = prompts[row // n]
-                if row not in envs:
-                    envs[row] = self._env(p)
-                _, done, obs = self._step(envs[row], p, text)
-                out.append(None if done else obs)
-            return out
-
-        return on_stop
-
-    def replay(self, prompt: Prompt, response: str) -> list[tuple[str, float, bool, str]]:
-        """The episode of ``response`` turn by turn in a fresh environment: [(turn, reward, done, observation)].
-
-        The sampler ends a turn at the first token after which the turn's text ends with ``turn_end``; a token may
-        hold ``turn_end`` inside it, so the text alone does not say which occurrence ended the turn. The one that
-        did is the first that the environment's answer to it follows in the response (the observation the sampler
-        put there; or nothing, where the episode ended or the budget ran out inside it): each occurrence is tried
-        on a copy of the environment. A response with no such occurrence left is the final turn, whole."""
-        import copy
-
-        env, rest, turns = self._env(prompt), response, []
-        while True:
-            for cut in _occurrences(rest, self.turn_end):
-                turn = rest[: cut + len(self.turn_end)]
-                after = rest[len(turn):]
-                trial = copy.deepcopy(env)
-                r, done, obs = self._step(trial, prompt, turn)
-                ends = not after or (not done and obs.startswith(after))  # the response ends here or inside obs
-                if ends or (not done and after.startswith(obs)):
-                    turns.append((turn, r, done, obs))
-                    if ends:
-                        return turns
-                    env, rest = trial, after[len(obs):]
-                    break
-            else:
-                r, done, obs = self._step(env, prompt, rest)
-                turns.append((rest, r, done, obs))
-                return turns
-
-    def _episode(self, prompt: Prompt, response: str) -> list[tuple[str, float, bool, str]]:
-        """:meth:`replay`, once per (row, response): evaluation asks the reward and the diagnostics of one text."""
-        key = (prompt.meta["split"], prompt.meta["row"], response)
-        if self._last[0] != key:
-            self._last = (key, self.replay(prompt, response))
-        return self._last[1]
-
-    def reward(self, prompt: Prompt, response: str) -> float:
-        return sum(r for _, r, _, _ in self._episode(prompt, response))
-
-    def diagnostics(self, prompt: Prompt, response: str) -> dict[str, float]:
-        return {"turns": float(len(self._episode(prompt, response)))}
-
-
-def _occurrences(text: str, sub: str):
-    """The start of every occurrence of ``sub`` in ``text``, in order."""
-    i = text.find(sub)
-    while i >= 0:
-        yield i
-        i = text.find(sub, i + 1)
+        return Step(observation=obs, reward=out.get("reward"), done=bool(out.get("done")))

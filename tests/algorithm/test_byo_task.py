@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from helpers import compose_cfg
+from helpers import BYO_FIXTURE as FIXTURE
+from helpers import ROOT, compose_cfg
 
 from ema_pg.config import ConfigError
 from ema_pg.engine.fit import train
@@ -20,30 +19,7 @@ from ema_pg.tasks import Prompt, TaskError, build_task, task_defaults
 from ema_pg.tasks.base import checked_reward
 from ema_pg.tasks.plugins import check_task, required_methods
 
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURE = ROOT / "tests" / "fixtures" / "byo_task"
 TINY_RUN = ["model.tokenizer_vocab=120", "sft.steps=40", "sft.stop_at_reward=0", "rollout.max_new_tokens=4"]
-
-
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    """The fixture package installed by pip, as a researcher installs theirs (into a folder of its own, so that the
-    test's environment is left as it was): its module and its dist-info with the entry point."""
-    tmp = tmp_path_factory.mktemp("byo")
-    shutil.copytree(FIXTURE, tmp / "src")  # pip builds in the source folder: a copy keeps the repository clean
-    out = tmp / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-                    "--target", str(out), str(tmp / "src")], check=True, capture_output=True, text=True)
-    return out
-
-
-@pytest.fixture
-def on_path(site, monkeypatch):
-    monkeypatch.syspath_prepend(str(site))
-    import importlib
-
-    importlib.invalidate_caches()
-    return site
 
 
 def test_a_task_class_by_import_path_trains_and_is_evaluated_on_its_own_splits(on_path, tmp_path):
@@ -366,10 +342,11 @@ def test_corpus_and_demonstrations_are_needed_only_by_a_tiny_policy_trained_from
 
 
 def test_the_pages_example_is_the_package_the_tests_train():
-    """docs/byo.md shows tests/fixtures/byo_task/byo_task/countdown.py whole: the example cannot drift from what
-    the tests install and train."""
+    """docs/byo.md shows tests/fixtures/byo_task/byo_task/countdown.py and guess.py whole: the examples cannot drift
+    from what the tests install and train."""
     import re
 
     page = (ROOT / "docs" / "byo.md").read_text()
-    shown = re.search(r"```python\n# tests/fixtures/byo_task/byo_task/countdown.py\n(.*?)```", page, re.DOTALL).group(1)
-    assert shown == (FIXTURE / "byo_task" / "countdown.py").read_text()
+    for name in ("countdown.py", "guess.py"):
+        shown = re.search(rf"```python\n# tests/fixtures/byo_task/byo_task/{name}\n(.*?)```", page, re.DOTALL).group(1)
+        assert shown == (FIXTURE / "byo_task" / name).read_text()

@@ -106,6 +106,24 @@ def required_methods(cold_start: bool, sft: bool) -> tuple[str, ...]:
     return ALWAYS + (COLD_START if cold_start else ()) + (SFT if cold_start and sft else ())
 
 
+def missing_line(task: Task, missing: list[str]) -> str:
+    """The line that refuses a task without methods the run needs, the useful fix first: a task that runs with a
+    model of one's own and lacks only a tiny policy's corpus or demonstrations is told to use one (ema-pg's own task
+    classes get nothing else: their code is not the user's to write); a missing method every run needs, to write it."""
+    cls = type(task)
+    name, it = task.name or cls.__name__, "them" if len(missing) > 1 else "it"
+    own = "model=local model.path=DIR sft.steps=0 (python -m ema_pg.byo writes a small one: examples/byo/model)"
+    if set(missing) & {*ALWAYS, *ENV_METHODS}:
+        return f"task {name} ({cls.__module__}.{cls.__name__}) does not define {', '.join(missing)}; write {it} in the class"
+    if cls.__module__.startswith("ema_pg."):
+        return (f"task {name} gives no {' or '.join(missing)} to train a tiny policy from scratch on: use your own "
+                f"model, {own}")
+    first = ("use your own model, " + own if "corpus" in missing else
+             "start without the cold start, sft.steps=0, or from your own model, " + own)
+    return (f"task {name} ({cls.__module__}.{cls.__name__}) does not define {', '.join(missing)}, which a tiny policy "
+            f"trained from scratch needs: {first}; or write {it} in the class")
+
+
 def check_task(task: Task, cold_start: bool, sft: bool) -> None:
     """What a run needs of its task, checked before any model is built: each required method written by the class
     (not :class:`Task`'s placeholder), prompts to train and evaluate on, and a float reward on a few of them."""
@@ -118,11 +136,7 @@ def check_task(task: Task, cold_start: bool, sft: bool) -> None:
                             f"{task.turn_end!r}; give the text that ends a policy turn, turn_end = \"</guess>\" on "
                             "the class (the sampler pauses each row there for its step)")
     if missing:
-        why = ("" if set(missing) <= set(ALWAYS) else
-               "; corpus and demonstrations serve a tiny policy trained from scratch: with your own model and tokenizer "
-               "(model.path=DIR) the task needs neither, and sft.steps=0 needs no demonstrations")
-        raise TaskError(f"task {task.name or cls.__name__} ({cls.__module__}.{cls.__name__}) does not define "
-                        f"{', '.join(missing)}; write {'them' if len(missing) > 1 else 'it'} in the class{why}")
+        raise TaskError(missing_line(task, missing))
     try:
         probe = sampled(task, 2, 0)
         evals = task.eval_splits()

@@ -54,6 +54,35 @@ def _plain(v):
     return v
 
 
+def register_env(gym, name: str) -> None:
+    """Make ``name`` an id skyrl-gym's ``make`` knows: one of its registry's, or one of your own, written
+    ``module:Class`` (your ``BaseTextEnv`` subclass, registered here under that name) or ``module:id`` (the module
+    that registers ``id`` when imported, imported here). Refused in one line naming the fix."""
+    import importlib
+
+    if name in gym.registry:
+        return
+    module, sep, attr = str(name).partition(":")
+    if not sep:
+        raise ValueError(f"env_class {name!r} is not a skyrl-gym environment (there are: {', '.join(sorted(gym.registry))});"
+                         " for your own, write env_class as module:Class (your BaseTextEnv subclass) or module:id (the "
+                         "module that registers it), in the data or as task.env_class")
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's module: its error in one line
+        raise ValueError(f"env_class {name!r}: importing {module} raised {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}; install its package or put it on PYTHONPATH") \
+            from None
+    if attr in gym.registry:  # the module registered its environment under this id
+        gym.register(id=name, entry_point=gym.registry[attr].entry_point, kwargs=dict(gym.registry[attr].kwargs))
+        return
+    cls = getattr(mod, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, gym.Env)):
+        raise ValueError(f"env_class {name!r}: {module} has no skyrl-gym environment class or registered id {attr!r}; "
+                         "subclass skyrl_gym.envs.base_text_env.BaseTextEnv")
+    gym.register(id=name, entry_point=name)
+
+
 class TextEnvTask(Environment):
     name = "text_env"
 
@@ -84,10 +113,8 @@ class TextEnvTask(Environment):
         for p in self._load(d / FILES[1], "validation"):
             evals.setdefault(p.meta["data_source"], []).append(p)
         self.eval_sets = evals
-        envs = sorted({p.meta["env_class"] for p in self.train_set + [q for v in evals.values() for q in v]})
-        if unknown := [e for e in envs if e not in gym.registry]:
-            raise ValueError(f"env_class {unknown[0]!r} is not a skyrl-gym environment (there are: "
-                             f"{', '.join(sorted(gym.registry))}); fix the data's env_class or give task.env_class")
+        for name in sorted({p.meta["env_class"] for p in self.train_set + [q for v in evals.values() for q in v]}):
+            register_env(gym, name)
 
     def _load(self, f: Path, split: str) -> list[Prompt]:
         import pandas as pd

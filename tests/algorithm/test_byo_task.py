@@ -335,10 +335,29 @@ def test_corpus_and_demonstrations_are_needed_only_by_a_tiny_policy_trained_from
     assert required_methods(cold_start=False, sft=True) == ("sample", "eval_splits", "reward")
     assert required_methods(cold_start=True, sft=False) == ("sample", "eval_splits", "reward", "corpus")
     check_task(task, cold_start=False, sft=True)  # model.path=DIR: its own tokenizer, no cold start
-    with pytest.raises(TaskError, match="does not define corpus; write it in the class"):
+    own = "model=local model.path=DIR sft.steps=0 (python -m ema_pg.byo writes a small one: examples/byo/model)"
+    with pytest.raises(TaskError) as e:
         check_task(task, cold_start=True, sft=False)
-    with pytest.raises(TaskError, match="does not define corpus, demonstrations; write them"):
+    assert str(e.value) == ("task countdown (byo_task.broken.PretrainedOnlyTask) does not define corpus, "
+                            f"which a tiny policy trained from scratch needs: use your own model, {own}; or write it "
+                            "in the class")
+    with pytest.raises(TaskError, match="does not define corpus, demonstrations, which a tiny policy trained from "
+                                        "scratch needs: use your own model, model=local"):
         check_task(task, cold_start=True, sft=True)
+
+
+def test_ema_pgs_own_task_without_demonstrations_says_to_bring_a_model_first(tmp_path):
+    """task=text_env with the tiny policy said "TextEnvTask does not define corpus; write it in the class", advice
+    to edit a built-in class, with the real fix last: the fix is now the whole line."""
+    from ema_pg.workbench.byo import write_examples
+
+    data = write_examples(tmp_path / "byo") / "skyrl_gsm8k"
+    cfg = compose_cfg(["task=text_env", f"task.data_dir={data}"], tmp_path)
+    with pytest.raises(ConfigError) as e:
+        train(cfg)
+    assert str(e.value) == ("task text_env gives no corpus or demonstrations to train a tiny policy from scratch on: "
+                            "use your own model, model=local model.path=DIR sft.steps=0 (python -m ema_pg.byo writes "
+                            "a small one: examples/byo/model)")
 
 
 def test_the_pages_example_is_the_package_the_tests_train():

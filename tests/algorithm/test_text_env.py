@@ -203,3 +203,40 @@ def test_an_episode_that_could_pass_the_models_context_is_refused_before_any_wor
         check_fits(cfg, model, task, encode)
     check_fits(cfg, GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=room, n_embd=16, n_layer=1,
                                                n_head=2)), task, encode)
+
+
+@pytest.mark.parametrize("env_class", ["byo_task.skyguess:SkyGuessEnv", "byo_task.skyguess:skyguess"])
+def test_a_skyrl_gym_environment_of_ones_own_runs_by_its_import_path_or_its_modules_id(data, on_path, tmp_path,
+                                                                                         env_class):
+    """A BaseTextEnv subclass ema-pg does not register, named module:Class (or module:id, the id its module
+    registers): the task imports it, no package __init__ needed; it used to be "not a skyrl-gym environment". A
+    short run on it with a model of one's own finishes, evaluated by the environment's return."""
+    import json
+
+    from helpers import compose_cfg
+
+    from ema_pg.engine.fit import train
+
+    t = env_task(data, env_class=env_class, turn_end="</answer>")
+    p = t.sample(1, seed=0)[0]
+    assert t.replay(p, f"#### 0</answer>\ntry again\n#### {p.answer}") == [
+        ("#### 0</answer>", 0.0, False, "\ntry again\n"), (f"#### {p.answer}", 1.0, True, "")]
+    cfg = compose_cfg(["task=text_env", f"task.data_dir={data}", f"task.env_class={env_class}", "model=local",
+                       f"model.path={data.parent / 'model'}", "sft.steps=0", "algo.iterations=1", "algo.eval_every=1",
+                       "algo.prompts_per_step=2", "algo.group_size=2", "rollout.max_new_tokens=24",
+                       "trainer.progress_bar=false"], tmp_path, tiny=False)
+    train(cfg)
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["metric"] == "return"
+
+
+@pytest.mark.parametrize("env_class, said", [
+    ("guess_env", "env_class 'guess_env' is not a skyrl-gym environment (there are: "),
+    ("no_such_pkg.envs:Env", "env_class 'no_such_pkg.envs:Env': importing no_such_pkg.envs raised "
+                             "ModuleNotFoundError"),
+    ("byo_task.skyguess:Nope", "byo_task.skyguess has no skyrl-gym environment class or registered id 'Nope'"),
+])
+def test_an_environment_that_cannot_be_had_is_one_line_with_the_fix(data, on_path, env_class, said):
+    with pytest.raises(ValueError) as e:
+        env_task(data, env_class=env_class)
+    assert said in str(e.value) and "\n" not in str(e.value)
+    assert env_class != "guess_env" or "write env_class as module:Class" in str(e.value)

@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "train": "train one run, or a Hydra multirun sweep (-m)",
     "evaluate": "evaluate a run's policy on its task's splits",
+    "episode": "print one episode of a run's task: its turns, each span's loss mask, the reward",
     "export": "export a run's policy or anchor as a Hugging Face model folder",
     "decide": "decide pre-registered claims by a group-sequential plan",
     "reproduce": "one reproduction: its sweep at a scale, then its report",

@@ -42,7 +42,8 @@ def test_an_episode_is_replayed_from_its_text_and_a_demonstration_masks_the_envi
     assert t.turn_ends == ("</guess>",) and t.metric == "return"
 
 
-def test_a_users_environment_trains_on_its_own_turns_with_their_masks_and_is_evaluated(on_path, tmp_path):
+def test_a_users_environment_trains_on_its_own_turns_with_their_masks_and_is_evaluated(on_path, tmp_path,
+                                                                                       capsys):
     """By import path, a tiny policy cold-started on the class's own demonstrations: the run pauses at the class's
     turn end without rollout.stop (the sampler is told it), each observation is in the sequence verbatim with loss
     mask 0 right after its turn, the sampler's reward is the replayed return, and the held-out split is evaluated."""
@@ -74,6 +75,21 @@ def test_a_users_environment_trains_on_its_own_turns_with_their_masks_and_is_eva
         assert all(lm[b - 1] == 1 for b in env_pos if b - 1 not in env_pos)  # each block right after a turn
         observations += len(said)
     assert observations >= 4
+    from ema_pg.workbench.episode import main
+
+    main([str(objs["run_dir"]), "--prompt", "1", "--seed", "2"])  # the episode command, on the same run
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "prompt: '7-14:'" and out[1] == "gold: '10'"
+    kinds = [line.split()[0] for line in out if line.startswith("[")]
+    assert kinds[0] == "[policy" and set(kinds) <= {"[policy", "[env"}
+    turns = [line for line in out if line.startswith("turn ")]
+    assert turns and kinds.count("[env") == len(turns) - 1 and all(", observation " in t for t in turns[:-1])
+    assert turns[-1].endswith((", done", ", the episode ended here (end-of-sequence or the token budget)"))
+    total = sum(float(line.split(" -> reward ")[1].split(",")[0]) for line in turns)
+    assert out[-1].startswith(f"reward {total:g} (return); ") and out[-1].endswith("environment tokens (loss mask 0)")
+    main([str(objs["run_dir"]), "--tokens", "--which", "initial"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:4].strip().isdigit()]
+    assert rows and [int(r[0]) for r in rows] == list(range(len(rows))) and {r[1] for r in rows} <= {"policy", "env"}
 
 
 class _NoStep(Environment):

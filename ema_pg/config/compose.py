@@ -97,8 +97,11 @@ def overrides_problem(overrides: list[str]) -> str | None:
                 except TaskError as err:
                     return str(err)
             options = sorted({*options, *(n for n in eps if n not in options)})
-        return (f"{group}={option}: no such option; choose one of: {', '.join(options)}" if options
-                else str(e).splitlines()[0])
+        if not options:
+            return str(e).splitlines()[0]
+        if near := difflib.get_close_matches(option, options, n=1):
+            return f"{group}={option}: no such option; did you mean {group}={near[0]}? (the options: {', '.join(options)})"
+        return f"{group}={option}: no such option; choose one of: {', '.join(options)}"
     except ConfigCompositionException as e:
         cause = e.__cause__
         if isinstance(cause, ConfigAttributeError | ConfigKeyError):

@@ -178,6 +178,15 @@ def score_names(result: dict) -> list[str]:
     return [result_metric(result)] + list(result.get("avg_scores", {}))
 
 
+def split_scores(result: dict, base: dict | None = None) -> str:
+    """An evaluation in one line: each split's metric, then the average (``base``: the base policy's, beside each)."""
+    metric = result["metric"]
+    was = (lambda name: "" if base is None or name not in base["splits"] else
+           f" (base {base['splits'][name][metric]:.3f})")
+    return ", ".join([f"{name} {v[metric]:.3f}{was(name)}" for name, v in result["splits"].items()]
+                     + [f"avg {metric} {result['avg']:.3f}" + ("" if base is None else f" (base {base['avg']:.3f})")])
+
+
 def eval_metrics(prefix: str, result: dict) -> dict:
     """An evaluation result as logged metrics: ``<prefix>/<split>/<score>`` and ``<prefix>/avg/<score>``; the
     task's diagnostics as ``<prefix>_diag/<split>/<name>`` (kept out of ``<prefix>/``, where the scores are)."""

@@ -33,6 +33,7 @@ from ..tasks.base import StoppedBySigterm
 from .ahead import RolloutWorkerError
 from .anchor import AnchorCallback
 from .console import log_file_only, quiet_third_party
+from .evaluation import split_scores
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
 from .models import ModelPathError, head_dim
 from .module import GRPOModule
@@ -156,7 +157,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
         numbers = cfg.model.dtype if precision.startswith("32") else f"{cfg.model.dtype}, {precision}"  # 32, 32-true
         log.info("run: %s (%.1fM parameters, %s) on %s; kl=%s, anchor=%s, beta=%g; %d iterations of %d prompts x %d "
                  "samples; writing to %s", cfg.model.path or "tiny cold-start policy",
-                 sum(p.numel() for p in policy.parameters()) / 1e6, numbers, cfg.task.name, cfg.kl.name,
+                 sum(p.numel() for p in policy.parameters()) / 1e6, numbers, task.name or type(task).__name__, cfg.kl.name,
                  cfg.anchor.name, a.beta, a.iterations, a.prompts_per_step, a.group_size, run_dir)
         log.info("prompts as the model reads them (%s), e.g.:\n%s", encode.describe(),
                  tok.decode(encode.encode(task.sample(1, seed=cfg.seed)[0])))
@@ -312,6 +313,10 @@ def command(cfg: DictConfig) -> float:
     print(f"run folder: {objs['run_dir']}\nmetrics:    {objs['run_dir'] / 'metrics.csv'}\nplot:       {objs['plot']}")
     base = metrics["base/avg"]
     print(f"final {metric_key} = {metrics[metric_key]:.3f}" + ("" if math.isnan(base) else f" (base policy: {base:.3f})"))
+    history = objs["module"].eval_history if "module" in objs else []
+    if history and len(history[-1]["splits"]) > 1:  # one split: the line above is it
+        first = history[0] if history[0].get("iteration") == 0 and len(history) > 1 else None
+        print(f"per split:  {split_scores(history[-1], first)}")
     return float(metrics[metric_key])
 
 

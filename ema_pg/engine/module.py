@@ -26,7 +26,7 @@ from ..rollout import build_sampler
 from ..step import StepParts, rl_step
 from ..update import NonFiniteUpdates, Updater
 from .anchor import AnchorCallback
-from .evaluation import eval_metrics, evaluate_policy
+from .evaluation import eval_metrics, evaluate_policy, split_scores
 from .models import compile_body
 from .monitor import StabilityMonitor
 from .runs import settings
@@ -272,6 +272,8 @@ class GRPOModule(L.LightningModule):
                                  encode=self.encode)
             m.update(eval_metrics("eval_anchor", ra))
         self._log_metrics(m)
+        if world.rank == 0:  # the console: each split's score, as the files hold them
+            log.info("eval @ %d: %s", self.iteration, split_scores(res))
         self.eval_history.append({"iteration": self.iteration, **res})
         if self._trainer is not None:
             for cb in self.trainer.callbacks:

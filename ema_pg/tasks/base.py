@@ -152,7 +152,10 @@ def checked_reward(task: Task, prompt: Prompt, response: str) -> float:
         raise TaskError(f"task {task.name or cls} ({cls}.reward) raised {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''} on {episode}; a reward never raises on "
                         "malformed text: return 0.0 for it") from None
-    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+    if isinstance(value, bool):  # a number to Python, but a verdict, not a reward's scale: said, not taken
+        raise TaskError(f"task {task.name or cls} ({cls}.reward) returned {value!r} (bool) for {episode}; a reward is "
+                        f"a finite float: return float({value!r}) in {cls}.reward if that is what you mean")
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):  # numpy's numbers too
         if abs(float(value)) > FLOAT32_MAX:  # the rewards' tensor would hold inf
             raise TaskError(f"task {task.name or cls} ({cls}.reward) returned {float(value):g} for {episode}: past "
                             f"float32's range, the rewards' dtype; scale {cls}.reward's values (near [-1, 1])")

@@ -96,11 +96,17 @@ def mean_results(results: list[dict]) -> dict:
     return out
 
 
+#: overrides that change how an evaluation runs, not what it measures: kept out of its file's name
+RUNTIME_OVERRIDES = ("trainer.num_threads", "trainer.progress_bar")
+
+
 def eval_label(which: str, baseline: str, overrides, transfer: int = 0) -> str:
     """The file name of a run's evaluation (never the run's own eval.json, its record of the final result);
-    ``transferN`` when it holds N transfer worlds (the Table 2 report reads those)."""
+    ``transferN`` when it holds N transfer worlds (the Table 2 report reads those). Overrides that change only how
+    it runs (:data:`RUNTIME_OVERRIDES`) are not in the name."""
+    named = [o for o in overrides if o.split("=", 1)[0].lstrip("+") not in RUNTIME_OVERRIDES]
     return "_".join([which] + ([baseline] if baseline != "none" else []) + ([f"transfer{transfer}"] if transfer else [])
-                    + [o.replace("/", "-").replace("=", "-") for o in overrides])
+                    + [o.replace("/", "-").replace("=", "-") for o in named])
 
 
 def evaluation_file(run_dir, which: str = "policy", baseline: str = "none", overrides=(), transfer: int = 0) -> Path:
@@ -195,7 +201,7 @@ def _show(result: dict, out) -> None:
     """The console: sample rollouts as asked, the table, the training and transfer tables beside it."""
     for name, xs in result.get("samples", {}).items():
         for x in xs:
-            print(f"--- [{name}] {x['prompt'].strip()}   (gold: {x['gold']}, reward {x['reward']:.0f})\n{x['response']}")
+            print(f"--- [{name}] {x['prompt'].strip()}   (gold: {x['gold']}, reward {x['reward']:.4g})\n{x['response']}")
     print(format_table(result))
     if "train" in result:
         t = result["train"]
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     from ..tasks import build_task
 
     quiet_third_party()  # as a run is: no DeepSpeed accelerator guess, no shard-writing bars
-    a = _parser().parse_args(argv)
+    a = _parser().parse_intermixed_args(argv)  # options before or after the target and its overrides
     if a.train < 0 or a.transfer < 0:
         raise SystemExit(f"--train {a.train} / --transfer {a.transfer}: give numbers >= 0")
     target = Path(a.target)

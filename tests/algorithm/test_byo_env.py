@@ -152,3 +152,35 @@ def test_an_installed_environment_trains_by_its_entry_point_name(site, tmp_path)
     assert "final eval/avg/return" in run.stdout
     ev = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert ev["splits"]["heldout"]["n"] == 10 and ev["avg_diagnostics"]["turns"] >= 1
+
+
+def test_the_console_on_ones_own_task(on_path, tmp_path, caplog, capsys, finished_run):
+    """What a first hour on one's own task met: the start line said "on custom"; only the final average was
+    printed; evaluate refused its options after the run's overrides and named its file after trainer.num_threads;
+    --show rounded 0.667 to 1; a bool reward was taken as 1.0; a misspelt task name suggested nothing."""
+    import numpy as np
+
+    from ema_pg.config.compose import overrides_problem
+    from ema_pg.tasks.base import checked_reward
+    from ema_pg.workbench.evaluate import _show, main
+
+    caplog.set_level("INFO", logger="ema_pg")
+    train(compose_cfg([*GUESS, *RUN], tmp_path))
+    assert "on guess; kl=" in caplog.text and "on custom" not in caplog.text
+    assert "eval @ 0: heldout " in caplog.text and "eval @ 2: heldout " in caplog.text
+    assert ", avg return " in caplog.text
+    main([str(finished_run), "trainer.num_threads=1", "--show", "1"])  # options after the overrides
+    assert (finished_run / "evaluations" / "policy.json").is_file()
+    _show({"samples": {"s": [{"prompt": "p", "gold": "g", "reward": 2 / 3, "response": "r"}]}, "splits": {"s": {
+        "em": 0.5, "n": 1}}, "avg": 0.5, "metric": "em", "avg_scores": {}}, "out.json")
+    assert "reward 0.6667)" in capsys.readouterr().out
+    t = guess()
+    p = t.sample(1, seed=0)[0]
+    t.reward = lambda prompt, response: True
+    with pytest.raises(TaskError, match=r"returned True \(bool\) .* return float\(True\) in GuessTask.reward"):
+        checked_reward(t, p, "x")
+    t.reward = lambda prompt, response: np.float32(0.25)
+    assert checked_reward(t, p, "x") == 0.25 and type(checked_reward(t, p, "x")) is float
+    said = overrides_problem(["task=countdwn"])
+    assert said.startswith("task=countdwn: no such option; did you mean task=countdown? (the options: ")
+    assert "countdown" in said and "guess" in said  # the installed plugins are options

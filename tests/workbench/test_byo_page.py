@@ -37,7 +37,7 @@ def free_port() -> int:
 def test_every_command_on_the_page_runs(tmp_path):
     cmds = page_commands()
     trains = [c for c in cmds if "ema_pg.train " in c]
-    assert len(trains) == 12 and any("ema_pg.tasks.search.serve" in c for c in cmds)  # every format has its command
+    assert len(trains) == 13 and any("ema_pg.tasks.search.serve" in c for c in cmds)  # every format has its command
     port = str(free_port())
     py = sys.executable
     root = Path(__file__).resolve().parents[2]

@@ -8,7 +8,8 @@ an ``env_class`` (a skyrl-gym environment id), a ``reward_spec`` (``ground_truth
 
 An episode, as SkyRL runs one: ``env = skyrl_gym.make(env_class, env_config=..., extras=row)``, ``env.init(prompt)``;
 then each policy turn is ``env.step(turn text)``, which answers ``observations`` (chat messages), a ``reward`` and
-``done``. Here:
+``done``. The task is an :class:`~ema_pg.tasks.env.Environment` (its ``reset`` makes and initialises the skyrl-gym
+environment, its ``step`` calls it), so it runs as one's own environment does. Here:
 
 - **a turn ends** at ``task.turn_end`` (a stop string the sampler pauses at; the episode itself ends at the
   end-of-sequence token, at ``done``, or at the response budget);

@@ -133,3 +133,30 @@ def _pgid(p) -> int | None:
         return os.getpgid(p.pid)
     except (ProcessLookupError, PermissionError):
         return None
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """tests/fixtures/byo_task, a researcher's own task package, installed by pip as they install theirs (into a
+    folder of its own, so that the test's environment is left as it was): its modules and its dist-info with the
+    entry points."""
+    import shutil
+    import subprocess
+
+    from helpers import BYO_FIXTURE
+
+    tmp = tmp_path_factory.mktemp("byo")
+    shutil.copytree(BYO_FIXTURE, tmp / "src")  # pip builds in the source folder: a copy keeps the repository clean
+    out = tmp / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+                    "--target", str(out), str(tmp / "src")], check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.fixture
+def on_path(site, monkeypatch):
+    monkeypatch.syspath_prepend(str(site))
+    import importlib
+
+    importlib.invalidate_caches()
+    return site

@@ -225,7 +225,8 @@ def test_an_entry_point_that_does_not_import_or_shadows_a_built_in_is_named(on_p
     assert said.startswith("the entry point ep_missing (ema_pg.tasks)=no_such_module_xyz:MyTask: cannot import "
                            "no_such_module_xyz (No module named 'no_such_module_xyz')"), said
     listed = overrides_problem(["task=ep_nope"])
-    assert listed.startswith("task=ep_nope: no such option; choose one of: ") and "ep_ok" in listed
+    assert listed.startswith("task=ep_nope: no such option; did you mean task=ep_ok? (the options: ") and \
+        "countdown" in listed
     with caplog.at_level("WARNING", logger="ema_pg"):
         assert compose(["task=toy_add"]).task.name == "toy_add"
     assert ("the installed entry point task toy_add (byo_task.countdown:CountdownTask) has the name of ema-pg's own "

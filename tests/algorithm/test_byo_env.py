@@ -43,17 +43,23 @@ def test_an_episode_is_replayed_from_its_text_and_a_demonstration_masks_the_envi
 
 
 def test_a_users_environment_trains_on_its_own_turns_with_their_masks_and_is_evaluated(on_path, tmp_path,
-                                                                                       capsys):
+                                                                                       capsys, caplog):
     """By import path, a tiny policy cold-started on the class's own demonstrations: the run pauses at the class's
     turn end without rollout.stop (the sampler is told it), each observation is in the sequence verbatim with loss
-    mask 0 right after its turn, the sampler's reward is the replayed return, and the held-out split is evaluated."""
+    mask 0 right after its turn, the sampler's reward is the replayed return, and the held-out split is evaluated.
+    Its console names the task (it said "on custom") and gives each evaluation's per-split scores (it gave only the
+    final average)."""
     from ema_pg.engine.policy import load_run_model
     from ema_pg.prompts import PromptEncoder
     from ema_pg.rollout import HFSampler
     from ema_pg.tasks.base import env_turns, sampler_stops
 
+    caplog.set_level("INFO", logger="ema_pg")
     cfg = compose_cfg([*GUESS, *RUN], tmp_path)
     metrics, objs = train(cfg)
+    assert "on guess; kl=" in caplog.text and "on custom" not in caplog.text
+    assert "eval @ 0: heldout " in caplog.text and "eval @ 2: heldout " in caplog.text
+    assert ", avg return " in caplog.text
     ev = json.loads((objs["run_dir"] / "eval.json").read_text())
     assert list(ev["splits"]) == ["heldout"] and ev["splits"]["heldout"]["n"] == 10 and ev["metric"] == "return"
     assert ev["avg_diagnostics"]["turns"] > 1  # episodes took turns
@@ -154,21 +160,17 @@ def test_an_installed_environment_trains_by_its_entry_point_name(site, tmp_path)
     assert ev["splits"]["heldout"]["n"] == 10 and ev["avg_diagnostics"]["turns"] >= 1
 
 
-def test_the_console_on_ones_own_task(on_path, tmp_path, caplog, capsys, finished_run):
-    """What a first hour on one's own task met: the start line said "on custom"; only the final average was
-    printed; evaluate refused its options after the run's overrides and named its file after trainer.num_threads;
-    --show rounded 0.667 to 1; a bool reward was taken as 1.0; a misspelt task name suggested nothing."""
+def test_the_console_on_ones_own_task(on_path, capsys, finished_run):
+    """What a first hour on one's own task met besides the start line and the per-split scores (checked on the
+    training test's run above): evaluate refused its options after the run's overrides and named its file after
+    trainer.num_threads; --show rounded 0.667 to 1; a bool reward was taken as 1.0; a misspelt task name suggested
+    nothing."""
     import numpy as np
 
     from ema_pg.config.compose import overrides_problem
     from ema_pg.tasks.base import checked_reward
     from ema_pg.workbench.evaluate import _show, main
 
-    caplog.set_level("INFO", logger="ema_pg")
-    train(compose_cfg([*GUESS, *RUN], tmp_path))
-    assert "on guess; kl=" in caplog.text and "on custom" not in caplog.text
-    assert "eval @ 0: heldout " in caplog.text and "eval @ 2: heldout " in caplog.text
-    assert ", avg return " in caplog.text
     main([str(finished_run), "trainer.num_threads=1", "--show", "1"])  # options after the overrides
     assert (finished_run / "evaluations" / "policy.json").is_file()
     _show({"samples": {"s": [{"prompt": "p", "gold": "g", "reward": 2 / 3, "response": "r"}]}, "splits": {"s": {

@@ -5,9 +5,17 @@ held-out split per dataset:
 
 - **a question** is ``dataset[idx]`` of a dataset built with ``seed`` and its config: reasoning-gym draws item
   ``idx`` from ``Random(seed + idx)``. Training draws ``idx`` in ``[0, 2^31)`` of a dataset seeded
-  ``task.seed * 2^33``; evaluation takes the first ``eval_size`` distinct questions of items 0, 1, ... of one seeded
-  ``task.seed * 2^33 + 2^32``, so no training prompt comes from an evaluation seed. A training draw whose question an evaluation split asks is
-  drawn again, so none is asked in training either (a small config can repeat a question under two seeds).
+  ``task.seed * 2^33``; evaluation draws from one seeded ``task.seed * 2^33 + 2^32``.
+- **held out by problem**: a question's *problem* is what it asks whatever its surface form
+  (:func:`problem_key`): the unordered operands of an LCM or GCD, an arithmetic expression with its parentheses
+  dropped and the operands of a sum or product in order (``4 + 1`` is ``1 + 4``), the question's text for a dataset
+  with no key here. A dataset's held-out split is ``eval_size`` problems drawn uniformly from the distinct problems
+  that ``EVAL_TRIES * eval_size`` evaluation items ask (each asked by its first item), so a frequent problem is
+  held out no more often than a rare one; a training draw whose problem a split holds out is drawn again, so no
+  training prompt asks a held-out problem in any form. Where a config has few problems, a split holds out at most
+  half of those found (one line says so, and every split's share of its problems is logged at start).
+- **reproducible**: a dataset whose questions change with Python's hash seed (:data:`HASH_SEEDED`, measured) is
+  refused unless ``PYTHONHASHSEED`` pins it, since its held-out split would be another in every process.
 - **the reward** is the dataset's own ``score_answer(answer, entry)``, with the answer taken as reasoning-gym's own
   examples take it (``reasoning_gym.utils.extract_answer``: the last ``<answer>...</answer>``; no tag scores 0).
 - **the prompt** is the question; with a chat template the system prompt is reasoning-gym's
@@ -18,19 +26,73 @@ held-out split per dataset:
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import functools
+import logging
 import math
+import os
 import random
 
 from .base import Prompt, Task
+
+log = logging.getLogger(__name__)
 
 TRAIN_SPAN = 2**31  #: the training draws' item indices, [0, TRAIN_SPAN)
 SEED_STRIDE = 2**33  #: task.seed's region of reasoning-gym seeds: training at its start, evaluation 2^32 after
 EVAL_OFFSET = 2**32
 EVAL_TRIES = 20  #: an evaluation split of n distinct questions looks at most this many times n items
 DRAW_TRIES = 1000  #: a training draw looks at most this many items for a question no split holds out
+#: datasets whose questions change with Python's hash seed (reasoning-gym 0.1.19 at their default configs, measured
+#: by tests/algorithm/test_reasoning_gym.py over the whole registry under two hash seeds)
+HASH_SEEDED = ("isomorphic_strings", "list_functions", "polynomial_multiplication", "ransom_note")
+
+
+def _canonical(node: ast.AST):
+    """An arithmetic expression's problem: parentheses gone (the parse drops them), a negative literal a number,
+    the operands of a chain of + (or of *) in a fixed order; every other operation keeps its operands' order."""
+    if isinstance(node, ast.Constant):
+        return ("num", node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
+        return ("num", -node.operand.value)
+    if isinstance(node, ast.UnaryOp):
+        return (type(node.op).__name__, _canonical(node.operand))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        op, terms, todo = type(node.op), [], [node]
+        while todo:
+            n = todo.pop()
+            if isinstance(n, ast.BinOp) and isinstance(n.op, op):
+                todo += [n.left, n.right]
+            else:
+                terms.append(_canonical(n))
+        return (op.__name__, tuple(sorted(terms, key=repr)))
+    if isinstance(node, ast.BinOp):
+        return (type(node.op).__name__, _canonical(node.left), _canonical(node.right))
+    raise ValueError(f"not arithmetic: {ast.dump(node)}")
+
+
+def _expression(entry: dict):
+    try:
+        return _canonical(ast.parse(entry["metadata"]["expression"], mode="eval").body)
+    except (KeyError, SyntaxError, ValueError):
+        return entry["question"]
+
+
+def _operands(entry: dict):
+    return tuple(sorted(entry["metadata"]["numbers"]))
+
+
+#: a dataset's problem key, where its questions ask one problem in several surface forms (read from each entry's
+#: metadata); every other dataset's problem is its question's text
+PROBLEM_KEYS = {"lcm": _operands, "gcd": _operands, "products": _expression, "chain_sum": _expression,
+                "basic_arithmetic": _expression}
+
+
+def problem_key(name: str, entry: dict):
+    """The problem an item of dataset ``name`` asks, whatever its surface form (:data:`PROBLEM_KEYS`)."""
+    key = PROBLEM_KEYS.get(name)
+    return (name, key(entry) if key else entry["question"])
 
 
 def _rg():
@@ -115,14 +177,21 @@ class ReasoningGymTask(Task):
             raise ValueError(f"task.system_prompt={system_prompt!r}; choose none or one of reasoning-gym's: "
                              f"{', '.join(rg.utils.SYSTEM_PROMPTS)}")
         self.mixture = _mixture(datasets)
+        if (pinned := os.environ.get("PYTHONHASHSEED", "random")) == "random" or not pinned.isdigit():
+            if seeded := [n for n in self.mixture if n in HASH_SEEDED]:
+                raise ValueError(f"task.datasets: {', '.join(seeded)}'s questions change with Python's hash seed, so "
+                                 "its held-out problems would be others in every process: run with PYTHONHASHSEED=0 "
+                                 "(any fixed number) in the environment, or leave it out")
         self.seed, self.eval_size, self.system_prompt = seed, eval_size, system_prompt
         base = seed * SEED_STRIDE
         self.train_ds = {n: _dataset(n, c, base, TRAIN_SPAN) for n, (_, c) in self.mixture.items()}
         self.eval_ds = {n: _dataset(n, c, base + EVAL_OFFSET, EVAL_TRIES * eval_size) for n, (_, c) in self.mixture.items()}
         self.names = [n for n, (w, _) in self.mixture.items() if w > 0]  # drawn in training
         self.weights = [self.mixture[n][0] for n in self.names]
-        self._heldout = {p.text for split in self.eval_splits().values() for p in split}
-        self._draw(random.Random(f"probe-{seed}"))  # a config whose every question is held out, refused now
+        self.found: dict[str, int] = {}  #: each dataset's distinct problems in its evaluation items (eval_splits)
+        self._heldout = {p.meta["problem"] for split in self.eval_splits().values() for p in split}
+        for name in self.names:  # a config whose every problem is held out, refused now
+            self._item(random.Random(f"probe-{seed}"), name)
 
     # ------------------------------------------------------------------ prompts
     def _prompt(self, name: str, entry: dict, idx: int, split: str) -> Prompt:
@@ -132,18 +201,23 @@ class ReasoningGymTask(Task):
             messages = [{"role": "system", "content": _rg().utils.SYSTEM_PROMPTS[self.system_prompt]},
                         {"role": "user", "content": q}]
         return Prompt(text=q, answer=str(entry["answer"]), messages=messages,
-                      meta={"dataset": name, "index": idx, "split": split, "entry": entry})
+                      meta={"dataset": name, "index": idx, "split": split, "entry": entry,
+                            "problem": problem_key(name, entry)})
 
     def _draw(self, rng: random.Random) -> Prompt:
+        """A training prompt: a dataset by the mixture's weights, then an item of it whose problem no split holds
+        out (the dataset drawn once, so a redraw keeps the weights)."""
+        return self._item(rng, rng.choices(self.names, weights=self.weights)[0])
+
+    def _item(self, rng: random.Random, name: str) -> Prompt:
         for _ in range(DRAW_TRIES):
-            name = rng.choices(self.names, weights=self.weights)[0]
             idx = rng.randrange(TRAIN_SPAN)
             entry = self.train_ds[name][idx]
-            if entry["question"] not in self._heldout:
+            if problem_key(name, entry) not in self._heldout:
                 return self._prompt(name, entry, idx, "train")
-        raise ValueError(f"task.eval_size={self.eval_size} holds out every question of {', '.join(self.names)} "
-                         f"({DRAW_TRIES} training draws found none left to train on); lower task.eval_size or "
-                         "widen its config")
+        raise ValueError(f"task.eval_size={self.eval_size} holds out every problem of {name} that training "
+                         f"draws ({DRAW_TRIES} draws found none left to train on); lower task.eval_size or widen its "
+                         "config")
 
     def sample(self, n: int, seed: int) -> list[Prompt]:
         rng = random.Random(f"train-{self.seed}-{seed}")
@@ -151,23 +225,28 @@ class ReasoningGymTask(Task):
 
     @functools.cache  # one task object per run; its splits are asked for many times
     def eval_splits(self) -> dict[str, list[Prompt]]:
-        """One split per dataset of the mixture (a weight of 0 too: held out, never trained on): the first
-        ``eval_size`` distinct questions of its evaluation seed (items 0, 1, ... with a repeat skipped)."""
+        """One split per dataset of the mixture (a weight of 0 too: held out, never trained on): ``eval_size``
+        problems drawn uniformly from the distinct problems of its evaluation items 0 .. ``EVAL_TRIES * eval_size``
+        (each asked as its first item asks it), in item order; at most half the problems found."""
         out = {}
         for name, ds in self.eval_ds.items():
-            seen, split = set(), []
+            first: dict = {}  # problem -> its first item (index, entry), in item order
             for i in range(EVAL_TRIES * self.eval_size):
                 entry = ds[i]
-                if entry["question"] not in seen:
-                    seen.add(entry["question"])
-                    split.append(self._prompt(name, entry, i, "eval"))
-                    if len(split) == self.eval_size:
-                        break
-            else:
-                raise ValueError(f"task.eval_size={self.eval_size}: {name}'s config asks only {len(split)} distinct "
-                                 f"questions in {EVAL_TRIES * self.eval_size} draws; lower task.eval_size or widen "
-                                 "its config")
-            out[name] = split
+                first.setdefault(problem_key(name, entry), (i, entry))
+            found = self.found[name] = len(first)
+            keep = min(self.eval_size, found // 2)
+            if keep < 1:
+                raise ValueError(f"task.datasets: {name}'s config asks one problem in {EVAL_TRIES * self.eval_size} "
+                                 "draws, so none can be held out and trained on apart; widen its config")
+            if keep < self.eval_size:
+                log.warning("%s: its config asks %d problems in %d draws, so its held-out split is %d of them, not "
+                            "task.eval_size=%d: training keeps as many problems as evaluation holds out", name, found,
+                            EVAL_TRIES * self.eval_size, keep, self.eval_size)
+            picked = random.Random(f"heldout-{self.seed}-{name}").sample(list(first), keep)
+            out[name] = [self._prompt(name, e, i, "eval") for i, e in sorted(first[k] for k in picked)]
+        log.info("held out: %s", "; ".join(f"{n} {len(s)} of the {self.found[n]} problems found "
+                                           f"({len(s) / self.found[n]:.0%})" for n, s in out.items()))
         return out
 
     # ------------------------------------------------------------------ reward

@@ -48,6 +48,7 @@ class Verdict:
     interval: str = ""
     seeds: str = ""
     to_decide: str = ""  # the seeds a decision would take, where the row says
+    detectable: str = ""  # a sequential plan's: the effect its cap finds with 80% power, at the sd its looks found
 
     @property
     def folder(self) -> str:
@@ -119,8 +120,9 @@ def look_verdicts(path: Path) -> list[Verdict]:
     """The last look of each claim of a sequential plan (``looks.csv``)."""
     import pandas as pd
 
-    from .studies.decide import load_plan, outlooks
     from .results import format_seeds, seeds_for, seeds_for_t
+    from .studies.decide import load_plan, outlooks
+    from .studies.sequential import detectable
 
     looks = pd.read_csv(path)
     rel = str(path.relative_to(REPRO))
@@ -138,7 +140,8 @@ def look_verdicts(path: Path) -> list[Verdict]:
                          f"{format_seeds(seeds_for_t(r['mean_diff'], r['sd_diff']))}; a fixed design, if the effect "
                          f"and sd were what the {int(r['seeds'])} seeds show; 80% power, two-sided 5%)")
         out.append(Verdict(rel, str(cid), str(r["text"]), str(r["verdict"]), f"{r['mean_diff']:+.4f}",
-                           f"[{r['lo']:+.4f}, {r['hi']:+.4f}]", str(int(r["seeds"])), to_decide))
+                           f"[{r['lo']:+.4f}, {r['hi']:+.4f}]", str(int(r["seeds"])), to_decide,
+                           f"{detectable(plan.design) * r['sd_diff']:.4f} (sd {r['sd_diff']:.4f})"))
     return out
 
 
@@ -330,21 +333,24 @@ def render(verdicts: list[Verdict]) -> str:
              "(where the reproduction says); earlier verdicts of the same claim are kept below it as history. "
              "**holds** / **fails**: the 95% interval of the paired difference lies above / below 0; **undecided**: "
              "it contains 0; a sequential plan's claim is **stopped at the cap** when no boundary was crossed by its last "
-             "look, and **continue** while its looks go on." + _side_by_side(), "",
-             "| claim (paper) | latest verdict | effect | interval | seeds | from | seeds to decide |",
-             "|---|---|---|---|---|---|---|"]
+             "look, and **continue** while its looks go on; its **detectable at the cap** is the effect its design "
+             "finds with 80% power by its cap at the sd of the paired differences its looks found, so \"stopped at "
+             "the cap\" reads as \"smaller than that, if anything\"." + _side_by_side(), "",
+             "| claim (paper) | latest verdict | effect | interval | seeds | from | seeds to decide | detectable at the cap |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in PAPER_CLAIMS:
         rows = per[c.id]
         if not rows:
-            lines.append(f"| {c.statement} ({c.where}) | not tested | | | | | |")
+            lines.append(f"| {c.statement} ({c.where}) | not tested | | | | | | |")
             continue
         latest = max(map(_order, rows))
         for v in [v for v in rows if _order(v) == latest]:
             label = f"{c.statement}: {v.text}" if _words(v.text) - _words(c.statement) else c.statement
             lines.append(f"| {label} ({c.where}) | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} "
-                         f"| {v.to_decide} |")
+                         f"| {v.to_decide} | {v.detectable} |")
     lines += ["", "## History: the earlier verdicts of each claim", "",
-              "| claim (paper) | verdict | effect | interval | seeds | from |", "|---|---|---|---|---|---|"]
+              "| claim (paper) | verdict | effect | interval | seeds | from | detectable at the cap |",
+              "|---|---|---|---|---|---|---|"]
     for c in PAPER_CLAIMS:
         rows = per[c.id]
         if not rows:
@@ -352,16 +358,18 @@ def render(verdicts: list[Verdict]) -> str:
         latest = max(map(_order, rows))
         for v in rows:
             if _order(v) != latest:
-                lines.append(f"| {c.id}: {v.text} | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} |")
+                lines.append(f"| {c.id}: {v.text} | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} "
+                             f"| {v.detectable} |")
     if devs := plan_deviations():
         lines += ["", "## Deviations from the registered plans", "",
                   "Each sequential plan's changes made on purpose, as its `sequential.md` lists them (recorded before "
                   "the look each applies from; `docs/workbench.md`, \"A plan is a contract\"):", "", *devs]
     lines += ["", "## Our own claims and the comparisons beside the paper's", "",
-              "| claim | verdict | effect | interval | seeds | from |", "|---|---|---|---|---|---|"]
+              "| claim | verdict | effect | interval | seeds | from | detectable at the cap |",
+              "|---|---|---|---|---|---|---|"]
     for v in sorted(rest, key=lambda v: (_order(v), v.file)):
         key = f"{v.key}: {v.text}" if v.key != v.text else v.text
-        lines.append(f"| {key} | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} |")
+        lines.append(f"| {key} | {_cell(v)} | {v.delta} | {v.interval} | {v.seeds} | {_link(v)} | {v.detectable} |")
     return "\n".join(lines) + "\n"
 
 

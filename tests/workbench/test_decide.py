@@ -14,7 +14,7 @@ import pytest
 
 from ema_pg.workbench.studies.decide import (CELLS, LOOKS, load_plan, main, needed, outlooks, read_cells, record_cells, report,
                                      state, take_look)
-from ema_pg.workbench.studies.sequential import OUTLOOKS, Design, look, outlook
+from ema_pg.workbench.studies.sequential import OUTLOOKS, Design, detectable, look, outlook, power_at
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,6 +59,59 @@ def test_a_plan_is_checked_before_anything_runs(tmp_path):
         load_plan(write_plan(tmp_path / "b", tmp_path / "runs", looks=(5, 5)))
     with pytest.raises(SystemExit, match="needs better, worse and text"):
         load_plan(write_plan(tmp_path / "c", tmp_path / "runs", claims={"A": {"better": "ema"}}))
+
+
+@pytest.mark.parametrize("looks, words", [
+    ((3.9, 5.5), "3.9 is not a whole number of seeds"),
+    ((3, "5"), "'5' is not a whole number of seeds"),
+    ((5, 4), "increasing"),
+])
+def test_looks_that_are_not_whole_increasing_numbers_are_refused_in_one_line(tmp_path, looks, words):
+    with pytest.raises(SystemExit) as e:
+        load_plan(write_plan(tmp_path, tmp_path / "runs", looks=looks))
+    assert words in str(e.value) and "\n" not in str(e.value)
+    assert load_plan(write_plan(tmp_path, tmp_path / "runs", looks=(3.0, 5))).design.looks == (3, 5)  # whole: taken
+
+
+@pytest.mark.parametrize("power, words", [
+    ({"effect": 0.02, "sd": 0.05}, "power: takes effect, sd, sd_from, each given"),
+    ({"effect": -0.02, "sd": 0.05, "sd_from": "x"}, "power.effect=-0.02; give a number > 0"),
+    ({"effect": 0.02, "sd": 0.05, "sd_from": " "}, "power.sd_from is empty"),
+])
+def test_a_plans_power_is_checked_in_one_line(tmp_path, power, words):
+    with pytest.raises(SystemExit, match=words):
+        load_plan(write_plan(tmp_path, tmp_path / "runs", power=power))
+
+
+def test_a_plans_power_at_its_cap_is_said_before_any_cell_and_with_the_sd_each_look_finds(tmp_path, capsys):
+    """A plan whose sd is known (0.05) and whose smallest effect that matters is 0.02: its power at the cap (5
+    seeds, looks at 3 and 5) is the design's simulated chance of a holds at 0.4 sd, low, and said so; the effect it
+    finds with 80% power is detectable() sd. Once a look lands, the sd it found takes the plan's."""
+    runs = tmp_path / "runs"
+    plan = load_plan(write_plan(tmp_path / "plan", runs, power={"effect": 0.02, "sd": 0.05, "sd_from": "a guess"}))
+    d = plan.design
+    pw, k = power_at(d, 0.4), detectable(d)
+    assert pw < 0.2 and power_at(d, k) >= 0.8 > power_at(d, k - 0.01)
+    assert main([str(plan.path), "--status"]) == 0
+    said = capsys.readouterr().out
+    assert (f"LOW POWER: power: the smallest effect that matters, 0.02 (sd 0.05, from a guess), holds by the cap (5 "
+            f"seeds) with probability {pw:.0%}; with 80% power the plan finds {k * 0.05:.4g} ({k:.2f} sd); it runs, "
+            "but a claim that stops at the cap says little about that effect") in said
+    for s in plan.seeds(3):
+        fake_run(runs, "grpo", s, 0.3)
+        fake_run(runs, "ema", s, 0.3 + 0.1 * (s - 100))  # differences 0, 0.1, 0.2: sd 0.1
+        fake_run(runs, "ema_topk_reverse", s, 0.3 + 0.1 * (s - 100) + 0.01 * (s % 2))
+    take_look(plan, 1, state(plan)[0])
+    assert main([str(plan.path), "--status"]) == 0
+    said = capsys.readouterr().out
+    assert (f"power, A: at the sd its looks found (0.1, look 1) the cap finds {k * 0.1:.4g} with 80% power; the "
+            f"smallest effect that matters, 0.02, holds by the cap with probability {power_at(d, 0.2):.0%}") in said
+    md = report(plan).read_text()
+    assert "## Power" in md and "- LOW POWER: power: the smallest effect that matters, 0.02" in md
+    bare = load_plan(write_plan(tmp_path / "bare", runs))  # a plan that states no power still learns its reach
+    assert main([str(bare.path), "--status"]) == 0
+    assert f"with 80% power by the cap (5 seeds) it finds an effect of {k:.2f} times the paired differences' sd" in \
+        capsys.readouterr().out
 
 
 def test_a_look_is_the_designs_on_the_finished_pairs_and_a_decided_claim_needs_no_more_seeds(tmp_path, capsys):
@@ -299,11 +352,16 @@ def test_the_command_runs_a_tiny_sweep_to_its_looks_and_continues_after_an_inter
     runs = tmp_path / "runs"
     plan = write_plan(tmp_path / "plan", runs, looks=(3, 4), claims={"A": {"better": "ema", "worse": "grpo",
                                                                           "text": "EMA anchor > GRPO"}},
-                      overrides=["sft.seed=0", f"sft.cache_dir={tmp_path / 'cache'}"])
+                      overrides=["sft.seed=0", f"sft.cache_dir={tmp_path / 'cache'}"],
+                      power={"effect": 0.05, "sd": 0.1, "sd_from": "a guess"})
     cmd = [sys.executable, "-m", "ema_pg.decide", str(plan), "--workers", "2", "--logger", "mlflow,tensorboard",
            "--mlflow-uri", mlflow_url, "--project", "plan_t"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    # the plan's power, said before its first cell: 3 and 4 seeds cannot see half an sd
+    said = f"LOW POWER: power: the smallest effect that matters, 0.05 (sd 0.1, from a guess), holds by the cap (4 " \
+           f"seeds) with probability {power_at(Design(looks=(3, 4)), 0.5):.0%}"
+    assert said in out.stdout and out.stdout.index(said) < out.stdout.index("look 1: 6 cells to run")
     looks = pd.read_csv(tmp_path / "plan" / LOOKS)
     assert list(looks["seeds"])[:1] == [3] and set(looks["claim"]) == {"A"}
     assert all((runs / f"{m}_s{s}" / "eval.json").is_file() for m in ("ema", "grpo") for s in (100, 101, 102))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ema_pg.workbench.studies.sequential import (Design, fixed_power, look, outlook, simulate, spent, t_boundary,
+from ema_pg.workbench.studies.sequential import (Design, detectable, fixed_power, look, outlook, power_at, simulate, spent, t_boundary,
                                         z_boundaries)
 
 FIVE = [0.2, 0.4, 0.6, 0.8, 1.0]
@@ -155,3 +155,16 @@ def test_the_outlook_goes_on_from_the_looks_actually_taken_and_refuses_a_claim_a
         outlook(design, [10, 20, 30], 0.1, 1.0)
     with pytest.raises(ValueError, match="predictive"):
         outlook(design, [10], 0.1, 1.0, "hopeful")
+
+
+def test_a_designs_power_is_its_simulation_and_its_detectable_effect_meets_the_fixed_design_at_one_look():
+    """power_at is simulate's share of holds at effect / sd (the same simulated seeds); at a single look the design
+    is the two-sided t test, whose power the noncentral t gives in closed form: the detectable effect found by
+    bisection has that power, to Monte-Carlo error; O'Brien-Fleming's five looks cost a little over one look."""
+    d = Design(looks=(10, 20, 30, 45, 60))
+    assert power_at(d, 0.3) == simulate(d, 0.03, 0.1)["holds"]
+    one = Design(looks=(60,))
+    k1 = detectable(one)
+    assert abs(fixed_power(k1, 1.0, 60) - 0.8) < 0.01
+    assert detectable(d) > k1 and detectable(d) < 1.05 * k1
+    assert power_at(d, 0.0) < 0.03  # no effect: a holds only by the design's error (alpha / 2)

@@ -81,6 +81,20 @@ class Claim:
     score: str = "avg"  #: eval.json's ``avg``, or a split's name (its mean reward)
 
 
+@dataclass(frozen=True)
+class Power:
+    """What a plan says it must be able to see, before its first cell: the smallest paired difference that matters
+    (``effect``, in the claims' score), the sd of the paired differences it expects and where that sd comes from
+    (``sd_from``: a pilot's paired differences, or a guess, said in words)."""
+
+    effect: float
+    sd: float
+    sd_from: str
+
+
+POWER_KEYS = ("effect", "sd", "sd_from")
+
+
 @dataclass
 class Plan:
     path: Path
@@ -93,6 +107,7 @@ class Plan:
     overrides: list[str] = field(default_factory=list)
     base: str | None = None  #: the base policy every cell must start from (``run_base``'s digest), when pinned
     deviations: list[dict] = field(default_factory=list)  #: changes made on purpose (:mod:`.contract`)
+    power: Power | None = None  #: the effect the plan must see and the sd it expects, when it states them
 
     @property
     def folder(self) -> Path:
@@ -110,7 +125,7 @@ class Plan:
 
 
 PLAN_KEYS = ("sweep", "scale", "seed0", "looks", "alpha", "spending", "runs", "base", "claims", "overrides",
-             "deviations")  #: a plan file's keys; the first five are required (but alpha and spending)
+             "deviations", "power")  #: a plan file's keys; the first five are required (but alpha and spending)
 CLAIM_KEYS = ("better", "worse", "text", "score")
 
 
@@ -164,7 +179,56 @@ def load_plan(path: Path) -> Plan:
     runs = Path(raw.get("runs") or ROOT / "runs" / "reproduce" / f"{raw['sweep']}-{raw['scale']}")
     return Plan(Path(path), str(raw["sweep"]), str(raw["scale"]), int(raw["seed0"]), design, claims,
                 runs if runs.is_absolute() else ROOT / runs, [str(o) for o in raw.get("overrides") or []],
-                str(raw["base"]) if raw.get("base") else None, parse_deviations(raw.get("deviations"), Path(path)))
+                str(raw["base"]) if raw.get("base") else None, parse_deviations(raw.get("deviations"), Path(path)),
+                parse_power(raw.get("power"), Path(path)))
+
+
+def parse_power(raw, path: Path) -> Power | None:
+    """A plan's ``power:`` ({effect, sd, sd_from}), each problem in one line; None when the plan states none."""
+    import math
+
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != set(POWER_KEYS):
+        raise SystemExit(f"{path}: power: takes {', '.join(POWER_KEYS)}, each given (for example power: {{effect: 0.02, "
+                         "sd: 0.05, sd_from: 'the pilot's paired differences, reproductions/x/pilot'}); got "
+                         f"{raw!r}")
+    for k in ("effect", "sd"):
+        v = raw[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise SystemExit(f"{path}: power.{k}={v!r}; give a number > 0 in the claims' score")
+    if not str(raw["sd_from"]).strip():
+        raise SystemExit(f"{path}: power.sd_from is empty; say where the sd comes from (a pilot's paired "
+                         "differences, or a guess)")
+    return Power(float(raw["effect"]), float(raw["sd"]), str(raw["sd_from"]).strip())
+
+
+def power_lines(plan: Plan, looks: pd.DataFrame) -> list[str]:
+    """What the plan can see by its cap, in lines: from its ``power:`` before any look (low power said so), and
+    for each claim from the sd its looks found. The power is the chance of a "holds" by the cap
+    (:func:`~ema_pg.workbench.studies.sequential.power_at`); the detectable effect is the one found with
+    :data:`~ema_pg.workbench.studies.sequential.POWER`."""
+    from .sequential import POWER, detectable, power_at
+
+    d, p = plan.design, plan.power
+    k = detectable(d)
+    if p is None:
+        out = [f"power: the plan states none (power: effect, sd, sd_from): with {POWER:.0%} power by the cap ({d.cap} "
+               f"seeds) it finds an effect of {k:.2f} times the paired differences' sd"]
+    else:
+        pw = power_at(d, p.effect / p.sd)
+        out = [f"{'LOW POWER: ' if pw < POWER else ''}power: the smallest effect that matters, {p.effect:.4g} (sd "
+               f"{p.sd:.4g}, from {p.sd_from}), holds by the cap ({d.cap} seeds) with probability {pw:.0%}; with "
+               f"{POWER:.0%} power the plan finds {k * p.sd:.4g} ({k:.2f} sd)"
+               + ("; it runs, but a claim that stops at the cap says little about that effect" if pw < POWER else "")]
+    for cid, g in (looks.groupby("claim", sort=False) if len(looks) else ()):
+        r = g.iloc[-1]
+        sd = float(r["sd_diff"])
+        out.append(f"power, {cid}: at the sd its looks found ({sd:.4g}, look {int(r['look'])}) the cap finds "
+                   f"{k * sd:.4g} with {POWER:.0%} power"
+                   + (f"; the smallest effect that matters, {p.effect:.4g}, holds by the cap with probability "
+                      f"{power_at(d, p.effect / sd):.0%}" if p is not None and sd > 0 else ""))
+    return out
 
 
 def check_cells(plan: Plan, code: Path = ROOT) -> None:
@@ -448,6 +512,10 @@ def report(plan: Plan) -> Path:
         lines += ["## Deviations from the registered plan", "",
                   "Changes made on purpose, each recorded before the look it applies from (`contract.json` beside the "
                   "plan holds the registered fields and each deviation's value):", "", *devs, ""]
+    lines += ["## Power", "", "What the plan can see by its cap (`power_lines` in `ema_pg/workbench/studies/decide.py`: "
+              "the chance of a **holds** by the cap, simulated with the design's looks and boundaries; the "
+              "detectable effect is the one found with 80% power):", "",
+              *[f"- {ln}" for ln in power_lines(plan, looks)], ""]
     if not len(looks):
         lines += ["No look taken yet."]
     else:
@@ -770,6 +838,7 @@ def _loop(plan: Plan, a, code: Path, fingerprint: str, workers: Workers) -> int:
     verdicts, taken = state(plan)
     if not a.status and taken == 0 and needed(plan, 1, verdicts):
         check_cells(plan, code)  # before the first cell: what they will run is a plan's promise too
+        print(power_lines(plan, read_looks(plan))[0], flush=True)  # what the plan can see, before it costs a cell
     while True:
         verdicts, taken = state(plan)
         open_claims = [c for c in plan.claims if verdicts[c.id] == "open"]
@@ -779,6 +848,8 @@ def _loop(plan: Plan, a, code: Path, fingerprint: str, workers: Workers) -> int:
             report(plan)
             if not a.status:
                 mirror_plan(plan, a, a.trackers, read_looks(plan))
+            else:
+                print("\n".join(power_lines(plan, read_looks(plan))))
             print("every claim is decided or at its cap")
             return 0
         k = taken + 1
@@ -795,6 +866,7 @@ def _loop(plan: Plan, a, code: Path, fingerprint: str, workers: Workers) -> int:
             if gone := set_aside_here(plan):
                 print(f"set aside before on this machine's kind: {len(gone)} cells ({plan.folder / SET_ASIDE}; their cold "
                       f"start: {gone[0].get('cold_start') or 'not recorded'}): a cell run here would be refused")
+            print("\n".join(power_lines(plan, read_looks(plan))))
             print(f"look {k} at {plan.design.looks[k - 1]} seeds needs {len(todo)} more cells: "
                   + ", ".join(f"{m}:{s}" for m, s in todo[:12]) + (" ..." if len(todo) > 12 else ""))
             if todo:

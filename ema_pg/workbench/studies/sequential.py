@@ -154,6 +154,10 @@ class Design:
     spending: str = "obrien_fleming"
 
     def __post_init__(self):
+        if bad := [n for n in self.looks if isinstance(n, bool) or not isinstance(n, (int, float))
+                   or isinstance(n, float) and not n.is_integer()]:
+            raise ValueError(f"looks={list(self.looks)}: {bad[0]!r} is not a whole number of seeds; give whole "
+                             "numbers (a look is taken after that many paired seeds)")
         looks = tuple(int(n) for n in self.looks)
         object.__setattr__(self, "looks", looks)
         if len(looks) < 1 or looks[0] < 3 or any(b <= a for a, b in zip(looks, looks[1:])):
@@ -314,6 +318,38 @@ def outlook(design: Design, taken: list[int], mean: float, sd: float, effect: fl
         return mean_m / np.sqrt(var_m / m)
     return {"sims": sims, "effect": effect, "sd": sd, "seeds": n, "next_look": rest[0], "cap": rest[-1],
             **_verdict_shares(rest, zb, t_at, sims)}
+
+
+POWER = 0.8  #: the power a plan's detectable effect is stated at
+POWER_SIMS = 20_000  #: simulated claims behind a plan's power
+
+
+def power_at(design: Design, effect_sd: float, sims: int = POWER_SIMS, seed: int = 0) -> float:
+    """The chance that a claim whose true paired difference is ``effect_sd`` times its sd is decided "holds" by the
+    design's cap, its looks and t boundaries as :func:`look` applies them (the t statistic does not depend on the
+    scale, so the effect in units of the sd is all it takes). The same simulated seeds for every effect, so the
+    power rises with the effect and :func:`detectable` can bisect it."""
+    mean, se = _standard_looks(design.looks, sims, seed)
+    return _verdict_shares(design.looks, design.boundaries(), lambda n: (mean[n] + effect_sd) / se[n], sims)["holds"]
+
+
+@functools.lru_cache(maxsize=8)
+def _standard_looks(looks: tuple[int, ...], sims: int, seed: int) -> tuple[dict, dict]:
+    """``sims`` claims of standard normal paired differences: each look's mean and standard error (a shift of
+    every difference by the effect moves the mean and leaves the standard error)."""
+    z = np.random.default_rng(seed).standard_normal((sims, looks[-1]))
+    return ({n: z[:, :n].mean(1) for n in looks}, {n: z[:, :n].std(1, ddof=1) / math.sqrt(n) for n in looks})
+
+
+@functools.lru_cache(maxsize=64)
+def detectable(design: Design, power: float = POWER, sims: int = POWER_SIMS, seed: int = 0) -> float:
+    """The smallest effect, in units of the paired differences' sd, that the design decides "holds" by its cap
+    with probability ``power`` (bisection on :func:`power_at`, to 1e-4 sd)."""
+    lo, hi = 0.0, 20.0
+    while hi - lo > 1e-4:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if power_at(design, mid, sims, seed) >= power else (mid, hi)
+    return hi
 
 
 def fixed_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:

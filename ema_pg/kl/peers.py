@@ -95,3 +95,19 @@ def topk_reverse_score_tail(inp: KLInputs) -> Tensor:
     outside = (~in_index_set(inp.tokens, inp.topk_idx)).to(inp.logp.dtype)
     tail_adv = (inp.logp - inp.logp_ref).detach()
     return head + outside * tail_adv * torch.exp(inp.logp - inp.logp.detach())
+
+
+def topk_reverse_renormalized(inp: KLInputs) -> Tensor:
+    """KL(pi_T || ref_T): the reverse KL between the policy and the anchor, each renormalized on T.
+
+    Teacher top-K local support matching of "Revisiting On-Policy Distillation" (arXiv 2603.25562): T = the
+    teacher's (here the anchor's) top-K tokens, pi_T(i) = pi(i) / pi(T) and ref_T(i) = ref(i) / ref(T) for i in T,
+    and the loss sum_{i in T} pi_T(i) (log pi_T(i) - log ref_T(i)), with no sampled tail. Biased for the KL
+    (the mass outside T and the two normalizers are dropped); exact when T is the whole vocabulary. Needs k >= 1.
+    """
+    require(inp, "topk_reverse_renormalized", "topk_logp", "topk_logp_ref")
+    if inp.topk_logp.shape[-1] == 0:
+        raise ValueError("topk_reverse_renormalized needs k >= 1: an empty support has no distribution to renormalize")
+    lp = inp.topk_logp - torch.logsumexp(inp.topk_logp, -1, keepdim=True)
+    lr = inp.topk_logp_ref.detach() - torch.logsumexp(inp.topk_logp_ref.detach(), -1, keepdim=True)
+    return (lp.exp() * (lp - lr)).sum(-1)

@@ -49,6 +49,7 @@ EXPECTED = {
     "verl:forward_kl_topk (clamp_min 0)": (B, B, B, B, "neither"),
     "verl-rfc:topk_tail_bucket": (B, B, B, B, "neither"),
     "nemo-rl:topk_score_tail": (U, B, B, B, "neither"),
+    "opd:topk_renormalized": (B, B, B, B, "neither"),  # mass outside T and both normalizers dropped
 }
 
 
@@ -192,6 +193,51 @@ def test_tail_bucket_is_the_coarse_kl_and_a_lower_bound():
     assert float(val) <= float((an * torch.log(an / pi)).sum()) + 1e-12
 
 
+def test_the_renormalized_top_k_kl_is_the_kl_of_both_distributions_renormalized_on_the_anchors_top_k():
+    """On T = the anchor's top-2 of 6 tokens: sum_T pi_T log(pi_T / ref_T), pi_T = pi / pi(T), ref_T = ref / ref(T),
+    by hand; on the whole vocabulary it is the exact reverse KL; at k = 1 it is 0 whatever the distributions; an
+    empty support is refused in one line."""
+    inp, th, ref, q = _inputs(5, k=2)
+    pi, an = torch.softmax(th.detach(), -1), torch.softmax(ref, -1)
+    pt, rt = pi[q] / pi[q].sum(), an[q] / an[q].sum()
+    assert float(peers.topk_reverse_renormalized(inp)[0, 0].detach()) == pytest.approx(
+        float((pt * torch.log(pt / rt)).sum()), rel=1e-12)
+    full, *_ = _inputs(5, k=6)
+    assert float(peers.topk_reverse_renormalized(full)[0, 0].detach()) == pytest.approx(
+        float((pi * torch.log(pi / an)).sum()), rel=1e-12)
+    one, *_ = _inputs(5, k=1)
+    assert float(peers.topk_reverse_renormalized(one)[0, 0].detach()) == 0.0
+    empty, *_ = _inputs(5, k=0)
+    with pytest.raises(ValueError, match="needs k >= 1"):
+        peers.topk_reverse_renormalized(empty)
+
+
+def test_where_top_k_loses_is_every_cell_whose_variance_is_above_an_unbiased_sampled_estimators():
+    """The two-token case at k = 1, on-policy, by hand (l_j = log pi_j / anchor_j): Top-1 reverse's value is the
+    head's pi_0 l_0 plus l_1 when token 1 is drawn, variance pi_0 pi_1 l_1^2 = 0.461; K4's value is l_y, variance
+    sum pi l^2 - KL^2 = 0.770; K3's is anchor/pi - 1 - log(anchor/pi) at y, variance 0.070. Top-k loses to K3 and
+    K3++ (same value rows as K3 on-policy) and not to K1 and K4; K2, biased in value, is no comparison for it."""
+    from ema_pg.workbench.lab.report import panel_rows, topk_loses, verdict_table
+
+    entries = {n: ENTRIES[n] for n in ("k1", "k2", "k3", "k3pp", "k4", "topk_reverse[corrected]")}
+    rows = panel_rows(entries)
+    rows = rows[rows.case == "counterexample"]
+    loses = topk_loses(rows, verdict_table(rows, entries))
+    on = loses[(loses.setting == "on") & (loses.k == 1) & (loses.quantity == "value")].set_index("sampled")
+    assert sorted(on.index) == ["k1", "k3", "k3pp", "k4"]
+    assert on.loc["k3", "loses"] and on.loc["k3pp", "loses"] and not on.loc["k1", "loses"] and not on.loc["k4", "loses"]
+    pi, an = (0.6, 0.4), (0.9, 0.1)
+    lg = [math.log(p / a) for p, a in zip(pi, an)]
+    kl = sum(p * x for p, x in zip(pi, lg))
+    k3_rows = [a / p - 1 - math.log(a / p) for p, a in zip(pi, an)]
+    assert on.loc["k3", "var"] == pytest.approx(pi[0] * pi[1] * lg[1] ** 2, rel=1e-9)
+    assert on.loc["k3", "var_sampled"] == pytest.approx(sum(p * r * r for p, r in zip(pi, k3_rows)) - kl**2, rel=1e-9)
+    assert on.loc["k4", "var_sampled"] == pytest.approx(sum(p * x * x for p, x in zip(pi, lg)) - kl**2, rel=1e-9)
+    assert (round(on.loc["k3", "var"], 3), round(on.loc["k3", "var_sampled"], 3), round(kl, 3)) == (0.461, 0.070, 0.311)
+    grad = loses[(loses.setting == "on") & (loses.quantity == "gradient")].set_index("sampled")
+    assert sorted(set(grad.index)) == ["k2", "k3pp", "k4"]  # the sampled estimators unbiased in the reverse-KL gradient
+
+
 def test_verl_truncated_clamps_at_zero():
     inp, th, ref, q = _inputs(4, k=2)
     pi, an = torch.softmax(th.detach(), -1), torch.softmax(ref, -1)
@@ -317,7 +363,7 @@ def test_all_regenerates_the_committed_report(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert run.returncode == 0, run.stderr
     committed = ROOT / "reproductions" / "estimator_lab"
-    for name in ("verdicts.csv", "variance.csv", "region_v2.csv"):
+    for name in ("verdicts.csv", "variance.csv", "region_v2.csv", "topk_loses.csv"):
         new, old = pd.read_csv(tmp_path / name), pd.read_csv(committed / name)
         pd.testing.assert_frame_equal(new, old, check_exact=False, rtol=1e-5, atol=1e-9)
     assert (tmp_path / "estimator_lab.png").stat().st_size > 10_000

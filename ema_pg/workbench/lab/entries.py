@@ -95,6 +95,11 @@ def _entries() -> dict[str, Entry]:
         Entry("nemo-rl:topk_score_tail", _plain(peers.topk_reverse_score_tail), "reverse",
               "NeMo-RL on-policy distillation top-k support (PR #3608, opd.py)", "field",
               index_source="policy_old", ks=KS, documented="exact top-k plus sampled tail; unbiased on-policy (review)"),
+        Entry("opd:topk_renormalized", _plain(peers.topk_reverse_renormalized), "reverse",
+              "Revisiting On-Policy Distillation (arXiv 2603.25562): teacher top-K local support matching, the reverse "
+              "KL of both distributions renormalized on the teacher's top-K", "field", index_source="anchor",
+              ks=tuple(k for k in KS if k > 0),
+              documented="a truncated, renormalized reverse KL; found no worse than Top-k for on-policy distillation"),
     ]
     return {x.name: x for x in e}
 

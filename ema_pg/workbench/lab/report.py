@@ -118,6 +118,63 @@ def variance_comparison(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def topk_loses(rows: pd.DataFrame, verd: pd.DataFrame) -> pd.DataFrame:
+    """Every (Top-k entry, sampled estimator of ours, quantity, case, setting, k > 0) where the sampled estimator is
+    unbiased for the same quantity (its value, or its gradient, of the same KL, in that setting, by the verdicts):
+    the two variances and whether the Top-k one is higher (``loses``). A Top-k entry is any with an index set."""
+    v = verd.set_index("entry")
+    measured = [ENTRIES[n] for n in v.index]
+    topk = [e.name for e in measured if e.index_source is not None]
+    sampled = [e.name for e in measured if e.index_source is None and e.family == "ours" and not e.name.startswith("exact_")]
+    out = []
+    for t in topk:
+        mine = rows[(rows.entry == t) & (rows.k > 0)]
+        for s_name in sampled:
+            if ENTRIES[s_name].target != ENTRIES[t].target:
+                continue
+            base = rows[rows.entry == s_name].set_index(["case", "setting"])
+            for quantity, col in (("value", "value_var"), ("gradient", "grad_var")):
+                for r in mine.to_dict("records"):
+                    if v.loc[s_name, f"{quantity}_{r['setting']}"] != "unbiased":
+                        continue
+                    b = float(base.loc[(r["case"], r["setting"]), col])
+                    out.append({"entry": t, "sampled": s_name, "quantity": quantity, "case": r["case"],
+                                "setting": r["setting"], "k": r["k"], "var": r[col], "var_sampled": b,
+                                "loses": bool(r[col] > b * (1 + 1e-9) + 1e-15)})
+    return pd.DataFrame(out)
+
+
+def _loses_text(loses: pd.DataFrame, rows: pd.DataFrame) -> list[str]:
+    """The pairs where Top-k's variance is higher somewhere, one table row each, then the two-token case."""
+    out = ["Each Top-k estimator against each sampled estimator of ours that is unbiased for the same quantity (its "
+           "value, or its gradient, of the same KL, in the same setting), cell by cell over the panel (case, on- or "
+           "off-policy, k > 0): where the Top-k one's variance is the higher (`topk_loses.csv` has every cell). "
+           f"{int(loses.loses.sum())} of {len(loses)} cells; the pairs where it happens:", "",
+           "| Top-k estimator | sampled, unbiased for the same | quantity | cells where Top-k's variance is higher | cases |",
+           "|---|---|---|---|---|"]
+    for (t, s_name, q), g in loses.groupby(["entry", "sampled", "quantity"], sort=False):
+        if g.loses.any():
+            where = ", ".join(sorted({f"{c} ({st})" for c, st in zip(g[g.loses].case, g[g.loses].setting)}))
+            out.append(f"| `{t}` | `{s_name}` | {q} | {int(g.loses.sum())} of {len(g)} | {where} |")
+    ce = rows[(rows.case == "counterexample") & (rows.setting == "on")].set_index(["entry", "k"])
+    tk = ce.loc[("topk_reverse[corrected]", 1)]
+    peers = {n: ce.loc[(n, 0)] for n in ("k1", "k3", "k3pp", "k4")}
+    out += ["", f"- **The two-token case** (pi = (0.6, 0.4), anchor = (0.9, 0.1), k = 1, on-policy): every estimator "
+            f"here has mean {tk.kl_reverse + tk.value_bias:.3f} (the KL); the value variance of `topk_reverse` (either "
+            f"tail) is {tk.value_var:.3f}, above `k3`'s and `k3pp`'s {peers['k3'].value_var:.3f} and below `k1`'s and "
+            f"`k4`'s {peers['k4'].value_var:.3f}. So \"Top-k has lower variance than sampled KL\" holds against some "
+            "sampled estimators and not others, and depends on the distributions."]
+    rn = rows[(rows.entry == "opd:topk_renormalized")]
+    if len(rn):
+        worst = rn.groupby("k").rel_value_bias.max()
+        out.append("- **The renormalized top-K KL** (`opd:topk_renormalized`, arXiv 2603.25562): deterministic given "
+                   "its support (variance 0), and biased: its value is off the KL by up to "
+                   + ", ".join(f"{_pct(x)} at k = {k}" for k, x in worst.items() if k < rn.V.max())
+                   + " (relative, over the panel; exact only where the support is the whole vocabulary), and its "
+                   "gradient follows neither KL.")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- figure
 def figure(verd: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame, out: Path) -> None:
     import matplotlib
@@ -207,7 +264,7 @@ def _commit() -> str:
 
 
 def readme(rows: pd.DataFrame, verd: pd.DataFrame, var: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame, seconds: float,
-           commit: str) -> str:
+           commit: str, loses: pd.DataFrame | None = None) -> str:
     lines = [
         "# KL-estimator conformance lab",
         "",
@@ -245,10 +302,14 @@ def readme(rows: pd.DataFrame, verd: pd.DataFrame, var: pd.DataFrame, sweep: pd.
     lines += _contradictions(verd, rows)
     lines += ["", "## When Top-k lowers gradient variance, and when it does not", ""]
     lines += _variance_text(var, sweep, region)
+    if loses is not None:
+        lines += ["", "## Where Top-k loses: its variance above a sampled estimator's", ""]
+        lines += _loses_text(loses, rows)
     lines += ["", "![estimator lab](estimator_lab.png)", "",
               "Files: `verdicts.csv` (the table), `panel.csv` (every entry x case x k), `variance.csv` (Top-k over",
               "its sampled estimator per case and k), `bias_variance_k_kl.csv` (against k and KL),",
-              "`region_v2.csv` (the two-token map)."]
+              "`region_v2.csv` (the two-token map), `topk_loses.csv` (Top-k's variances against the sampled "
+              "estimators unbiased for the same quantity)."]
     return "\n".join(lines) + "\n"
 
 
@@ -341,7 +402,8 @@ def _variance_text(var: pd.DataFrame, sweep: pd.DataFrame, region: pd.DataFrame)
                + (f" (k = {sorted(set(worse.k))}, KL {worse.kl_reverse.min():.2f}-{worse.kl_reverse.max():.2f})."
                   if len(worse) else "."))
     out.append("- So the paper's framing (Top-k lowers variance) holds for most of the panel but is not a theorem: "
-               "the map above is where it fails, and `region_v2.csv` gives it point by point.")
+               "the map above is where it fails, and `region_v2.csv` gives it point by point; below, the same for "
+               "the value's variance and against every sampled estimator unbiased for the same quantity.")
     return out
 
 
@@ -352,6 +414,7 @@ def write_all(out: Path, progress=None) -> dict:
     rows = panel_rows(progress=progress)
     verd = verdict_table(rows)
     var = variance_comparison(rows)
+    loses = topk_loses(rows, verd)
     sweep = kl_k_sweep()
     if progress:
         progress("sweep over k and KL")
@@ -363,8 +426,9 @@ def write_all(out: Path, progress=None) -> dict:
     var.to_csv(out / "variance.csv", index=False, float_format="%.6g")
     sweep.to_csv(out / "bias_variance_k_kl.csv", index=False, float_format="%.6g")
     region.to_csv(out / "region_v2.csv", index=False, float_format="%.6g")
+    loses.to_csv(out / "topk_loses.csv", index=False, float_format="%.6g")
     figure(verd, sweep, region, out)
-    (out / "README.md").write_text(readme(rows, verd, var, sweep, region, time.time() - t0, commit))
+    (out / "README.md").write_text(readme(rows, verd, var, sweep, region, time.time() - t0, commit, loses))
     return verd.to_dict("records")
 
 

@@ -12,24 +12,9 @@ import argparse
 import json
 from pathlib import Path
 
-import pandas as pd
 import yaml
 
-
-def split_scores(run: Path) -> pd.DataFrame:
-    """(split, n, base, trained, delta) of a finished run: base from metrics.csv's iteration-0 evaluation."""
-    ev = json.loads((run / "eval.json").read_text())
-    metric = ev["metric"]
-    m = pd.read_csv(run / "metrics.csv")
-    base = m[m["step"] == 0].iloc[0] if (m["step"] == 0).any() else None
-    rows = []
-    for split, v in ev["splits"].items():
-        b = float(base[f"eval/{split}/{metric}"]) if base is not None else float("nan")
-        rows.append({"split": split, "n": int(v["n"]), "base": b, "trained": float(v[metric]),
-                     "delta": float(v[metric]) - b})
-    rows.append({"split": "avg", "n": sum(r["n"] for r in rows), "base": float(ev.get("base_avg", "nan")),
-                 "trained": float(ev["avg"]), "delta": float(ev["avg"]) - float(ev.get("base_avg", "nan"))})
-    return pd.DataFrame(rows)
+from ema_pg.workbench.studies.pilot import split_scores  # one home: the pilot ledger reads runs so too
 
 
 def main() -> None:

@@ -3,22 +3,21 @@ datasets the pilot's rule picks (reproductions/reasoning_gym/suite/pilot/README.
 
     python analysis/suite_pilot.py runs/reproduce/reasoning_gym_suite-pilot --out reproductions/reasoning_gym/suite/pilot
 
-A run's gain on a dataset is its held-out score after RL minus before (the cold start's evaluation at iteration 0;
-``analysis/split_scores.py``). The suite is the ``--pick`` candidates with the largest mean gain over the runs, each
-with a positive mean gain. Writes ``gains.csv`` (one row per run and dataset), ``gains.md`` and ``gains.png``.
+A run's gain on a dataset is its held-out score after RL minus before (the cold start's evaluation at iteration 0).
+The suite is the ``--pick`` candidates with the largest mean gain over the runs, each with a positive mean gain
+(``pick`` of :mod:`ema_pg.workbench.studies.pilot`, whose command ``python -m ema_pg.pilot`` now registers such a
+rule before a pilot's first run and applies it to its ledger; this script read the suite's pilot, which predates it). Writes ``gains.csv`` (one row per run and dataset), ``gains.md`` and ``gains.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pandas as pd
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from split_scores import split_scores  # noqa: E402
+from ema_pg.workbench.studies.pilot import Rule, pick, split_scores
 
 
 def pilot_gains(runs: Path) -> pd.DataFrame:
@@ -33,16 +32,6 @@ def pilot_gains(runs: Path) -> pd.DataFrame:
     if not rows:
         raise SystemExit(f"{runs}: no finished run (eval.json) under it")
     return pd.DataFrame(rows)
-
-
-def pick(gains: pd.DataFrame, n: int) -> tuple[pd.DataFrame, list[str]]:
-    """The per-dataset summary (mean gain, runs raised, mean before/after) and the rule's pick."""
-    g = gains.groupby("split", sort=False)
-    summary = pd.DataFrame({"mean_gain": g["gain"].mean(), "runs_raised": g["gain"].apply(lambda x: int((x > 0).sum())),
-                            "runs": g["gain"].size(), "base": g["base"].mean(), "trained": g["trained"].mean()})
-    summary = summary.sort_values("mean_gain", ascending=False)
-    chosen = [s for s, m in summary["mean_gain"].items() if m > 0][:n]
-    return summary, chosen
 
 
 def _plot(gains: pd.DataFrame, order: list[str], chosen: list[str], out: Path) -> None:
@@ -74,7 +63,7 @@ def main() -> None:
     ap.add_argument("--pick", type=int, default=5)
     a = ap.parse_args()
     gains = pilot_gains(a.runs)
-    summary, chosen = pick(gains, a.pick)
+    summary, chosen = pick(gains, Rule(a.pick, 0.0))
     a.out.mkdir(parents=True, exist_ok=True)
     gains.to_csv(a.out / "gains.csv", index=False, float_format="%.4f")
     first = a.runs / gains["run"].iloc[0]
@@ -91,9 +80,9 @@ def main() -> None:
     for s, r in summary.iterrows():
         lines.append(f"| {s} | {r.base:.3f} | {r.trained:.3f} | {r.mean_gain:+.3f} | {int(r.runs_raised)} of {int(r.runs)} | "
                      f"{'yes' if s in chosen else ''} |")
-    lines += ["", f"**The suite: {', '.join(chosen)}**" if len(chosen) == a.pick else
-              f"**Only {len(chosen)} datasets gained on average ({', '.join(chosen) or 'none'}): the rule asks for "
-              f"{a.pick}; the pilot is to be widened before a plan is registered.**", "",
+    lines += ["", f"**The suite: {', '.join(chosen)}**" if chosen else
+              f"**Fewer than {a.pick} datasets gained on average: the rule picks nothing; the pilot is to be widened "
+              "before a plan is registered.**", "",
               "Gain per run and arm:", "", "![gains](gains.png)"]
     (a.out / "gains.md").write_text("\n".join(lines) + "\n")
     _plot(gains, list(summary.index), chosen, a.out / "gains.png")

@@ -15,6 +15,7 @@ COMMANDS = {
     "episode": "print one episode of a run's task: its turns, each span's loss mask, the reward",
     "export": "export a run's policy or anchor as a Hugging Face model folder",
     "decide": "decide pre-registered claims by a group-sequential plan",
+    "pilot": "a pilot's pick (the splits a plan will ask on), by a rule registered before its first run",
     "reproduce": "one reproduction: its sweep at a scale, then its report",
     "reports": "the report of a finished sweep",
     "table2": "Table 2's writer",

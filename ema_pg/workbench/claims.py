@@ -49,6 +49,7 @@ class Verdict:
     seeds: str = ""
     to_decide: str = ""  # the seeds a decision would take, where the row says
     detectable: str = ""  # a sequential plan's: the effect its cap finds with 80% power, at the sd its looks found
+    note: str = ""  # what the row's record lacks, said beside its source (a plan's cells without a base policy)
 
     @property
     def folder(self) -> str:
@@ -128,6 +129,13 @@ def look_verdicts(path: Path) -> list[Verdict]:
     rel = str(path.relative_to(REPRO))
     plan = load_plan(path.parent / "plan.yaml")
     ahead = outlooks(plan.design, looks)
+    note = ""
+    if (path.parent / "cells.csv").is_file():
+        cells = pd.read_csv(path.parent / "cells.csv", dtype=str, keep_default_na=False)
+        if "base" not in cells or (cells["base"] == "").any():
+            n = len(cells) if "base" not in cells else int((cells["base"] == "").sum())
+            note = (f"{n} of its {len(cells)} cells carry no base policy or machine: recorded before cells did, "
+                    "their base is not checked")
     out = []
     for cid, g in looks.groupby("claim", sort=False):
         r = g.iloc[-1]
@@ -141,7 +149,7 @@ def look_verdicts(path: Path) -> list[Verdict]:
                          f"and sd were what the {int(r['seeds'])} seeds show; 80% power, two-sided 5%)")
         out.append(Verdict(rel, str(cid), str(r["text"]), str(r["verdict"]), f"{r['mean_diff']:+.4f}",
                            f"[{r['lo']:+.4f}, {r['hi']:+.4f}]", str(int(r["seeds"])), to_decide,
-                           f"{detectable(plan.design) * r['sd_diff']:.4f} (sd {r['sd_diff']:.4f})"))
+                           f"{detectable(plan.design) * r['sd_diff']:.4f} (sd {r['sd_diff']:.4f})", note))
     return out
 
 
@@ -311,7 +319,7 @@ def _cell(v: Verdict) -> str:
 
 
 def _link(v: Verdict) -> str:
-    return f"[{v.file}]({v.file})"
+    return f"[{v.file}]({v.file})" + (f" ({v.note})" if v.note else "")
 
 
 def _side_by_side() -> str:

@@ -178,3 +178,22 @@ def test_the_split_table_uses_each_claims_last_look_and_waits_for_the_plan_to_en
     with pytest.raises(SystemExit, match="P1, P2, P3 still open"):
         main([str(tmp_path / "plan.yaml")])
     assert not (tmp_path / "splits.md").exists()
+
+
+def test_a_plans_rows_say_what_it_could_detect_and_which_of_its_cells_carry_no_base():
+    """The detectable effect is the plan's design's (80% power by its cap) at the sd its last look found; a ledger
+    whose cells were recorded before cells carried their base says how many, on every row of its plan."""
+    from ema_pg.workbench.claims import look_verdicts
+    from ema_pg.workbench.studies.decide import load_plan
+    from ema_pg.workbench.studies.sequential import detectable
+
+    for rel, unpinned in (("table2/claims", 178), ("reasoning_gym/suite", 0)):
+        looks = pd.read_csv(REPRO / rel / "looks.csv")
+        k = detectable(load_plan(REPRO / rel / "plan.yaml").design)
+        for v in look_verdicts(REPRO / rel / "looks.csv"):
+            sd = looks[looks["claim"] == v.key]["sd_diff"].iloc[-1]
+            assert v.detectable == f"{k * sd:.4f} (sd {sd:.4f})"
+            assert (v.note == f"{unpinned} of its 240 cells carry no base policy or machine: recorded before cells "
+                    "did, their base is not checked") if unpinned else v.note == ""
+    page = PAGE.read_text()
+    assert "detectable at the cap" in page and "178 of its 240 cells carry no base policy" in page

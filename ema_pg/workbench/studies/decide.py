@@ -232,18 +232,30 @@ def power_lines(plan: Plan, looks: pd.DataFrame) -> list[str]:
 
 
 def check_cells(plan: Plan, code: Path = ROOT) -> None:
-    """What the plan's cells will run, checked before the first of them starts (each in one line): their config
-    composes; their seeds share one cold start (``sft.seed`` set, or a model of their own): otherwise every seed
-    builds its own base policy and the ledger refuses all but the first; every claim's score is ``avg`` or one of
-    the task's evaluation splits."""
-    from ...config import CONF_DIR, compose
+    """What the plan's cells will run, checked before the first of them starts (each in one line):
+    :func:`cell_config`, and every claim's score ``avg`` or one of the task's evaluation splits."""
     from ...tasks import build_task
+
+    cfg = cell_config(plan, code, plan.claims[0].better)
+    scores = sorted({c.score for c in plan.claims} - {"avg"})
+    if scores:
+        splits = list(build_task(cfg.task).eval_splits())
+        if bad := [x for x in scores if x not in splits]:
+            raise SystemExit(f"{plan.path}: score {bad[0]!r} is neither avg nor a split of task {cfg.task.name} "
+                             f"({', '.join(splits)}); give one of those")
+
+
+def cell_config(plan, code: Path, method: str):
+    """The config a plan's cell of ``method`` composes (as the cell's ``--config-dir sweeps`` composes it), checked
+    in one line each: it composes, and its seeds share one cold start (``sft.seed`` set, or a model of its own):
+    otherwise every seed builds its own base policy. ``plan``: a decide or pilot plan (its sweep, scale, overrides,
+    path and first seed)."""
+    from ...config import CONF_DIR, compose
     from ..sweepfiles import overlay_choices, scale_file
 
     overlay, sweeps = scale_file(plan.sweep, plan.scale), Path(code) / "sweeps"
-    m = plan.claims[0].better
     overrides = [f"hydra.searchpath=[file://{CONF_DIR}]", *overlay_choices(overlay, sweeps), f"+scale={overlay}",
-                 f"method={m}", f"seed={plan.seed0}", *plan.overrides]  # as the cell's --config-dir sweeps composes
+                 f"method={method}", f"seed={plan.seed0}", *plan.overrides]
     try:
         cfg = compose(overrides, config_name=plan.sweep, config_dir=sweeps)
     except Exception as e:  # noqa: BLE001 - Hydra's report, as one line
@@ -253,12 +265,7 @@ def check_cells(plan: Plan, code: Path = ROOT) -> None:
         raise SystemExit(f"{plan.path}: its cells leave sft.seed unset, so each seed builds a cold start of its own "
                          f"(seed {plan.seed0}'s, seed {plan.seed0 + 1}'s, ...) and a plan's pairs need one base policy "
                          "for every seed: add sft.seed=0 to the plan's overrides (or use a scale that sets it)")
-    scores = sorted({c.score for c in plan.claims} - {"avg"})
-    if scores:
-        splits = list(build_task(cfg.task).eval_splits())
-        if bad := [x for x in scores if x not in splits]:
-            raise SystemExit(f"{plan.path}: score {bad[0]!r} is neither avg nor a split of task {cfg.task.name} "
-                             f"({', '.join(splits)}); give one of those")
+    return cfg
 
 
 def cell_command(plan: Plan, method: str, seed: int, code: Path = ROOT) -> list[str]:
@@ -509,9 +516,11 @@ def report(plan: Plan) -> Path:
              "repeated 95% confidence interval of the mean paired difference at that look (valid whenever the design "
              "stops).", ""]
     if devs := deviation_lines(plan, state(plan)[1]):
+        held = ("`contract.json` beside the plan holds the registered fields and each deviation's value" if
+                (plan.folder / "contract.json").is_file() else "this plan has no `contract.json`: its looks were taken "
+                "before plans were fingerprinted, and the plan's `deviations:` block is their record")
         lines += ["## Deviations from the registered plan", "",
-                  "Changes made on purpose, each recorded before the look it applies from (`contract.json` beside the "
-                  "plan holds the registered fields and each deviation's value):", "", *devs, ""]
+                  f"Changes made on purpose, each recorded before the look it applies from ({held}):", "", *devs, ""]
     lines += ["## Power", "", "What the plan can see by its cap (`power_lines` in `ema_pg/workbench/studies/decide.py`: "
               "the chance of a **holds** by the cap, simulated with the design's looks and boundaries; the "
               "detectable effect is the one found with 80% power):", "",
@@ -631,10 +640,13 @@ class Workers:
     finished cells are recorded as they end, by this process alone. A SIGTERM is passed on to each (its checkpoint
     saved)."""
 
-    def __init__(self, launcher, log_dir: Path, code: Path = ROOT, extra=lambda method: []):
+    def __init__(self, launcher, log_dir: Path, code: Path = ROOT, extra=lambda method: [], record=None,
+                 what: str = "cells of this look"):
         self.launcher, self.log_dir, self.live, self.code = launcher, log_dir, {}, Path(code)
         self.stopping = False
         self.extra = extra  #: what a cell's command adds that is no part of the plan (its trackers)
+        self.record = record or record_cells  #: the ledger's writer, called as cells finish (a pilot has its own)
+        self.what = what  #: the progress bar's name
 
     def _begin(self, plan: Plan, m: str, s: int):
         from ...engine.owner import live_owner, other_host
@@ -660,7 +672,7 @@ class Workers:
         queue = list(cells)
         if queue:  # the launcher starts before the bar: a cluster that cannot be joined says so on a line of its own
             self.launcher.capacity  # noqa: B018 - the lazy launcher's start
-        bar = tqdm(total=len(queue), desc="cells of this look", unit="run")
+        bar = tqdm(total=len(queue), desc=self.what, unit="run")
         while queue or self.live:
             while queue and len(self.live) < self.launcher.capacity and not self.stopping:
                 m, s = queue.pop(0)
@@ -672,7 +684,7 @@ class Workers:
             ended = [(c, rc) for c in list(self.live) if (rc := c.poll()) is not None]
             if any(rc == 0 for _, rc in ended):
                 try:  # every cell that ended in this poll at once: one reading of the folders, one ledger write
-                    record_cells(plan)
+                    self.record(plan)
                 except OtherBase:
                     self.stop()  # the other cells save their checkpoints; none is paired meanwhile
                     while any(c.poll() is None for c in self.live):

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 TRAIN_SPAN = 2**31  #: the training draws' item indices, [0, TRAIN_SPAN)
 SEED_STRIDE = 2**33  #: task.seed's region of reasoning-gym seeds: training at its start, evaluation 2^32 after
 EVAL_OFFSET = 2**32
-EVAL_TRIES = 20  #: an evaluation split of n distinct questions looks at most this many times n items
+EVAL_TRIES = 20  #: an evaluation split of n problems draws them from the distinct problems of this many times n items
 DRAW_TRIES = 1000  #: a training draw looks at most this many items for a question no split holds out
 #: datasets whose questions change with Python's hash seed (reasoning-gym 0.1.25 at their default configs, measured
 #: by tests/algorithm/test_reasoning_gym.py over the whole registry under two hash seeds)

@@ -53,7 +53,7 @@ DEFAULT_SETTINGS = ("torch default", "1 thread", "passive", "spin 10k", "ema-pg 
 CHILD = r"""
 import json, sys, time
 steps = int(sys.argv[1])
-import ema_pg  # noqa: F401 - its thread default is set before torch starts its threads (as in a run)
+import ema_pg.process; ema_pg.process.command_start()  # the thread default, set before torch starts its threads (as a command does)
 import torch
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.config import SFTConfig
@@ -118,7 +118,7 @@ def paired_ratio(ours: list[float], theirs: list[float]) -> dict:
 
 
 #: what the ema-pg default chooses in a process started now (run just before the demo, under the same load)
-PROBE = "import json, os, ema_pg; print(json.dumps({k: os.environ[k] for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT') " \
+PROBE = "import json, os, ema_pg.process; ema_pg.process.command_start(); print(json.dumps({k: os.environ[k] for k in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT') " \
         "if k in os.environ}))"
 
 

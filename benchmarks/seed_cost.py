@@ -102,6 +102,9 @@ class Phases:
 
 def child(out: Path, argv: list[str]) -> None:
     """Run the per-cell train command in this process with every phase timed; write the phases and token counts."""
+    from ema_pg.process import command_start
+
+    command_start()  # as the train command starts: before torch loads
     import torch
 
     ph = Phases()

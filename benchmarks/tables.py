@@ -369,7 +369,7 @@ def partial_rollouts(files):
                  ["---"] + ["---:"] * 10)
 
 
-PORTABLE = {"default": ("default", "(`MKL_CBWR=AUTO,STRICT`, set by `ema_pg`)"),
+PORTABLE = {"default": ("default", "(`MKL_CBWR=AUTO,STRICT`, set by every ema-pg command)"),
             "mkl_avx2": ("MKL held to AVX2", "`MKL_ENABLE_INSTRUCTIONS=AVX2`"),
             "neutral": ("vendor-neutral", "`MKL_CBWR=COMPATIBLE,STRICT`, `ATEN_CPU_CAPABILITY=default`"),
             "neutral_mkl_avx2": ("vendor-neutral, MKL held to AVX2", "the same + `MKL_ENABLE_INSTRUCTIONS=AVX2`"),

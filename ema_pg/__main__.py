@@ -8,6 +8,8 @@
 import runpy
 import sys
 
+from ema_pg.process import command_start
+
 #: command -> what it does (each is the module ``ema_pg.<command>``)
 COMMANDS = {
     "train": "train one run, or a Hydra multirun sweep (-m)",
@@ -42,6 +44,7 @@ def main(argv: list[str]) -> int:
         print(f"python -m ema_pg: no command {name!r}{f'; did you mean {close[0]}?' if close else ''} "
               f"(the commands: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
+    command_start()  # before the command loads torch (each command module applies it too: idempotent)
     sys.argv = [f"-m ema_pg.{name}", *rest]  # what the command's parser and Hydra read as their name and arguments
     runpy.run_module(f"ema_pg.{name}", run_name="__main__", alter_sys=True)
     return 0

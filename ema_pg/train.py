@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import sys
 
-import hydra
-from omegaconf import DictConfig
+from .process import command_start
 
-from .config import CONF_DIR, overrides_problem, register_configs
+command_start()  # before torch loads: what MKL and OpenMP read as they start (ema_pg/process.py)
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from .config import CONF_DIR, overrides_problem, register_configs  # noqa: E402
 
 if __name__ != "__mp_main__":  # a rollout worker spawned from this command imports it again under that name: it
     # runs no trainer and skips Lightning, seconds at each start. Here it comes before Hydra sets up logging, so that

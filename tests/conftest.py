@@ -6,8 +6,12 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+from ema_pg.process import command_start
+
+command_start()  # the tests run as a command does: MKL's strict reproducibility and OpenMP's waiting, set before use
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FLOORS = ("algorithm", "config", "engine", "workbench", "scale", "faults", "layout")

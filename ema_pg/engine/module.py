@@ -305,26 +305,26 @@ class GRPOModule(L.LightningModule):
 
     def _choose_threads(self) -> None:
         """The RL iterations' torch threads, where neither ``trainer.num_threads`` nor the environment chose
-        (:func:`ema_pg.rl_threads_default`), in one process with no sampler ahead: the room the machine has as the run
+        (:func:`ema_pg.process.rl_threads_default`), in one process with no sampler ahead: the room the machine has as the run
         begins them; a resume keeps its run's count, so that it repeats the uninterrupted run. A later run in this
         process (a sweep's next job) starts again from the count an earlier one lowered."""
         import os
 
-        from .. import others_running, rl_threads_default, threads_chosen
+        from .. import process
 
         if self.cfg.trainer.num_threads or self.trainer.world_size > 1 or self.cfg.rollout.max_staleness:
             return
         now = torch.get_num_threads()
         base = _THREADS_SET.get("before", now) if _THREADS_SET.get("set") == now else now
         if self.rl_threads is not None:  # a resume
-            if threads_chosen(os.environ):  # the environment chose since
+            if process.threads_chosen(os.environ):  # the environment chose since
                 return
             want = self.rl_threads
             if want != now:
                 log.info("the RL iterations go on with the %d torch thread(s) their run began with", want)
         else:
             cpus = os.cpu_count() or 1
-            chosen = rl_threads_default(dict(os.environ), others_running, cpus, base)
+            chosen = process.rl_threads_default(dict(os.environ), process.others_running, cpus, base)
             want = base if chosen is None else chosen
             if want != base:
                 log.info("beside other work (%d CPUs, not room for %d threads): the RL iterations run on %d torch "

@@ -1,4 +1,4 @@
-"""The CPU thread default (ema_pg/__init__.py): beside other work OpenMP's threads sleep at once instead of spinning,
+"""The CPU thread default (ema_pg/process.py, applied where a command starts): beside other work OpenMP's threads sleep at once instead of spinning,
 so a run does not lose its cores to its own waiting threads; on a machine with room they spin 10,000 times first,
 which costs nothing measurable idle (benchmarks/cpu_load.py measures both). A user's OMP_WAIT_POLICY or
 GOMP_SPINCOUNT wins, and EMA_PG_THREADS=torch leaves OpenMP's default."""
@@ -14,8 +14,8 @@ import pytest
 from ema_pg import others_running, thread_wait_default
 
 OURS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EMA_PG_THREADS", "OMP_NUM_THREADS")
-PROBE = ("import os, ema_pg, torch; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
-         "ema_pg.others_running())")
+PROBE = ("import os, ema_pg.process; ema_pg.process.command_start(); import torch; "
+         "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), ema_pg.process.others_running())")
 
 
 @pytest.mark.parametrize("env, others, cpus, expect", [
@@ -69,7 +69,8 @@ def test_a_run_beside_busy_processes_sleeps_at_once_and_its_children_inherit_it(
     """One busy process per CPU: the command's first process sees them and chooses passive waiting; decide's and
     hpo's workers and a sweep's jobs are child processes and read the same environment."""
     base = {k: v for k, v in os.environ.items() if k not in OURS}
-    code = ("import ema_pg, os, subprocess, sys; print(os.environ.get('OMP_WAIT_POLICY')); "
+    code = ("import ema_pg.process, os, subprocess, sys; ema_pg.process.command_start(); "
+            "print(os.environ.get('OMP_WAIT_POLICY')); "
             "print(subprocess.run([sys.executable, '-c', \"import os; print(os.environ.get('OMP_WAIT_POLICY'))\"], "
             "capture_output=True, text=True).stdout)")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
@@ -148,7 +149,7 @@ def test_a_run_beside_other_work_takes_the_room_left_for_its_rl_iterations_and_i
     import torch
     from helpers import compose_cfg
 
-    import ema_pg
+    import ema_pg.process
     from ema_pg.engine.fit import train
 
     def recorded(run):
@@ -160,7 +161,7 @@ def test_a_run_beside_other_work_takes_the_room_left_for_its_rl_iterations_and_i
     cpus = os.cpu_count() or 1
     try:
         torch.set_num_threads(2)
-        monkeypatch.setattr(ema_pg, "others_running", lambda: cpus)  # one busy thread per CPU
+        monkeypatch.setattr(ema_pg.process, "others_running", lambda: cpus)  # one busy thread per CPU
         with caplog.at_level(logging.INFO, logger="ema_pg"):
             train(compose_cfg(["algo.iterations=2", "algo.eval_every=2"], tmp_path))
         run = tmp_path / "run"
@@ -168,7 +169,7 @@ def test_a_run_beside_other_work_takes_the_room_left_for_its_rl_iterations_and_i
         assert "the RL iterations run on 1 torch thread(s)" in caplog.text
 
         torch.set_num_threads(2)
-        monkeypatch.setattr(ema_pg, "others_running", lambda: 0)  # idle now
+        monkeypatch.setattr(ema_pg.process, "others_running", lambda: 0)  # idle now
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="ema_pg"):
             train(compose_cfg(["algo.iterations=4", "algo.eval_every=2", f"resume={run}"], tmp_path))
@@ -212,3 +213,33 @@ def test_the_demos_model_trains_to_the_same_numbers_on_one_thread_and_on_two(tmp
         torch.set_num_threads(before)
     pd.testing.assert_frame_equal(got[1][0], got[2][0], check_exact=True)
     assert got[1][1] == got[2][1] and got[1][0]["anchor/lag_norm"].notna().any()
+
+
+IMPORT_PROBE = """
+import json, os, sys
+opened = []
+sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args else None)
+before = dict(os.environ)
+import {module}
+after = dict(os.environ)
+print(json.dumps({{"changed": sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)),
+                  "proc": sorted({{f for f in opened if f.startswith("/proc")}})}}))
+"""
+
+
+@pytest.mark.parametrize("module", ["ema_pg", "ema_pg.kl", "ema_pg.losses"])
+def test_importing_ema_pg_or_an_estimator_changes_no_environment_variable(module):
+    """A library user who imports the package, or an estimator, gets no environment change; the package alone reads
+    no /proc file (torch, which an estimator imports, reads its own); a command's start applies the policy."""
+    import json
+
+    base = {k: v for k, v in os.environ.items() if k not in (*OURS, "MKL_CBWR")}
+    out = json.loads(subprocess.run([sys.executable, "-c", IMPORT_PROBE.format(module=module)], env=base,
+                                    capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+    assert out["changed"] == []
+    if module == "ema_pg":
+        assert out["proc"] == []
+    started = subprocess.run([sys.executable, "-c", "import os, ema_pg.process as p; p.command_start(); "
+                              "print(os.environ['MKL_CBWR'], 'OMP_WAIT_POLICY' in os.environ or 'GOMP_SPINCOUNT' in os.environ)"],
+                             env=base, capture_output=True, text=True, check=True).stdout.split()
+    assert started == ["AUTO,STRICT", "True"]

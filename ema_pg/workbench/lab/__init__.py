@@ -19,7 +19,7 @@ for the "any index set" check, every k-subset of the vocabulary.
 ('biased', 'forward')
 
 ``python -m ema_pg.lab --all`` writes the report (``reproductions/estimator_lab/``); the
-pytest plugin (:mod:`ema_pg.workbench.lab.plugin`) checks another project's estimator against its claims.
+pytest plugin (:mod:`ema_pg.workbench.lab_plugin`) checks another project's estimator against its claims.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def _load(spec: str):
 
 
 def _claims(fn, text: str | None, spec: str):
-    from . import Claims
+    from .lab import Claims
 
     try:
         if text is not None:
@@ -80,7 +80,7 @@ class _Findings:
 
     def get(self, what: str, setting: str):
         if self._found is None:
-            from . import check
+            from .lab import check
 
             self._found = {(f.what, f.setting): f for f in check(self.fn, self.claims)}
         return self._found[(what, setting)]
@@ -124,7 +124,7 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture
 def kl_conformance():
     """``kl_conformance(fn, **claims)``: raises a readable AssertionError for every refuted claim."""
-    from . import assert_conforms
+    from .lab import assert_conforms
 
     def run(fn, claims=None, **kw):
         return assert_conforms(fn, claims, **kw)

@@ -124,6 +124,10 @@ def test_ppo_run_trains_its_critic_and_resumes_exactly(tmp_path):
     _, full = train(compose_cfg(base, tmp_path / "full"))
     df = metrics_of(full)
     assert df["train/value_loss"].notna().sum() == 4 and (df["train/value_loss"].dropna() > 0).any()
+    for clip, binds in (("1e-4", True), ("0", False)):  # algo.cliprange_value: a tight clip binds, 0 never clips
+        _, short = train(compose_cfg([*base, "algo.iterations=2", "algo.ppo_epochs=2", f"algo.cliprange_value={clip}"],
+                                     tmp_path / clip))  # a second epoch: values moved from the old ones
+        assert bool((metrics_of(short)["train/value_clip_frac"].dropna() > 0).any()) is binds
     cfg = OmegaConf.load(full["run_dir"] / "config.yaml")
     assert cfg.algo.advantage == "gae" and cfg.algo.adv_norm == "global" and cfg.anchor.eta == 1.0
     train(compose_cfg([*base, "algo.iterations=2"], tmp_path / "half"))

@@ -27,6 +27,25 @@ def lora_policy():
     return wrap_lora(base, 4, 8.0, "all-linear"), ro
 
 
+def test_lora_alpha_scales_the_update_and_lora_targets_chooses_the_modules(lora_policy):
+    """model.lora_alpha and model.lora_targets reach PEFT as given: the update is alpha / rank * B A, and a comma list
+    adapts only the modules it names (all-linear: every linear layer but the output head)."""
+    everywhere, _ = lora_policy  # rank 4, alpha 8, all-linear
+    tok = train_bpe_tokenizer(build_task({"name": "toy_add"}).corpus(), vocab_size=300)
+    base = build_tiny_model(len(tok), hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, tokenizer=tok)
+    some = wrap_lora(base, 4, 16.0, "q_proj,v_proj")
+
+    def adapted(m):
+        return {n.split(".")[-1] for n, mod in m.named_modules() if hasattr(mod, "lora_A") and POLICY in mod.lora_A}
+
+    assert adapted(some) == {"q_proj", "v_proj"}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= adapted(everywhere) and "lm_head" not in adapted(everywhere)
+    def scales(m):
+        return {mod.scaling[POLICY] for _, mod in m.named_modules() if isinstance(getattr(mod, "scaling", None), dict)}
+
+    assert scales(some) == {16.0 / 4} and scales(everywhere) == {8.0 / 4}
+
+
 def nudge(params, scale, seed):
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -59,8 +59,11 @@ def main(argv=None) -> int:
     beta = {}
     for r in runs.itertuples():
         df = pd.read_csv(Path(r.run_dir) / "metrics.csv")
-        if "train/kl_beta" in df:
-            beta.setdefault((r.direction, r.arm), []).append(float(df["train/kl_beta"].dropna().median()))
+        # the loss's KL weight: train/kl_weight where it differs from beta (global_kl_scale), train/kl_beta in runs
+        # made before issue 94 renamed it, else beta itself (train/kl_coef)
+        col = next((c for c in ("train/kl_weight", "train/kl_beta", "train/kl_coef") if c in df), None)
+        if col is not None:
+            beta.setdefault((r.direction, r.arm), []).append(float(df[col].dropna().median()))
     rows = []
     for cid, direction, better, worse, kind in CLAIMS:
         d = paired_differences(table[(direction, better)], table[(direction, worse)])
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
              "|---:|" + "---:|" * len(table.columns)]
     for s, row in table.iterrows():
         lines.append(f"| {s} | " + " | ".join(f"{v:.3f}" for v in row.values) + " |")
-    lines += ["", "KL weight in force (`train/kl_beta`, median over iterations, mean over seeds): " + "; ".join(
+    lines += ["", "KL weight in force (`train/kl_weight`; `train/kl_beta` in these runs, made before it was renamed; median over iterations, mean over seeds): " + "; ".join(
         f"{d} {arm_} {np.mean(v):.3f}" for (d, arm_), v in sorted(beta.items())) + ".", "",
         "| id | claim | Δ mean ± sd | 95% CI | verdict | min. detectable Δ | seed by seed |", "|---|---|---|---|---|---:|---|"]
     for r in res.itertuples():

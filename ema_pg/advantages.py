@@ -53,6 +53,7 @@ class Advantages:
     adv: Tensor  # (N,) or (N, T)
     returns: Tensor | None = None  # (N, T) value targets (gae)
     kl_scale: float = 1.0  # the factor on the token KL term (global_kl_scale)
+    kl_scaled: bool = False  # whether kl_scale applies (global_kl_scale under adv_norm=global): the weight is not beta
 
 
 def group(inp: AdvantageInputs) -> Advantages:
@@ -64,7 +65,7 @@ def group(inp: AdvantageInputs) -> Advantages:
     if w.size > 1:
         adv = adv[w.block(w.size * len(r))]
     scale = 1.0 / (global_std(everyone, inp.group_size) + ADV_EPS) if inp.global_kl_scale else 1.0
-    return Advantages(adv, kl_scale=scale)
+    return Advantages(adv, kl_scale=scale, kl_scaled=inp.global_kl_scale)
 
 
 def rloo(inp: AdvantageInputs) -> Advantages:

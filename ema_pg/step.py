@@ -50,8 +50,8 @@ from .tasks.base import checked_reward, env_turns, sampled, sampler_stops
 from .update import Proximal, UpdateBatch, Updater, over_micro_batches, update
 
 
-def rl_step(iteration: int, parts: StepParts, *, grad_ratio: bool = False, sampled: Sampled | None = None,
-            beta: float | None = None) -> StepResult:
+def rl_step(iteration: int, parts: StepParts, *, beta: float, grad_ratio: bool = False,
+            sampled: Sampled | None = None) -> StepResult:
     """Run RL iteration ``iteration`` (0-based) of ``parts`` and return its metrics (namespaced, reduced over
     ranks) and rollouts.
 
@@ -59,11 +59,11 @@ def rl_step(iteration: int, parts: StepParts, *, grad_ratio: bool = False, sampl
     and of its KL part (:class:`ema_pg.update.PgKlGrads`; two extra backward passes). ``sampled``: the batch as a
     rollout worker sampled it ahead (:func:`sample_ahead`; asynchronous training): pi_old is then the behaviour
     policy's scores, and the anchor is scored here only when the worker did not; None (synchronous): the batch is
-    sampled here by the current policy. ``beta``: the KL coefficient in force this iteration, the run's KL
-    controller's (:mod:`ema_pg.kl_control`); None: ``algo.beta``.
+    sampled here by the current policy. ``beta``: the KL coefficient in force this iteration, bound by the caller
+    (the run's KL controller, :mod:`ema_pg.kl_control`, whose ``fixed`` value is ``algo.beta``); the step reads no
+    other. The result carries it, the weight the loss gave the token KL and the KL the controller measures.
     """
     algo, rollout, world = parts.algo, parts.rollout, parts.world
-    kl_coef = algo.beta if beta is None else beta
     it_seed = step_seed(parts.seed, iteration)
     scorer = OldAndAnchorScorer(parts.estimator, rollout.temperature, parts.chunk, packer(algo, parts.policy),
                                 algo.max_tokens_per_microbatch, world)
@@ -90,7 +90,7 @@ def rl_step(iteration: int, parts: StepParts, *, grad_ratio: bool = False, sampl
     else:
         scores = scorer(parts.policy, parts.anchor_model, rollouts, packing)
     t2 = time.perf_counter()
-    rewards, shaped = shape_rewards(rewards, rollouts, scores.old, scores.anchor, algo, rollout, beta=kl_coef)
+    rewards, shaped = shape_rewards(rewards, rollouts, scores.old, scores.anchor, algo, rollout, beta=beta)
     values = _values(parts, scorer, rollouts, packing)  # (N, T) PPO's value model's; None without one
     est = ADVANTAGES[algo.advantage](AdvantageInputs(shaped, algo.group_size, rollouts.response_mask, mask, world,
                                                      values, norm=algo.adv_norm, gamma=algo.gamma, lam=algo.lam,
@@ -100,7 +100,8 @@ def rl_step(iteration: int, parts: StepParts, *, grad_ratio: bool = False, sampl
                             if sampled is not None and algo.decoupled else (None, tis, {}))
 
     # 3. Lambda passes of minibatch updates (Alg 3, lines 13-23; ema_pg.update)
-    batch = UpdateBatch(rollouts, scores, scorer, est.adv, mask, tis, values, est.returns, kl_coef * est.kl_scale, prox)
+    kl_weight = beta * est.kl_scale  # the token KL's weight in the loss: beta, or beta over the batch std (global_kl_scale)
+    batch = UpdateBatch(rollouts, scores, scorer, est.adv, mask, tis, values, est.returns, kl_weight, prox)
     updates = update(it_seed, parts, batch, grad_ratio)
     t3 = time.perf_counter()
 
@@ -110,10 +111,15 @@ def rl_step(iteration: int, parts: StepParts, *, grad_ratio: bool = False, sampl
                "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)}
     if packing is not None:  # what the padding-free passes leave out of the padded grid (algo.padding_free)
         metrics["perf/padding_saved"] = 1.0 - packing.tokens / packing.padded_tokens
-    metrics["train/kl_coef"] = kl_coef  # beta in force (the KL controller's; algo.beta under kl_ctrl=fixed)
-    if scores.anchor is not None:  # the KL the adaptive controller measures (ema_pg.kl_control), at sampling
-        metrics["train/kl_ctrl_kl"] = float(response_mean_k1(scores.old.logp, scores.anchor.logp, rollouts.response_mask))
-    return StepResult(world.reduce_metrics(metrics), rollouts)
+    metrics["train/kl_coef"] = beta  # beta in force (the KL controller's; algo.beta under kl_ctrl=fixed)
+    if est.kl_scaled:  # a quantity of its own only here (global_kl_scale): the weight differs from beta
+        metrics["train/kl_weight"] = kl_weight
+    ctrl_kl = None if scores.anchor is None else \
+        float(response_mean_k1(scores.old.logp, scores.anchor.logp, rollouts.response_mask))  # at sampling
+    if ctrl_kl is not None:
+        metrics["train/kl_ctrl_kl"] = ctrl_kl
+    metrics = world.reduce_metrics(metrics)
+    return StepResult(metrics, rollouts, beta, float(kl_weight), metrics.get("train/kl_ctrl_kl"))
 
 
 # ---------------------------------------------------------------------- 1. prompts, rollouts, rewards
@@ -253,7 +259,7 @@ def overlong_penalty(length: Tensor, max_len: int, buffer: int, factor: float) -
 
 
 def shape_rewards(rewards: Tensor, rollouts: Rollouts, old: TokenScores, anchor: TokenScores | None, algo,
-                  rollout, beta: float | None = None) -> tuple[Tensor, Tensor]:
+                  rollout, *, beta: float) -> tuple[Tensor, Tensor]:
     """Reward shaping, one composed step: (the run's reward, the reward the advantages read), each (N,).
 
     The run's reward is the task's plus DAPO's soft overlong punishment (eq. 13 of DAPO, ``algo.overlong_buffer``);
@@ -262,8 +268,7 @@ def shape_rewards(rewards: Tensor, rollouts: Rollouts, old: TokenScores, anchor:
     if algo.overlong_buffer > 0:
         rewards = rewards + overlong_penalty(mask.sum(-1), rollout.max_new_tokens, algo.overlong_buffer,
                                              algo.overlong_penalty).to(rewards.dtype)
-    if algo.reward_kl == "sequence":
-        beta = algo.beta if beta is None else beta  # the KL controller's, when the run has one
+    if algo.reward_kl == "sequence":  # beta: the one in force (the KL controller's)
         return rewards, rewards - beta * sequence_kl_penalty(old.logp, anchor.logp, mask)
     return rewards, rewards
 
@@ -373,8 +378,17 @@ class StepParts:
 
 @dataclass
 class StepResult:
+    """One iteration's outcome: its metrics (namespaced, reduced over ranks) and rollouts, and the values in force
+    that the run acts on next, typed rather than read back from the metrics: ``beta`` (the KL coefficient the step
+    was given), ``kl_weight`` (the token KL's weight the loss applied: ``beta``, or ``beta`` over the batch's reward
+    std under ``algo.global_kl_scale``; the stability monitor's beta) and ``ctrl_kl`` (the KL the adaptive
+    controller measures, the mean over responses of each one's token-mean k1 to the anchor; None without one)."""
+
     metrics: dict[str, float]
     rollouts: Rollouts
+    beta: float = 0.0
+    kl_weight: float = 0.0
+    ctrl_kl: float | None = None
 
 
 def step_seed(seed: int, iteration: int) -> int:

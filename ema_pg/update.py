@@ -57,7 +57,6 @@ def update(it_seed: int, parts, batch: UpdateBatch, grad_ratio: bool = False) ->
     metrics = {f"train/{key}": total / max(n_updates, 1) for key, total in sums.items()}
     metrics.update({f"train/{key}": float(v) for key, v in diagnostics.items()})
     metrics["train/skipped_steps"] = sums.get("skipped_steps", 0.0)  # a count, not a mean
-    metrics["train/kl_beta"] = batch.beta  # the KL weight in force (algo.beta, or over the batch std: global_kl_scale)
     return metrics
 
 

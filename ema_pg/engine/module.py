@@ -168,7 +168,7 @@ class GRPOModule(L.LightningModule):
         if self.anchor is not None:
             metrics["anchor/lag_norm"] = self.anchor.lag_norm(self.policy)
             metrics["anchor/updates"] = self.anchor.updates
-            beta = metrics["train/kl_beta"]  # the loss's, not algo.beta: they differ under algo.global_kl_scale
+            beta = res.kl_weight  # the loss's, not algo.beta: they differ under algo.global_kl_scale
             if self.monitor.due(self.iteration, beta):  # eq. 28, off by default
                 metrics.update(self.monitor(self.policy, res.rollouts, lr=self.updater.lr, beta=beta,
                                             temperature=self.cfg.rollout.temperature))
@@ -192,10 +192,10 @@ class GRPOModule(L.LightningModule):
                 sampled, wait = self._shared_next(iteration, anchor_model, world)
         parts = StepParts(self.policy, anchor_model, self.task, self.sampler, self.estimator, self.cfg.algo,
                           self.cfg.rollout, self.cfg.seed, chunk, self.updater, world, self.critic, self.encode)
-        res = rl_step(iteration, parts, grad_ratio=self._grad_ratio_due(iteration), sampled=sampled,
-                      beta=self.kl_ctrl.value)
-        if "train/kl_ctrl_kl" in res.metrics:  # beta for the next iteration, from this one's KL and responses
-            self.kl_ctrl.update(res.metrics["train/kl_ctrl_kl"], n_steps=len(res.rollouts) * world.size)
+        res = rl_step(iteration, parts, beta=self.kl_ctrl.value, grad_ratio=self._grad_ratio_due(iteration),
+                      sampled=sampled)
+        if res.ctrl_kl is not None:  # beta for the next iteration, from this one's KL and responses
+            self.kl_ctrl.update(res.ctrl_kl, n_steps=len(res.rollouts) * world.size)
         if sampled is not None:
             lag = iteration - sampled.version
             self.staleness_counts[lag] = self.staleness_counts.get(lag, 0) + 1

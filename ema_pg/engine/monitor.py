@@ -42,7 +42,7 @@ def fisher_trace(policy: torch.nn.Module, batch: Rollouts, rows: list[int], temp
 
 class StabilityMonitor:
     """Every ``every`` iterations, alpha * beta * tr(F) against Lemma 4.2's regimes. beta is given per call: the token
-    KL's weight the loss applied at that iteration (``train/kl_beta``: ``algo.beta``, or over the batch's reward std
+    KL's weight the loss applied at that iteration (the step's ``kl_weight``: beta, or over the batch's reward std
     under ``algo.global_kl_scale``), so the bound is the one the update ran under."""
 
     def __init__(self, every: int, num_sequences: int, eta: float):

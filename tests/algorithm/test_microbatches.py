@@ -70,7 +70,7 @@ def one_step(setup, overrides: list[str], critic: bool = False):
         with torch.no_grad():  # a value head away from zero: the values depend on the pass
             crit.model.head.weight.normal_(0, 0.5)
     res = rl_step(0, StepParts(policy, anchor, task, HFSampler(tok), est, cfg.algo, cfg.rollout, 0, lambda n: 5, rec,
-                               critic=crit))
+                               critic=crit), beta=cfg.algo.beta)
     crit_w = None if crit is None else torch.cat([p.detach().flatten() for p in crit.model.parameters()])
     return rec, res.metrics, crit_w
 

@@ -71,7 +71,7 @@ def run_step(setup, name, **kl):
 
     est = dataclasses.replace(real, fn=recording)
     res = rl_step(0, StepParts(policy, anchor, task, HFSampler(tok), est, cfg.algo, cfg.rollout, 0, lambda n: 7,
-                               RecordingUpdater(params)))
+                               RecordingUpdater(params)), beta=cfg.algo.beta)
     return res, seen, real, params
 
 
@@ -163,18 +163,44 @@ def test_global_normalization_scales_the_kl_by_the_batch_std_as_the_authors_do(s
         algo = copy.deepcopy(cfg.algo)
         algo.adv_norm, algo.global_kl_scale = norm, scale
         up = RecordingUpdater(params)
-        res = rl_step(0, StepParts(policy, anchor, task, HFSampler(tok), est, algo, cfg.rollout, 0, lambda n: 7, up))
-        return res.metrics, torch.cat([g.flatten() for g in up.grads[0] if g is not None])
+        res = rl_step(0, StepParts(policy, anchor, task, HFSampler(tok), est, algo, cfg.rollout, 0, lambda n: 7, up),
+                      beta=algo.beta)
+        return res, torch.cat([g.flatten() for g in up.grads[0] if g is not None])
 
     m_none, g_none = grads("none", True)
     m_glob, g_glob = grads("global", True)
     m_off, g_off = grads("global", False)
     beta = cfg.algo.beta
-    assert m_none["train/kl_beta"] == beta and m_off["train/kl_beta"] == beta  # no scale without both settings
-    over = beta / m_glob["train/kl_beta"]  # sigma + eps
+    assert m_none.kl_weight == beta and m_off.kl_weight == beta  # no scale without both settings
+    assert m_glob.metrics["train/kl_weight"] == m_glob.kl_weight and "train/kl_weight" not in m_off.metrics
+    assert m_glob.metrics["train/kl_coef"] == m_glob.beta == beta  # beta in force: one name, whatever the weight
+    over = beta / m_glob.kl_weight  # sigma + eps
     assert over < 1.0  # rewards in [0, 1]: the batch std of R - V(x) is below 1, so the KL weight grows
     assert torch.allclose(g_glob * over, g_none, rtol=1e-4, atol=1e-7)
     assert not torch.allclose(g_off * over, g_none, rtol=1e-3, atol=1e-6)  # the KL left at beta: another balance
+
+
+def test_the_step_applies_the_beta_it_is_given_and_reads_no_other(setup):
+    """beta is bound once, by the caller (the run's KL controller): the step's gradient follows the beta it is
+    given, whatever algo.beta says, and the result carries it typed (beta, the loss's weight, the controller's KL)."""
+    policy, anchor, tok, task, cfg = setup
+    params = [p for p in policy.parameters() if p.requires_grad]
+    est = get_estimator("k3")
+
+    def step(raw, given):
+        algo = copy.deepcopy(cfg.algo)
+        algo.beta = raw
+        up = RecordingUpdater(params)
+        res = rl_step(0, StepParts(policy, anchor, task, HFSampler(tok), est, algo, cfg.rollout, 0, lambda n: 7, up),
+                      beta=given)
+        return res, torch.cat([g.flatten() for g in up.grads[0] if g is not None])
+
+    a, ga = step(0.01, 0.3)
+    b, gb = step(0.9, 0.3)
+    c, gc = step(0.01, 0.0)
+    assert torch.equal(ga, gb) and not torch.allclose(ga, gc)  # algo.beta moved nothing; the given beta did
+    assert a.beta == a.kl_weight == 0.3 and a.metrics["train/kl_coef"] == 0.3 and c.kl_weight == 0.0
+    assert a.ctrl_kl == a.metrics["train/kl_ctrl_kl"] and a.ctrl_kl > 0  # the controller's KL, typed and logged
 
 
 def test_group_estimator_returns_the_kl_scale_by_hand():

@@ -48,7 +48,7 @@ def step(world, policy, anchor, *, sampled=None, estimator=None, updater=None, i
     params = [p for p in policy.parameters() if p.requires_grad]
     upd = updater or TorchUpdater(params, torch.optim.AdamW(params, lr=1e-2))
     return rl_step(iteration, StepParts(policy, anchor, task, HFSampler(tok), est, cfg.algo, cfg.rollout, 0,
-                                        lambda n: 7, upd), sampled=sampled)
+                                        lambda n: 7, upd), beta=cfg.algo.beta, sampled=sampled)
 
 
 def ahead(world, policy, anchor, iteration, version, estimator=None):

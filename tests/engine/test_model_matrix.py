@@ -101,7 +101,7 @@ def test_each_architecture_loads_samples_scores_and_takes_an_rl_step(saved, task
         before = [p.detach().clone() for p in model.parameters()]
         upd = TorchUpdater(model.parameters(), torch.optim.AdamW(model.parameters(), lr=1e-2), grad_clip=1.0)
         res = rl_step(0, StepParts(model, anchor, task, HFSampler(tok), est, cfg.algo, cfg.rollout, 0, lambda n: 5, upd,
-                                   encode=enc))
+                                   encode=enc), beta=cfg.algo.beta)
         assert all(torch.isfinite(torch.tensor(v)) for k, v in res.metrics.items() if k.startswith("train/")), name
         assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), (name, est_name)
 

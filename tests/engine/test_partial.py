@@ -148,7 +148,7 @@ def test_the_update_reads_each_tokens_own_staleness(world):
     params = [q for q in learner.parameters() if q.requires_grad]
     p = parts(world, learner, frozen(policy))
     p.updater = TorchUpdater(params, torch.optim.AdamW(params, lr=1e-3))
-    metrics = rl_step(4, p, sampled=b).metrics
+    metrics = rl_step(4, p, beta=cfg.algo.beta, sampled=b).metrics
     assert metrics["rollout/staleness_token_mean"] == pytest.approx(float(lag.mean()))
     assert metrics["rollout/staleness_token_max"] == float(lag.max())
     assert metrics["rollout/staleness"] == 2.0

@@ -279,8 +279,9 @@ def test_the_monitors_beta_is_the_one_the_loss_applied_under_global_kl_scale(tmp
     _, objs = train(compose_cfg(["algo.iterations=2", "monitor.every=1", "monitor.num_sequences=2", "algo.beta=0.05",
                                  "algo.adv_norm=global", "algo.global_kl_scale=true"], tmp_path))
     df = pd.read_csv(objs["run_dir"] / "metrics.csv").dropna(subset=["anchor/alpha_beta_trF"])
-    assert len(df) == 2 and (abs(df["train/kl_beta"] - 0.05) > 1e-3).all()  # the loss's beta is not algo.beta here
-    bound = df["train/lr"] * df["train/kl_beta"] * df["anchor/trF"]
+    assert len(df) == 2 and (abs(df["train/kl_weight"] - 0.05) > 1e-3).all()  # the loss's beta is not algo.beta here
+    assert (df["train/kl_coef"] == 0.05).all()  # beta in force: algo.beta (kl_ctrl=fixed)
+    bound = df["train/lr"] * df["train/kl_weight"] * df["anchor/trF"]
     assert ((df["anchor/alpha_beta_trF"] - bound).abs() <= 1e-6 * bound.abs()).all()
 
 

@@ -15,7 +15,7 @@ from .schema import (
     SFTConfig, TrainerConfig, eval_settings_problem, is_deepspeed, is_tiny,
 )
 from .validation import (
-    CHECKED_GROUPS, KL_PARAMS, Binding, build_estimator, build_scheme, kl_params, stated_world_size, validate,
+    CHECKED_GROUPS, KL_PARAMS, Binding, build_estimator, build_scheme, kl_params, stated_world_size, step_records, validate,
     validate_model, validate_world, with_defaults,
 )
 
@@ -25,5 +25,6 @@ __all__ = [
     "KLConfig", "LoggerConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig",
     "TrainerConfig", "build_estimator", "build_scheme", "compose", "eval_settings_problem",
     "flatten", "is_deepspeed", "is_tiny", "kl_params", "overrides_problem", "register_configs", "stated_world_size",
+    "step_records",
     "validate", "validate_model", "validate_world", "with_defaults",
 ]

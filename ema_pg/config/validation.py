@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, is_dataclass
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from .schema import Config, ConfigError, KLConfig, _at_least, _bad, is_deepspeed, is_tiny
+from .schema import AlgoConfig, Config, ConfigError, KLConfig, RolloutConfig, _at_least, _bad, is_deepspeed, is_tiny
 
 
 #: rollout.partial_spare's ceiling in blocks: every group in flight is sampled together at each token step, so a run
@@ -182,6 +182,20 @@ class Binding:
 
     estimator: object
     scheme: object | None
+    staleness: int = 0  #: rollout.max_staleness: how many iterations ahead a rollout worker samples (0: synchronous)
+    #: the algo and rollout groups as plain typed records (:func:`step_records`): what the algorithm floor is handed
+    algo: AlgoConfig | None = None
+    rollout: RolloutConfig | None = None
+
+
+def step_records(cfg) -> tuple[AlgoConfig, RolloutConfig]:
+    """The run's ``algo`` and ``rollout`` groups as plain dataclass records, interpolations resolved: the algorithm
+    floor (:class:`ema_pg.step.StepParts`) is handed these, never a config node. A key a saved config lacks (a run
+    made before the knob existed) takes the schema's default."""
+    def record(cls, node):
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k in names})
+    return record(AlgoConfig, cfg.algo), record(RolloutConfig, cfg.rollout)
 
 
 def validate(cfg, vocab_size: int | None = None) -> Binding:
@@ -196,6 +210,7 @@ def validate(cfg, vocab_size: int | None = None) -> Binding:
     for group in CHECKED_GROUPS:
         types[group].check(cfg[group])  # the dataclass's method on the composed node (same fields)
     a, an, ro, strategy = cfg.algo, cfg.anchor, cfg.rollout, str(cfg.trainer.strategy)
+    staleness = int(ro.max_staleness)  # bound here, once: the Binding carries it to the engine
     _at_least(("seed", cfg.seed, 0), ("trainer.num_threads", cfg.trainer.num_threads, 0))  # 0: torch's own choice
     name = str(cfg.get("name", ""))
     if not name or "/" in name or "\\" in name or name.startswith("."):
@@ -215,7 +230,7 @@ def validate(cfg, vocab_size: int | None = None) -> Binding:
     if scheme is not None and (not scheme.spec.zero3 or an.path) and strategy == "deepspeed_stage_3":
         _bad(f"anchor={an.name}{' with anchor.path' if an.path else ''} is not built under deepspeed_stage_3 "
              "(its anchor is not partitioned); use deepspeed_stage_2, ddp or cpu")
-    if ro.workers > 1 and not ro.max_staleness:
+    if ro.workers > 1 and not staleness:
         _bad(f"rollout.workers={ro.workers} is a pool of rollout workers sampling ahead of the trainer; a synchronous "
              "run starts none: set rollout.max_staleness >= 1, or rollout.workers=1")
     if ro.workers > 1 and a.prompts_per_step % ro.workers:
@@ -225,8 +240,8 @@ def validate(cfg, vocab_size: int | None = None) -> Binding:
         _bad("algo.dynamic_sampling refills a batch by the groups it kept, which no worker of a pool sees whole "
              "(each samples its block); use rollout.workers=1 with it, or algo.dynamic_sampling=false")
     if ro.partial:
-        _check_partial(cfg)
-    if a.decoupled and not ro.max_staleness:
+        _check_partial(cfg, staleness)
+    if a.decoupled and not staleness:
         _bad("algo.decoupled=true clips around the policy as a step starts and reweights a batch an older policy "
              "sampled; without one it changes nothing: set rollout.max_staleness >= 1, or algo.decoupled=false")
     if an.name == "none" and a.kl_ctrl != "fixed":
@@ -262,7 +277,7 @@ def validate(cfg, vocab_size: int | None = None) -> Binding:
     world = stated_world_size(cfg.trainer)
     if world is not None:  # else the module's setup checks it, once Lightning has counted the processes
         validate_world(cfg, world)
-    bound = Binding(est, scheme)
+    bound = Binding(est, scheme, staleness, *step_records(cfg))
     validate_model(cfg, bound, vocab_size)
     return bound
 
@@ -274,10 +289,10 @@ def validate_model(cfg, bound: Binding, vocab_size: int | None = None) -> None:
         _bad(f"kl.k={est.k} is larger than the vocabulary ({vocab_size}); choose kl.k <= {vocab_size}")
 
 
-def _check_partial(cfg) -> None:
+def _check_partial(cfg, staleness: int) -> None:
     """rollout.partial=true: what partial rollouts are built for (ema_pg.partial), one line for each thing they are not."""
     a, ro = cfg.algo, cfg.rollout
-    if not ro.max_staleness:
+    if not staleness:
         _bad("rollout.partial=true continues a rollout worker's responses across weight updates; a synchronous run "
              "has no worker: set rollout.max_staleness >= 1, or rollout.partial=false")
     if ro.name != "hf":

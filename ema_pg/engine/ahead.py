@@ -36,7 +36,7 @@ import traceback
 import torch
 
 from ..chunked import HeadChunk
-from ..config import build_estimator
+from ..config import build_estimator, step_records
 from ..dist import Share
 from ..partial import PartialStream
 from ..rollout import build_sampler
@@ -141,7 +141,7 @@ def _serve(conn, threads: int) -> None:
                 t, want = msg[1], msg[2]
                 if want != version:  # the schedule is the trainer's; a mismatch is a bug, never a silent race
                     raise RuntimeError(f"batch {t} asked for version {want}, but the worker holds version {version}")
-                parts = StepParts(policy, anchor, spec["task"], sampler, estimator, cfg.algo, cfg.rollout, cfg.seed,
+                parts = StepParts(policy, anchor, spec["task"], sampler, estimator, *spec["records"], cfg.seed,
                                   spec["chunk"], encode=spec["encode"], world=share)
                 if stream is None:
                     out = sample_ahead(t, version, parts)
@@ -182,8 +182,8 @@ class RolloutsAhead:
     (restored from a checkpoint, or received whole: a pool's blocks are joined as the last arrives); ``asked``
     holds the iterations asked for and not yet received whole."""
 
-    def __init__(self, cfg, policy, anchor_model, tokenizer, task, encode, chunk: HeadChunk):
-        self.cfg, self.k = cfg, int(cfg.rollout.max_staleness)
+    def __init__(self, cfg, policy, anchor_model, tokenizer, task, encode, chunk: HeadChunk, *, k: int, records=None):
+        self.cfg, self.k = cfg, int(k)  # k: rollout.max_staleness as the run's Binding bound it
         self.n = int(cfg.rollout.workers)  #: the pool's worker processes
         self.aligned = anchor_model is not None and cfg.anchor.align == "behaviour"
         self.device = str(next(policy.parameters()).device)  # where the batches are handed to the trainer
@@ -192,7 +192,8 @@ class RolloutsAhead:
         self.lora = is_lora(policy)
         anchor = (ANCHOR if self.lora else _blank(anchor_model)) if self.aligned else None
         self._spec = {"cfg": cfg, "policy": _blank(policy, cfg.model if self.lora else None), "anchor": anchor,
-                      "tokenizer": tokenizer, "task": task, "encode": encode, "chunk": chunk}
+                      "tokenizer": tokenizer, "task": task, "encode": encode, "chunk": chunk,
+                      "records": records or step_records(cfg)}  # the algo and rollout groups, plain, for the step
         self._pad = pad_id(tokenizer)
         self._whole_sent = False  # the worker processes now running have the LoRA base
         self.last_push_mb = 0.0

@@ -130,7 +130,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
     validate_model(cfg, opened.bound, vocab_size=mc.vocab_size)
     check_head_dim(cfg, head_dim(mc))  # vLLM's CPU kernels take a few head sizes
     check_fits(cfg, policy, task, encode)
-    k, n = cfg.rollout.max_staleness, cfg.algo.iterations
+    k, n = opened.bound.staleness, cfg.algo.iterations
     if k and k >= n - 1:  # batch t is sampled by version max(0, t - k): all of them by the initial policy
         log.warning("rollout.max_staleness=%d with algo.iterations=%d: every batch of this run is sampled by the "
                     "initial policy (batch t by version t - %d); lower rollout.max_staleness for an off-policy run",
@@ -151,7 +151,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
             raise ConfigError(str(e)) from None
         if cfg.algo.padding_free and (problem := pack_problem(anchor.model)):  # a teacher of another architecture
             raise ConfigError(f"the anchor: {problem}")
-    module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, estimator=opened.bound.estimator)
+    module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, bound=opened.bound)
     if is_rank_zero():  # what runs, once: model, task, estimator, anchor, and one prompt as the model reads it
         a, precision = cfg.algo, str(cfg.trainer.precision)
         numbers = cfg.model.dtype if precision.startswith("32") else f"{cfg.model.dtype}, {precision}"  # 32, 32-true

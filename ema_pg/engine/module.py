@@ -18,7 +18,7 @@ import torch
 
 from ..advantages import ADVANTAGES
 from ..chunked import HeadChunk, chunk_budget_mb
-from ..config import build_estimator, is_deepspeed, stated_world_size, validate_world
+from ..config import Binding, is_deepspeed, stated_world_size, validate, validate_world
 from ..dist import World, Zero3FullWeights, full_shape, whole, zero3_partitioned
 from ..kl_control import build_kl_controller
 from ..prompts import PromptEncoder
@@ -106,11 +106,14 @@ class _StrategyUpdater(Updater):
 
 class GRPOModule(L.LightningModule):
     def __init__(self, cfg, policy, tokenizer, task, anchor: AnchorCallback | None = None,
-                 encode: PromptEncoder | None = None, estimator=None):
+                 encode: PromptEncoder | None = None, bound: Binding | None = None):
         super().__init__()
         self.cfg, self.policy, self.tokenizer, self.task, self.anchor = cfg, policy, tokenizer, task, anchor
         self.automatic_optimization = False
-        self.estimator = estimator or build_estimator(cfg.kl)  # the run's, built once (ema_pg.engine.runs.open_run)
+        bound = bound or validate(cfg)  # what the run runs, bound once (ema_pg.engine.runs.open_run binds it)
+        self.estimator = bound.estimator
+        self.staleness = bound.staleness  #: rollout.max_staleness as bound (0: synchronous)
+        self.records = (bound.algo, bound.rollout)  #: the algo and rollout groups as plain records, for the step
         self.sampler = build_sampler(cfg.rollout, tokenizer, lora=bool(cfg.model.lora_rank))
         self.encode = encode or PromptEncoder.of(tokenizer, cfg.task)  # the one prompt -> ids
         self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps,
@@ -182,7 +185,7 @@ class GRPOModule(L.LightningModule):
         anchor_model = None if self.anchor is None else self.anchor.model
         sampled = None
         world, chunk = World.current(), self.head_chunk_rule()  # (ZeRO-3: the head's shape is read by a collective)
-        if self.cfg.rollout.max_staleness:  # sampled ahead by the worker, with the weights of max(0, t - k)
+        if self.staleness:  # sampled ahead by the worker, with the weights of max(0, t - k)
             if self.ahead is None and world.rank == 0:  # one worker, rank 0's (ahead.shared_next)
                 self.ahead = self._rollouts_ahead(chunk)
             if world.size == 1:
@@ -190,8 +193,8 @@ class GRPOModule(L.LightningModule):
                 wait = self.ahead.last_wait_s
             else:
                 sampled, wait = self._shared_next(iteration, anchor_model, world)
-        parts = StepParts(self.policy, anchor_model, self.task, self.sampler, self.estimator, self.cfg.algo,
-                          self.cfg.rollout, self.cfg.seed, chunk, self.updater, world, self.critic, self.encode)
+        parts = StepParts(self.policy, anchor_model, self.task, self.sampler, self.estimator, *self.records,
+                          self.cfg.seed, chunk, self.updater, world, self.critic, self.encode)
         res = rl_step(iteration, parts, beta=self.kl_ctrl.value, grad_ratio=self._grad_ratio_due(iteration),
                       sampled=sampled)
         if res.ctrl_kl is not None:  # beta for the next iteration, from this one's KL and responses
@@ -223,7 +226,7 @@ class GRPOModule(L.LightningModule):
         from .ahead import RolloutsAhead
 
         ahead = RolloutsAhead(self.cfg, self.policy, None if self.anchor is None else self.anchor.model,
-                              self.tokenizer, self.task, self.encode, chunk)
+                              self.tokenizer, self.task, self.encode, chunk, k=self.staleness, records=self.records)
         ahead.restore(self._restored_in_flight)
         return ahead
 
@@ -312,7 +315,7 @@ class GRPOModule(L.LightningModule):
 
         from .. import process
 
-        if self.cfg.trainer.num_threads or self.trainer.world_size > 1 or self.cfg.rollout.max_staleness:
+        if self.cfg.trainer.num_threads or self.trainer.world_size > 1 or self.staleness:
             return
         now = torch.get_num_threads()
         base = _THREADS_SET.get("before", now) if _THREADS_SET.get("set") == now else now
@@ -382,7 +385,7 @@ class GRPOModule(L.LightningModule):
             checkpoint["ema_pg"]["kl_ctrl"] = self.kl_ctrl.state_dict()
         if self.critic is not None:  # its weights are in the module's state_dict; its optimizer is not Lightning's
             checkpoint["ema_pg"]["critic_opt"] = self.critic.opt.state_dict()
-        if self.cfg.rollout.max_staleness:  # the batches sampled ahead, awaited: a resume takes them as they are
+        if self.staleness:  # the batches sampled ahead, awaited: a resume takes them as they are
             checkpoint["ema_pg"]["in_flight"] = (self.ahead.state() if self.ahead is not None
                                                  else dict(self._restored_in_flight))
             checkpoint["ema_pg"]["staleness_counts"] = dict(self.staleness_counts)

@@ -203,6 +203,30 @@ def test_the_step_applies_the_beta_it_is_given_and_reads_no_other(setup):
     assert a.ctrl_kl == a.metrics["train/kl_ctrl_kl"] and a.ctrl_kl > 0  # the controller's KL, typed and logged
 
 
+def test_the_step_runs_from_plain_records_and_reads_no_raw_beta(setup):
+    """rl_step driven end to end from the plain records a run binds (ema_pg.config.step_records), not config nodes:
+    every field it reads is one of the record's, and algo.beta is not among them (beta is given, bound once)."""
+    from ema_pg.config import step_records
+
+    policy, anchor, tok, task, cfg = setup
+    algo, rollout = step_records(cfg)
+    reads = set()
+
+    class Reading:
+        def __init__(self, rec):
+            self._rec = rec
+
+        def __getattr__(self, name):
+            reads.add(name)
+            return getattr(self._rec, name)
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    res = rl_step(0, StepParts(policy, anchor, task, HFSampler(tok), get_estimator("k3"), Reading(algo), rollout, 0,
+                               lambda n: 7, RecordingUpdater(params)), beta=0.02)
+    assert res.beta == 0.02 and reads and "beta" not in reads
+    assert reads <= {f.name for f in dataclasses.fields(algo)}
+
+
 def test_group_estimator_returns_the_kl_scale_by_hand():
     """R = (1,0,0,0 | 1,1,0,0): R - V = (.75,-.25,-.25,-.25 | .5,.5,-.5,-.5), unbiased std sqrt(1.75/7) = 0.5."""
     from ema_pg.advantages import ADVANTAGES, AdvantageInputs

@@ -223,7 +223,8 @@ def _ahead(world, k, policy, anchor, align, cfg=None):
     _, tok, task, base = world
     cfg = copy.deepcopy(cfg if cfg is not None else base)
     cfg.rollout.max_staleness, cfg.anchor.align = k, align
-    return RolloutsAhead(cfg, policy, anchor, tok, task, PromptEncoder(tok, "off"), HeadChunk(7, 300, 256.0))
+    return RolloutsAhead(cfg, policy, anchor, tok, task, PromptEncoder(tok, "off"), HeadChunk(7, 300, 256.0),
+                         k=cfg.rollout.max_staleness)
 
 
 def test_the_worker_samples_batch_t_with_version_t_minus_k_and_a_restored_one_continues_alike(world):

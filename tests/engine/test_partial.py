@@ -158,7 +158,8 @@ def _ahead(world, n, policy):
     _, tok, task, base = world
     cfg = copy.deepcopy(base)
     cfg.rollout.workers = n
-    return RolloutsAhead(cfg, policy, None, tok, task, PromptEncoder(tok, "off"), HeadChunk(7, 300, 256.0))
+    return RolloutsAhead(cfg, policy, None, tok, task, PromptEncoder(tok, "off"), HeadChunk(7, 300, 256.0),
+                         k=cfg.rollout.max_staleness)
 
 
 def _continued(world, n, its=5, cut=3):

@@ -517,3 +517,43 @@ def test_a_base_built_under_one_kernel_setting_is_loaded_not_rebuilt_under_anoth
     assert "SFT steps, final loss" in built_log and "cold start: reusing" not in built_log
     assert "cold start: reusing" in loaded_log and "SFT steps, final loss" not in loaded_log
     assert run_base(built) == run_base(loaded) != "unknown"
+
+
+def test_the_algorithm_floor_is_handed_no_config_node_in_a_run(tmp_path, monkeypatch):
+    """What a run hands rl_step (StepParts: the policy, task, sampler, estimator, the algo and rollout records, ...)
+    holds no OmegaConf node anywhere below it: the engine binds the config into plain records once
+    (ema_pg.config.step_records) and the algorithm floor reads those. The engine's own objects (its updater wraps the
+    Lightning module) are not walked: they are the engine's."""
+    from omegaconf import DictConfig, ListConfig
+
+    import ema_pg.engine.module as module
+
+    found, calls = [], []
+
+    def walk(x, path, seen):
+        if id(x) in seen or len(path) > 200:
+            return
+        seen.add(id(x))
+        if isinstance(x, (DictConfig, ListConfig)):
+            found.append(path)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}[{k!r}]", seen)
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]", seen)
+        elif hasattr(x, "__dict__") and not isinstance(x, type) and type(x).__module__.startswith("ema_pg") \
+                and not type(x).__module__.startswith("ema_pg.engine"):
+            for k, v in vars(x).items():
+                walk(v, f"{path}.{k}", seen)
+
+    real = module.rl_step
+
+    def handed(iteration, parts, **kw):
+        calls.append(type(parts.algo).__name__ + "/" + type(parts.rollout).__name__)
+        walk(parts, "parts", set())
+        return real(iteration, parts, **kw)
+
+    monkeypatch.setattr(module, "rl_step", handed)
+    train(compose_cfg(["algo.iterations=2", "algo.eval_every=2"], tmp_path))
+    assert calls == ["AlgoConfig/RolloutConfig"] * 2 and found == []

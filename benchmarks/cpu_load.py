@@ -137,7 +137,7 @@ def demo(loaded: bool) -> dict:
             stop(load)
         with open(f"{tmp}/run/metrics.csv", newline="") as f:  # the RL iterations' own seconds, the rest before them
             rl = max(float(r["time/elapsed_s"]) for r in csv.DictReader(f) if r.get("time/elapsed_s"))
-        import torch  # the RL iterations' thread count as the run recorded it for its resumes (GRPOModule)
+        import torch  # the RL iterations' thread count as the run recorded it for its resumes (RLModule)
 
         threads = torch.load(f"{tmp}/run/checkpoints/last.ckpt", map_location="cpu",
                              weights_only=False)["ema_pg"]["rl_threads"]

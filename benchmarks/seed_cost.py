@@ -180,7 +180,7 @@ def child(out: Path, argv: list[str]) -> None:
         return on_stop
 
     search_task.SearchQATask.on_stop_fn = timed_on_stop_fn
-    run_eval = module_mod.GRPOModule.run_eval
+    run_eval = module_mod.RLModule.run_eval
 
     def timed_eval(self):
         label = ("evaluation at iteration 0" if self.iteration == 0 else
@@ -193,14 +193,14 @@ def child(out: Path, argv: list[str]) -> None:
             ph.leave()
             in_eval.pop()
 
-    module_mod.GRPOModule.run_eval = timed_eval
-    on_fit_start = module_mod.GRPOModule.on_fit_start
+    module_mod.RLModule.run_eval = timed_eval
+    on_fit_start = module_mod.RLModule.on_fit_start
 
     def fit_start(self):
         ph.switch("the rest (Lightning, logging, anchor updates)")
         return on_fit_start(self)
 
-    module_mod.GRPOModule.on_fit_start = fit_start
+    module_mod.RLModule.on_fit_start = fit_start
     from lightning.pytorch import Trainer
 
     ph.wrap(Trainer, "save_checkpoint", "checkpoints")

@@ -1,4 +1,4 @@
-"""The GRPO loss of Appendix A, as small functions composed in :func:`grpo_loss`.
+"""The GRPO loss of Appendix A, as small functions composed in :func:`policy_loss`.
 
     A        = advantages(R, group_size, norm)                      per sequence, (B,)
     J_n      = A * [M_n * ratio_n + (1 - M_n) * sg(clip(ratio_n))]   clip-higher surrogate (algo.loss=ppo)
@@ -275,7 +275,7 @@ class LossSpec:
         return cls(algo.eps_low, algo.eps_high, algo.loss_agg, algo.loss, algo.clip_ratio_c, algo.entropy_coef, norm_len)
 
 
-def grpo_loss(
+def policy_loss(
     logp: Tensor,
     logp_old: Tensor,
     adv: Tensor,
@@ -337,3 +337,6 @@ def grpo_loss(
         if entropy is not None and entropy.requires_grad:
             metrics["entropy_cur"] = mean(entropy.detach())
     return loss, metrics
+
+
+grpo_loss = policy_loss  #: its name before it was named for what it runs (PPO, GSPO, CISPO, DPPO too), for one release

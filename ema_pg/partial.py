@@ -3,7 +3,7 @@ weight update is continued by the next version instead of being waited for or sa
 
 A rollout worker keeps a stream of prompt groups in flight (its block of every batch's prompts, in batch order, each
 with its own seed: the prompts and seeds a whole-rollout run starts at that batch). For batch t, with the weights of
-version v = max(0, t - k) (the schedule of :mod:`ema_pg.engine.ahead`, unchanged):
+version v = max(0, t - k) (the schedule of :mod:`ema_pg.engine.rollout_workers`, unchanged):
 
 1. the groups in flight are topped up from the stream to ``block + spare`` (``rollout.partial_spare``);
 2. version v continues every response not yet ended, all of them a token at a time together

@@ -72,7 +72,7 @@ def rl_threads_default(env: dict, others, cpus: int, threads: int) -> int | None
     """The torch threads a run's RL iterations get where the user has not chosen (their ``OMP_NUM_THREADS`` or
     ``EMA_PG_THREADS=torch`` wins; ``trainer.num_threads`` is the trainer's to apply): None (torch's ``threads``) where
     ``others()`` runnable threads and these fit the machine's ``cpus``; else the room left, at least one. Asked once,
-    where the RL iterations begin (a resume keeps the count its run began with: ``GRPOModule``). Their steps are small,
+    where the RL iterations begin (a resume keeps the count its run began with: ``RLModule``). Their steps are small,
     and beside other work a sleeping thread waits for a core at every parallel region. With it the demo beside one
     busy process per core took 1.77x its idle time (benchmarks/results/cpu_load_demo_rl_amd_cpu.json); with the
     waiting alone, on another day, 2.10x (cpu_load_default_amd_cpu.json, cpu_load_demo_amd_cpu.json; docs/training.md)."""

@@ -41,7 +41,7 @@ from .heads import head
 from .kl import Estimator, sequence_kl_penalty
 from .kl.sampled import k3_core
 from .kl_control import response_mean_k1
-from .losses import masked_mean
+from .losses import LossSpec, masked_mean
 from .packing import Packing, packer
 from .prompts import sampler_prompts
 from .rollout.base import Rollouts, Sampler, prompt_seeds
@@ -101,7 +101,9 @@ def rl_step(iteration: int, parts: StepParts, *, beta: float, grad_ratio: bool =
 
     # 3. Lambda passes of minibatch updates (Alg 3, lines 13-23; ema_pg.update)
     kl_weight = beta * est.kl_scale  # the token KL's weight in the loss: beta, or beta over the batch std (global_kl_scale)
-    batch = UpdateBatch(rollouts, scores, scorer, est.adv, mask, tis, values, est.returns, kl_weight, prox)
+    batch = UpdateBatch(rollouts=rollouts, scores=scores, scorer=scorer, adv=est.adv, mask=mask, tis=tis,
+                        values=values, returns=est.returns, beta=kl_weight,
+                        spec=LossSpec.of(algo, rollout.max_new_tokens), prox=prox)
     updates = update(it_seed, parts, batch, grad_ratio)
     t3 = time.perf_counter()
 
@@ -111,14 +113,7 @@ def rl_step(iteration: int, parts: StepParts, *, beta: float, grad_ratio: bool =
                "time/step_s": t3 - t0, "time/tokens_per_s": float(mask.sum()) / max(t3 - t0, 1e-9)}
     if packing is not None:  # what the padding-free passes leave out of the padded grid (algo.padding_free)
         metrics["perf/padding_saved"] = 1.0 - packing.tokens / packing.padded_tokens
-    metrics["train/kl_coef"] = beta  # beta in force (the KL controller's; algo.beta under kl_ctrl=fixed)
-    if est.kl_scaled:  # a quantity of its own only here (global_kl_scale): the weight differs from beta
-        metrics["train/kl_weight"] = kl_weight
-    ctrl_kl = None if scores.anchor is None else \
-        float(response_mean_k1(scores.old.logp, scores.anchor.logp, rollouts.response_mask))  # at sampling
-    if ctrl_kl is not None:
-        metrics["train/kl_ctrl_kl"] = ctrl_kl
-    metrics = world.reduce_metrics(metrics)
+    metrics = world.reduce_metrics({**metrics, **_kl_metrics(beta, kl_weight, est.kl_scaled, scores, rollouts)})
     return StepResult(metrics, rollouts, beta, float(kl_weight), metrics.get("train/kl_ctrl_kl"))
 
 
@@ -344,6 +339,18 @@ def _batch_metrics(rollouts, rewards, scores: OldAndAnchor, mask, world) -> dict
     if rollouts.truncated is not None:
         metrics["train/frac_truncated"] = float(rollouts.truncated.float().mean())
     return metrics
+
+
+def _kl_metrics(beta: float, weight: float, scaled: bool, scores, rollouts: Rollouts) -> dict[str, float]:
+    """beta in force (``train/kl_coef``: the KL controller's, ``algo.beta`` under ``kl_ctrl=fixed``), the loss's token
+    KL weight where it is a quantity of its own (``train/kl_weight``: over the batch's reward std, global_kl_scale),
+    and the KL the adaptive controller measures at sampling (``train/kl_ctrl_kl``; none without an anchor)."""
+    m = {"train/kl_coef": beta}
+    if scaled:
+        m["train/kl_weight"] = weight
+    if scores.anchor is not None:
+        m["train/kl_ctrl_kl"] = float(response_mean_k1(scores.old.logp, scores.anchor.logp, rollouts.response_mask))
+    return m
 
 
 # ---------------------------------------------------------------------- the records

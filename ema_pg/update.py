@@ -8,7 +8,7 @@ guard of every trainer (:class:`FiniteGuard`).
             for r in micro_batches(rows):            # algo.max_tokens_per_microbatch
                 cur  = head(policy, r, index=q_n)    # with grad
                 kl   = estimator(KLInputs(...))      # (mb, T)
-                loss = grpo_loss(cur, old, adv, mask, kl)   # its share of the minibatch's aggregation
+                loss = policy_loss(cur, old, adv, mask, kl)   # its share of the minibatch's aggregation
             updater.step(losses)                     # backward per micro-batch, then one optimizer step
             critic.update(rows)                      # PPO only
 """
@@ -26,7 +26,7 @@ from .corrections import decoupled_weight, loglinear_prox, off_policy_sequence_m
 from .dist import World
 from .heads import head
 from .kl import KLInputs
-from .losses import LossSpec, Share, grpo_loss
+from .losses import LossSpec, Share, policy_loss
 from .rollout.base import Rollouts
 
 
@@ -114,14 +114,14 @@ def _micro_batch_loss(r: Tensor, parts, batch: UpdateBatch, share: Share | None,
         behaviour = old.logp[r] if batch.rollouts.engine_logp is None else batch.rollouts.engine_logp[r]
         opsm = off_policy_sequence_mask(adv[r], cur.logp, behaviour, mask[r], algo.opsm_delta)
         pg_weight = opsm if pg_weight is None else pg_weight * opsm
-    spec = LossSpec.of(algo, parts.rollout.max_new_tokens)
+    spec = batch.spec
     ref, pg_weight = _reference(batch, r, cur.logp, old.logp[r], mask[r], pg_weight)
-    loss, m = grpo_loss(cur.logp, ref, adv[r], mask[r], kl, beta=batch.beta, spec=spec, entropy=cur.entropy,
+    loss, m = policy_loss(cur.logp, ref, adv[r], mask[r], kl, beta=batch.beta, spec=spec, entropy=cur.entropy,
                         pg_weight=pg_weight, share=share)
     if algo.opsm_delta is not None:
         m["opsm_masked_seqs"] = (opsm[:, 0] == 0).sum().to(loss.dtype)  # a count: added over micro-batches
     if pg_kl is not None:
-        without_kl, _ = grpo_loss(cur.logp, ref, adv[r], mask[r], None, beta=0.0, spec=spec,
+        without_kl, _ = policy_loss(cur.logp, ref, adv[r], mask[r], None, beta=0.0, spec=spec,
                                   entropy=cur.entropy, pg_weight=pg_weight, share=share)
         pg_kl.add(loss, without_kl)
     return loss, m, packing
@@ -169,6 +169,7 @@ class UpdateBatch:
     values: Tensor | None  # (N, T) PPO's old values (algo.advantage=gae)
     returns: Tensor | None  # (N, T) their GAE returns
     beta: float  # the token KL's weight in force: the KL controller's, over the batch std under global_kl_scale
+    spec: LossSpec  # the surrogate and its coefficients, built once per iteration from the algo record
     prox: Proximal | None = None  # decoupled PPO: the proximal policy, the ratio's reference
 
 

@@ -30,13 +30,13 @@ from ..prompts import PromptEncoder
 from ..tasks import ServiceError, build_task, task_metric
 from ..tasks.plugins import check_task
 from ..tasks.base import StoppedBySigterm
-from .ahead import RolloutWorkerError
+from .rollout_workers import RolloutWorkerError
 from .anchor import AnchorCallback
 from .console import log_file_only, quiet_third_party
 from .evaluation import split_scores
 from .files import NoRoom, atomic_checkpoint_io, atomic_write, no_room_errno
 from .models import ModelPathError, head_dim
-from .module import GRPOModule
+from .module import RLModule
 from .plotting import plot_run
 from .policy import build_policy
 from .owner import release_run_dir
@@ -151,7 +151,7 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
             raise ConfigError(str(e)) from None
         if cfg.algo.padding_free and (problem := pack_problem(anchor.model)):  # a teacher of another architecture
             raise ConfigError(f"the anchor: {problem}")
-    module = GRPOModule(cfg, policy, tok, task, anchor, encode=encode, bound=opened.bound)
+    module = RLModule(cfg, policy, tok, task, anchor, encode=encode, bound=opened.bound)
     if is_rank_zero():  # what runs, once: model, task, estimator, anchor, and one prompt as the model reads it
         a, precision = cfg.algo, str(cfg.trainer.precision)
         numbers = cfg.model.dtype if precision.startswith("32") else f"{cfg.model.dtype}, {precision}"  # 32, 32-true

@@ -1,4 +1,4 @@
-"""GRPOModule: the Lightning adapter around :func:`ema_pg.step.rl_step`.
+"""RLModule: the Lightning adapter around :func:`ema_pg.step.rl_step`.
 
 The algorithm lives in :mod:`ema_pg.step`; this module only connects it to Lightning:
 one ``training_step`` = one RL iteration (the dataloader yields iteration numbers), the
@@ -39,7 +39,7 @@ _THREADS_SET: dict[str, int] = {}
 class EvalCallback(L.Callback):
     """A callback that follows the evaluations (an Optuna pruner, for instance)."""
 
-    def on_ema_pg_eval(self, trainer: L.Trainer, module: GRPOModule, result: dict) -> None:
+    def on_ema_pg_eval(self, trainer: L.Trainer, module: RLModule, result: dict) -> None:
         """Called after every evaluation with its result (``iteration``, ``splits``, ``avg``, ``metric``)."""
 
 
@@ -49,7 +49,7 @@ class _StrategyUpdater(Updater):
     numbers of micro-batches); under DeepSpeed the engine is told which backward ends the accumulation, and it
     clips (``gradient_clipping`` = algo.grad_clip) and reports the norm after its step."""
 
-    def __init__(self, module: GRPOModule, grad_clip: float, max_bad_steps: int, deepspeed: bool, after_step=None):
+    def __init__(self, module: RLModule, grad_clip: float, max_bad_steps: int, deepspeed: bool, after_step=None):
         super().__init__(max_bad_steps, after_step)
         self.module, self.grad_clip, self.deepspeed = module, grad_clip, deepspeed
         self.norm_after_step = deepspeed
@@ -104,7 +104,10 @@ class _StrategyUpdater(Updater):
         return float(self.module.lr_schedulers().get_last_lr()[0])
 
 
-class GRPOModule(L.LightningModule):
+class RLModule(L.LightningModule):
+    """A run's RL iterations as a LightningModule: one training step is one iteration of Algorithm 3
+    (:func:`ema_pg.step.rl_step`), whatever the surrogate (GRPO, PPO with a critic, GSPO, CISPO, DPPO)."""
+
     def __init__(self, cfg, policy, tokenizer, task, anchor: AnchorCallback | None = None,
                  encode: PromptEncoder | None = None, bound: Binding | None = None):
         super().__init__()
@@ -129,7 +132,7 @@ class GRPOModule(L.LightningModule):
         self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, eta)
         self.kl_ctrl = build_kl_controller(cfg.algo)  # beta in force: algo.beta, or the adaptive controller's
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
-        self.ahead = None  # rollout.max_staleness > 0: the rollout worker (ema_pg.engine.ahead), started at the first step
+        self.ahead = None  # rollout.max_staleness > 0: the rollout worker (ema_pg.engine.rollout_workers), started at the first step
         self._restored_in_flight: dict[int, bytes] = {}  # the batches in flight at the checkpoint resumed from
         self.staleness_counts: dict[int, int] = {}  # iterations per staleness of their batch (the run's histogram)
         self.eval_history: list[dict] = []
@@ -210,7 +213,7 @@ class GRPOModule(L.LightningModule):
 
     def _shared_next(self, iteration: int, anchor_model, world: World):
         """Several trainer processes: rank 0's worker samples the whole batch, each rank takes its share."""
-        from .ahead import shared_next
+        from .rollout_workers import shared_next
 
         aligned = anchor_model is not None and self.cfg.anchor.align == "behaviour"  # the anchor is pushed too
         models = [self.policy] + ([anchor_model] if aligned else [])
@@ -223,7 +226,7 @@ class GRPOModule(L.LightningModule):
 
     def _rollouts_ahead(self, chunk: HeadChunk):
         """The worker's trainer side, on one rank only: nothing here may be collective (see ahead.shared_next)."""
-        from .ahead import RolloutsAhead
+        from .rollout_workers import RolloutsAhead
 
         ahead = RolloutsAhead(self.cfg, self.policy, None if self.anchor is None else self.anchor.model,
                               self.tokenizer, self.task, self.encode, chunk, k=self.staleness, records=self.records)
@@ -410,3 +413,6 @@ class GRPOModule(L.LightningModule):
             self.kl_ctrl.load_state_dict(st["kl_ctrl"])
         if self.critic is not None and "critic_opt" in st:
             self.critic.opt.load_state_dict(st["critic_opt"])
+
+
+GRPOModule = RLModule  #: its name before it was named for what it runs, for one release

@@ -251,7 +251,7 @@ def test_a_reward_past_float32s_range_is_refused_at_start_naming_its_scale(on_pa
 
 def test_a_reward_raising_in_the_rollout_worker_is_one_line_naming_the_episode(on_path, tmp_path, monkeypatch):
     """The synchronous path's one line arrived inside a 29-line traceback of the worker."""
-    from ema_pg.engine.ahead import RolloutWorkerError
+    from ema_pg.engine.rollout_workers import RolloutWorkerError
 
     (tmp_path / "picky_reward.py").write_text("from byo_task.countdown import CountdownTask\n\n\n"
                                               "class PickyTask(CountdownTask):\n"

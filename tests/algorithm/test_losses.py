@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ema_pg.kl import KLInputs, get_estimator
-from ema_pg.losses import LossSpec, advantages, aggregate, grpo_loss, ppo_surrogate
+from ema_pg.losses import LossSpec, advantages, aggregate, policy_loss, ppo_surrogate
 
 R = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
 
@@ -101,8 +101,8 @@ def test_grpo_loss_puts_no_loss_and_no_kl_on_masked_tokens():
     kl = torch.rand(B, T)
     kl_poisoned = torch.where(mask.bool(), kl, torch.full_like(kl, 1e30))
     adv = torch.tensor([1.0, -1.0])
-    l1, m1 = grpo_loss(logp, logp.detach(), adv, mask, kl, beta=0.5, **PAPER)
-    l2, m2 = grpo_loss(logp, logp.detach(), adv, mask, kl_poisoned, beta=0.5, **PAPER)
+    l1, m1 = policy_loss(logp, logp.detach(), adv, mask, kl, beta=0.5, **PAPER)
+    l2, m2 = policy_loss(logp, logp.detach(), adv, mask, kl_poisoned, beta=0.5, **PAPER)
     assert l1.item() == pytest.approx(l2.item()) and m1["kl"].item() == pytest.approx(m2["kl"].item())
     l1.backward()
     assert (logp.grad[~mask.bool()] == 0).all() and (logp.grad[mask.bool()] != 0).all()
@@ -113,7 +113,7 @@ def test_grpo_loss_by_hand_with_kl():
     logp = torch.zeros(2, 2)
     kl = torch.tensor([[2.0, 4.0], [6.0, 8.0]])
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, m = grpo_loss(logp, logp, torch.tensor([1.0, -2.0]), mask, kl, beta=0.1, **PAPER)
+    loss, m = policy_loss(logp, logp, torch.tensor([1.0, -2.0]), mask, kl, beta=0.1, **PAPER)
     # seq 0: mean(-1 + .2, -1 + .4) = -0.7 ; seq 1: (2 + .6) = 2.6 ; mean = 0.95
     assert loss.item() == pytest.approx(0.95)
     assert m["kl"].item() == pytest.approx(4.0) and m["clip_frac_low"].item() == 0.0
@@ -127,14 +127,14 @@ def test_tis_weight_scales_the_policy_gradient_term_only():
     mask = torch.tensor([[1, 1], [1, 0]])
     w = torch.tensor([[0.5, 2.0], [3.0, 7.0]])
     adv = torch.tensor([1.0, -2.0])
-    loss, m = grpo_loss(logp, logp.detach(), adv, mask, kl, beta=0.1, pg_weight=w, **PAPER)
+    loss, m = policy_loss(logp, logp.detach(), adv, mask, kl, beta=0.1, pg_weight=w, **PAPER)
     # seq 0: mean(-0.5 + .2, -2 + .4) = -0.95 ; seq 1: (6 + .6) = 6.6 ; mean = 2.825
     assert loss.item() == pytest.approx(2.825)
     assert m["pg_loss"].item() == pytest.approx((-1.25 + 6.0) / 2)
     loss.backward()  # d/dlogp of -w * A * ratio at ratio 1 = -w * A, over the seq-mean-token-mean weights
     assert torch.allclose(logp.grad, torch.tensor([[-0.5 / 4, -2.0 / 4], [6.0 / 2, 0.0]]))
-    ones, _ = grpo_loss(logp, logp.detach(), adv, mask, kl, beta=0.1, pg_weight=torch.ones(2, 2), **PAPER)
-    none, _ = grpo_loss(logp, logp.detach(), adv, mask, kl, beta=0.1, **PAPER)
+    ones, _ = policy_loss(logp, logp.detach(), adv, mask, kl, beta=0.1, pg_weight=torch.ones(2, 2), **PAPER)
+    none, _ = policy_loss(logp, logp.detach(), adv, mask, kl, beta=0.1, **PAPER)
     assert ones.item() == none.item()
 
 
@@ -149,6 +149,6 @@ def test_loss_with_a_registry_estimator_end_to_end():
     inp = KLInputs(logp=logp, logp_old=logp.detach(), logp_ref=lr.gather(-1, tok[..., None])[..., 0], tokens=tok,
                    topk_idx=idx, topk_logp=lp.gather(-1, idx), topk_logp_ref=lr.gather(-1, idx))
     kl = get_estimator("topk_reverse", k=2)(inp)
-    loss, m = grpo_loss(logp, logp.detach(), torch.randn(B), torch.ones(B, T), kl, beta=0.1, **PAPER)
+    loss, m = policy_loss(logp, logp.detach(), torch.randn(B), torch.ones(B, T), kl, beta=0.1, **PAPER)
     loss.backward()
     assert logits.grad.abs().sum() > 0 and torch.isfinite(loss)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ema_pg.advantages import ADVANTAGES, AdvantageInputs
-from ema_pg.losses import SURROGATES, LossSpec, grpo_loss, gspo_surrogate
+from ema_pg.losses import SURROGATES, LossSpec, policy_loss, gspo_surrogate
 
 
 def inputs(rewards, group_size, lengths, T=3):
@@ -42,7 +42,7 @@ def test_every_advantage_and_surrogate_runs_by_name():
     for name in SURROGATES:
         spec = LossSpec(eps_low=0.2, eps_high=0.28, loss_agg="token-mean", surrogate=name, clip_ratio_c=0.0,
                         entropy_coef=0.0)
-        loss, _ = grpo_loss(logp, logp.detach(), torch.tensor([1.0, -1.0, 0.5, 0.0]), inp.mask, None, beta=0.0,
+        loss, _ = policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0, 0.5, 0.0]), inp.mask, None, beta=0.0,
                             spec=spec)
         assert torch.isfinite(loss), name
 
@@ -56,7 +56,7 @@ def test_a_nonfinite_log_prob_at_a_masked_position_reaches_neither_loss_nor_grad
     kl = torch.where(mask.bool(), torch.zeros(2, 3), torch.tensor(float("nan")))
     spec = LossSpec(eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean", surrogate=surrogate, clip_ratio_c=0.0,
                     entropy_coef=0.0)
-    loss, _ = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, kl, beta=0.1, spec=spec)
+    loss, _ = policy_loss(logp, old, torch.tensor([1.0, -1.0]), mask, kl, beta=0.1, spec=spec)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(raw.grad).all()
     assert (raw.grad[~mask.bool()] == 0).all() and (raw.grad[mask.bool()] != 0).any()

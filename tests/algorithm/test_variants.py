@@ -12,7 +12,7 @@ import torch
 from ema_pg.chunked import chunked_logprobs
 from ema_pg.kl import get_estimator
 from ema_pg.kl.enumeration import enumeration_inputs, expected_value_and_grad, true_kl_and_grad
-from ema_pg.losses import LossSpec, aggregate, cispo_surrogate, grpo_loss, gspo_surrogate, ppo_surrogate
+from ema_pg.losses import LossSpec, aggregate, cispo_surrogate, policy_loss, gspo_surrogate, ppo_surrogate
 
 V = 7
 WIDE = (0.0, 1e9)
@@ -224,7 +224,7 @@ def test_the_entropy_bonus_adds_the_exact_entropy_gradient():
     spec = LossSpec(eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean", surrogate="ppo", clip_ratio_c=0.0,
                     entropy_coef=0.1)
     adv = torch.zeros(2, dtype=torch.float64)  # no policy gradient: only the bonus moves
-    loss, m = grpo_loss(logp.view(2, 3), logp.detach().view(2, 3), adv, mask, None, beta=0.0, spec=spec,
+    loss, m = policy_loss(logp.view(2, 3), logp.detach().view(2, 3), adv, mask, None, beta=0.0, spec=spec,
                         entropy=ent.view(2, 3))
     (g,) = torch.autograd.grad(loss, h)
     lp = torch.log_softmax(h @ W.T, -1)
@@ -233,7 +233,7 @@ def test_the_entropy_bonus_adds_the_exact_entropy_gradient():
     assert close(loss.detach(), want.detach()) and close(g, wg)
     assert float(m["entropy_cur"]) == pytest.approx(float(-want.detach() / 0.1))
     with pytest.raises(ValueError, match="entropy"):
-        grpo_loss(logp.view(2, 3), logp.detach().view(2, 3), adv, mask, None, beta=0.0, spec=spec)
+        policy_loss(logp.view(2, 3), logp.detach().view(2, 3), adv, mask, None, beta=0.0, spec=spec)
 
 
 def test_unknown_surrogate_and_bad_dual_clip_are_refused_at_config_time():

@@ -5,7 +5,7 @@
 - estimator parameters: in ema_pg.kl.ESTIMATORS; the functions take them as required keywords
   and the kl option files do not restate them;
 - task knobs: in conf/task/<name>.yaml; the task classes take them as required keywords;
-- loss coefficients: in AlgoConfig; grpo_loss takes them as a LossSpec whose fields have no defaults.
+- loss coefficients: in AlgoConfig; policy_loss takes them as a LossSpec whose fields have no defaults.
 Each test fails when a second default appears, whether or not it agrees with the first.
 """
 
@@ -87,9 +87,9 @@ def test_task_knobs_have_their_option_file_as_home():
 
 
 def test_loss_coefficients_have_no_second_default():
-    from ema_pg.losses import LossSpec, grpo_loss, ppo_surrogate
+    from ema_pg.losses import LossSpec, policy_loss, ppo_surrogate
 
-    for fn in (grpo_loss, ppo_surrogate, LossSpec):
+    for fn in (policy_loss, ppo_surrogate, LossSpec):
         sig = inspect.signature(fn)
         for knob in ("beta", "spec", "eps_low", "eps_high", "loss_agg", "surrogate", "clip_ratio_c", "entropy_coef"):
             if knob in sig.parameters:

@@ -17,7 +17,7 @@ from helpers import compose_cfg, frozen, moved
 
 from ema_pg.config import ConfigError, validate
 from ema_pg.chunked import HeadChunk
-from ema_pg.engine.ahead import RolloutsAhead, RolloutWorkerError
+from ema_pg.engine.rollout_workers import RolloutsAhead, RolloutWorkerError
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.heads import head
 from ema_pg.kl import KLInputs, get_estimator
@@ -118,13 +118,13 @@ def watch_loss(monkeypatch) -> list:
     """The (ratio reference, PG weights) each call of the update's loss receives, as a list filled as it runs."""
     import ema_pg.update as update
 
-    seen, real = [], update.grpo_loss
+    seen, real = [], update.policy_loss
 
     def watched(logp, logp_old, adv, mask, kl, **kw):
         seen.append((logp_old.detach(), kw["pg_weight"]))
         return real(logp, logp_old, adv, mask, kl, **kw)
 
-    monkeypatch.setattr(update, "grpo_loss", watched)
+    monkeypatch.setattr(update, "policy_loss", watched)
     return seen
 
 
@@ -345,7 +345,7 @@ def test_a_pool_of_two_worker_processes_hands_out_one_workers_batches_and_its_ch
         assert torch.equal(a.rewards, b.rewards) and torch.equal(a.rollouts.input_ids, b.rollouts.input_ids)
     assert sorted(two_saved) == sorted(one_saved) == [4]
     again, _ = run(1, saved=two_saved, its=[4])  # the pool's checkpoint, resumed by one worker
-    from ema_pg.engine.ahead import _loads
+    from ema_pg.engine.rollout_workers import _loads
 
     assert torch.equal(again[0].rollouts.input_ids, _loads(one_saved[4]).rollouts.input_ids)
     assert torch.equal(again[0].rewards, _loads(one_saved[4]).rewards)
@@ -573,7 +573,7 @@ def test_a_stopped_worker_stops_the_run_in_bounded_time_even_under_sigterm(tmp_p
 
     import psutil
 
-    from ema_pg.engine.ahead import STOPPED_GRACE_S
+    from ema_pg.engine.rollout_workers import STOPPED_GRACE_S
 
     p, run, worker = async_run(tmp_path, eval_every=200)
     time.sleep(3)

@@ -69,7 +69,7 @@ quiet_third_party()
 readers = [m for m in ("lightning", "torchmetrics", "scipy.signal", "transformers") if m in sys.modules]
 import runpy
 runpy.run_module("ema_pg.train", run_name="__mp_main__", alter_sys=True)  # as a spawned worker imports its parent's
-import ema_pg.engine.ahead
+import ema_pg.engine.rollout_workers
 print(readers, [m for m in ("lightning", "torchmetrics", "scipy.signal") if m in sys.modules])
 """
 

@@ -13,7 +13,7 @@ from helpers import compose_cfg, frozen, moved
 
 from ema_pg.chunked import HeadChunk
 from ema_pg.config import ConfigError, validate
-from ema_pg.engine.ahead import RolloutsAhead, RolloutWorkerError
+from ema_pg.engine.rollout_workers import RolloutsAhead, RolloutWorkerError
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.heads import head
 from ema_pg.kl import get_estimator

@@ -84,7 +84,7 @@ def test_a_run_beside_busy_processes_sleeps_at_once_and_its_children_inherit_it(
     assert out == ["PASSIVE", "PASSIVE"]
 
 
-# --- the RL iterations' threads (ema_pg.rl_threads_default, GRPOModule._choose_threads) ---
+# --- the RL iterations' threads (ema_pg.rl_threads_default, RLModule._choose_threads) ---
 
 @pytest.mark.parametrize("env, others, cpus, threads, expect", [
     ({}, 0, 2, 2, None),                        # room: torch's own count

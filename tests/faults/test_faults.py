@@ -382,17 +382,17 @@ def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrup
 def test_a_collapsed_policy_is_warned_once(caplog):
     from types import SimpleNamespace
 
-    from ema_pg.engine.module import GRPOModule
+    from ema_pg.engine.module import RLModule
 
     me = SimpleNamespace(policy=SimpleNamespace(config=SimpleNamespace(vocab_size=300)), _collapse_warned=False, _was_peaked=False,
                          iteration=7, cfg=SimpleNamespace(optim=SimpleNamespace(lr=1e3)))
-    GRPOModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.0})
+    RLModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.0})
     assert "policy collapse" not in caplog.text  # uniform from the start (random init): nothing collapsed
-    GRPOModule._warn_collapse(me, {"train/entropy": 0.5 * math.log(300), "train/reward_mean": 0.0})
-    GRPOModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.25})
+    RLModule._warn_collapse(me, {"train/entropy": 0.5 * math.log(300), "train/reward_mean": 0.0})
+    RLModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.25})
     assert "policy collapse" not in caplog.text  # low entropy, or some reward: not a collapse
-    GRPOModule._warn_collapse(me, {"train/entropy": 0.99 * math.log(300), "train/reward_mean": 0.0})
-    GRPOModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.0})
+    RLModule._warn_collapse(me, {"train/entropy": 0.99 * math.log(300), "train/reward_mean": 0.0})
+    RLModule._warn_collapse(me, {"train/entropy": math.log(300), "train/reward_mean": 0.0})
     assert caplog.text.count("policy collapse at iteration 7") == 1 and "optim.lr=1000" in caplog.text
 
 

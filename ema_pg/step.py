@@ -8,11 +8,14 @@ run. No Lightning here.
     rewards  = shape_rewards(...)                               # DAPO's overlong penalty, WARP's sequence KL
     adv      = ADVANTAGES[algo.advantage](...)                  # group | rloo | reinforce_pp | gae (ema_pg.advantages)
     update(...)                                                 # Lambda passes of minibatch updates (ema_pg.update)
+    anchor.after_iteration(policy, t + 1)                       # the anchor follows: eq. 2 (Alg 3, line 25)
 
-What an iteration is made of (the policy, its anchor, the task, the sampler, the estimator, the updater, the config
-nodes) is one record, :class:`StepParts`. The anchor's scheme is not part of the step: the caller applies it after
-the step and after each optimizer step (:class:`ema_pg.anchors.follow.Anchor`; in a run,
-:class:`ema_pg.engine.anchor.AnchorCallback`). Departures from the paper's Algorithm 3, all deliberate:
+What an iteration is made of (the policy, its anchor and the rule it follows, the task, the sampler, the estimator,
+the updater, the algo and rollout records) is one record, :class:`StepParts`. The anchor's rule
+(:class:`ema_pg.anchors.follow.Anchor`: EMA, reset, sync, BEMA, ...) runs at two clocks: after each applied optimizer
+step (the updater's ``after_step``: ``sync`` counts optimizer steps) and after the iteration, the step's last line.
+A rollout worker's parts have no rule: it samples, nothing follows. Departures from the paper's Algorithm 3, all
+deliberate:
 
 - prompts, sampling and minibatch order are seeded by (seed, iteration), so a resumed run
   repeats an uninterrupted one exactly; each prompt samples from its own stream, so several
@@ -35,6 +38,7 @@ import torch
 from torch import Tensor
 
 from .advantages import ADVANTAGES, AdvantageInputs
+from .anchors.follow import Anchor
 from .corrections import correct, decoupled_weight, prox_alpha
 from .dist import World, join_metrics
 from .heads import head
@@ -104,7 +108,7 @@ def rl_step(iteration: int, parts: StepParts, *, beta: float, grad_ratio: bool =
     batch = UpdateBatch(rollouts=rollouts, scores=scores, scorer=scorer, adv=est.adv, mask=mask, tis=tis,
                         values=values, returns=est.returns, beta=kl_weight,
                         spec=LossSpec.of(algo, rollout.max_new_tokens), prox=prox)
-    updates = update(it_seed, parts, batch, grad_ratio)
+    updates = update(it_seed, parts, batch, grad_ratio)  # each applied optimizer step also ticks the anchor's step clock
     t3 = time.perf_counter()
 
     # 4. metrics (namespaced; docs/training.md has the table)
@@ -114,6 +118,9 @@ def rl_step(iteration: int, parts: StepParts, *, beta: float, grad_ratio: bool =
     if packing is not None:  # what the padding-free passes leave out of the padded grid (algo.padding_free)
         metrics["perf/padding_saved"] = 1.0 - packing.tokens / packing.padded_tokens
     metrics = world.reduce_metrics({**metrics, **_kl_metrics(beta, kl_weight, est.kl_scaled, scores, rollouts)})
+
+    # 5. the anchor follows the policy: eq. 2 (Alg 3, line 25), by its scheme's rule and clock
+    metrics.update(follow_anchor(parts, iteration))
     return StepResult(metrics, rollouts, beta, float(kl_weight), metrics.get("train/kl_ctrl_kl"))
 
 
@@ -341,6 +348,17 @@ def _batch_metrics(rollouts, rewards, scores: OldAndAnchor, mask, world) -> dict
     return metrics
 
 
+def follow_anchor(parts: StepParts, iteration: int) -> dict[str, float]:
+    """Step 5: the anchor's rule after iteration ``iteration`` (its clock reads ``iteration + 1``, the iterations done),
+    with the lag ||theta - theta_ref|| and the rule's applications so far logged as they stood before it
+    (``anchor/lag_norm``, ``anchor/updates``). Nothing without a rule (no anchor, a rollout worker's parts)."""
+    if parts.anchor is None:
+        return {}
+    m = {"anchor/lag_norm": parts.anchor.lag_norm(parts.policy), "anchor/updates": parts.anchor.updates}
+    parts.anchor.after_iteration(parts.policy, iteration + 1)
+    return m
+
+
 def _kl_metrics(beta: float, weight: float, scaled: bool, scores, rollouts: Rollouts) -> dict[str, float]:
     """beta in force (``train/kl_coef``: the KL controller's, ``algo.beta`` under ``kl_ctrl=fixed``), the loss's token
     KL weight where it is a quantity of its own (``train/kl_weight``: over the batch's reward std, global_kl_scale),
@@ -377,6 +395,7 @@ class StepParts:
     world: World = field(default_factory=World)
     critic: object = None
     encode: object = None
+    anchor: Anchor | None = None  #: the rule the anchor follows (ema_pg.anchors.follow), applied at the step's end
 
     @property
     def device(self) -> torch.device:

@@ -6,8 +6,8 @@ The rules live in the registry; this callback keeps what depends on where the mo
   ``ref.model.path``; ``model.teacher_path`` for ``anchor=teacher``), or, for a LoRA policy
   (``model.lora_rank`` > 0), a second *adapter* beside the policy's in the same model
   (:mod:`ema_pg.engine.lora`): the schemes then act on the adapter weights, the base is shared;
-- the clocks: after each RL iteration (Lightning's batch end) and after each applied optimizer
-  step (the updater calls :meth:`after_optimizer_step`);
+- the clocks: the RL step applies the rule after each iteration (:func:`ema_pg.step.follow_anchor`, handed
+  :attr:`anchor`), and after each applied optimizer step the updater calls :meth:`after_optimizer_step`;
 - ZeRO-3: the anchor is never gathered into a full copy. At fit start the anchor model is partitioned
   like the policy (an inference-only ZeRO-3 engine), each rank keeps the fp32 master and the buffers
   of its own shard and updates them from the policy's shard of the same parameter (the two partitions
@@ -150,8 +150,7 @@ class AnchorCallback(L.Callback):
 
     # ------------------------------------------------------------------ the clocks
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._iteration = pl_module.iteration
-        self.anchor.after_iteration(pl_module.policy, pl_module.iteration)
+        self._iteration = pl_module.iteration  # the step applied the rule (ema_pg.step.follow_anchor)
 
     def after_optimizer_step(self, policy: torch.nn.Module) -> None:
         self.anchor.after_optimizer_step(policy)

@@ -171,9 +171,7 @@ class RLModule(L.LightningModule):
                 f"{c.algo.max_bad_steps} sets how many bad updates in a row end the run") from None
         self.iteration += 1
         metrics = res.metrics
-        if self.anchor is not None:
-            metrics["anchor/lag_norm"] = self.anchor.lag_norm(self.policy)
-            metrics["anchor/updates"] = self.anchor.updates
+        if self.anchor is not None:  # the step followed the anchor (its step 5) and logged its lag before that
             beta = res.kl_weight  # the loss's, not algo.beta: they differ under algo.global_kl_scale
             if self.monitor.due(self.iteration, beta):  # eq. 28, off by default
                 metrics.update(self.monitor(self.policy, res.rollouts, lr=self.updater.lr, beta=beta,
@@ -197,7 +195,8 @@ class RLModule(L.LightningModule):
             else:
                 sampled, wait = self._shared_next(iteration, anchor_model, world)
         parts = StepParts(self.policy, anchor_model, self.task, self.sampler, self.estimator, *self.records,
-                          self.cfg.seed, chunk, self.updater, world, self.critic, self.encode)
+                          self.cfg.seed, chunk, self.updater, world, self.critic, self.encode,
+                          anchor=None if self.anchor is None else self.anchor.anchor)
         res = rl_step(iteration, parts, beta=self.kl_ctrl.value, grad_ratio=self._grad_ratio_due(iteration),
                       sampled=sampled)
         if res.ctrl_kl is not None:  # beta for the next iteration, from this one's KL and responses

@@ -227,6 +227,32 @@ def test_the_step_runs_from_plain_records_and_reads_no_raw_beta(setup):
     assert reads <= {f.name for f in dataclasses.fields(algo)}
 
 
+def test_the_steps_last_line_is_the_anchors_rule_with_its_lag_logged_before_it(setup):
+    """Step 5 (Alg 3, line 25): with an EMA rule (eta 0.5, every iteration) the anchor moves half way to the policy,
+    which the recording updater leaves as it was, so the lag halves; the logged lag and count are those before the
+    rule ran. A rollout worker's parts (no rule) leave the anchor where it is."""
+    from ema_pg.anchors import get_scheme
+    from ema_pg.anchors.follow import Anchor
+
+    policy, anchor, tok, task, cfg = setup
+    model = copy.deepcopy(anchor)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05)
+    rule = Anchor(get_scheme("ema", eta=0.5, update_every=1))
+    rule.attach(policy, model)
+    before = rule.lag_norm(policy)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    res = rl_step(0, StepParts(policy, model, task, HFSampler(tok), get_estimator("k3"), cfg.algo, cfg.rollout, 0,
+                               lambda n: 7, RecordingUpdater(params), anchor=rule), beta=cfg.algo.beta)
+    assert res.metrics["anchor/lag_norm"] == before and res.metrics["anchor/updates"] == 0
+    assert rule.updates == 1 and rule.lag_norm(policy) == pytest.approx(before / 2, rel=1e-5)
+    still = copy.deepcopy(model)
+    rl_step(1, StepParts(policy, still, task, HFSampler(tok), get_estimator("k3"), cfg.algo, cfg.rollout, 0,
+                         lambda n: 7, RecordingUpdater(params)), beta=cfg.algo.beta)
+    assert all(torch.equal(a, b) for a, b in zip(still.parameters(), model.parameters()))
+
+
 def test_group_estimator_returns_the_kl_scale_by_hand():
     """R = (1,0,0,0 | 1,1,0,0): R - V = (.75,-.25,-.25,-.25 | .5,.5,-.5,-.5), unbiased std sqrt(1.75/7) = 0.5."""
     from ema_pg.advantages import ADVANTAGES, AdvantageInputs

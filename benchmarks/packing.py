@@ -113,7 +113,7 @@ def time_pass(model, ro, shape_budget: int, mode: str, pass_: str, reps: int, ch
 
     from ema_pg.heads import head
     from ema_pg.packing import pack
-    from ema_pg.update import micro_batches
+    from ema_pg.microbatches import micro_batches
 
     m = MODES[mode]
     budget = shape_budget if m["budget"] is None else m["budget"]

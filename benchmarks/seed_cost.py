@@ -110,6 +110,7 @@ def child(out: Path, argv: list[str]) -> None:
     ph = Phases()
     tokens = {"iterations": 0, "padded": 0, "real": 0, "policy": 0, "shared": 0, "rows": 0}
 
+    import ema_pg.scoring as scoring
     import ema_pg.step as step
     from ema_pg.engine import module as module_mod
     from ema_pg.rollout.hf import HFSampler
@@ -157,7 +158,7 @@ def child(out: Path, argv: list[str]) -> None:
         import ema_pg.update as update_mod
 
         ph.wrap(update_mod.PgKlGrads, "add", "update: KL/PG gradient ratio")
-    ph.wrap(step.OldAndAnchorScorer, "__call__", "scoring (pi_old, anchor)")
+    ph.wrap(scoring.OldAndAnchorScorer, "__call__", "scoring (pi_old, anchor)")
     from ema_pg.engine import sft as sft_mod
 
     ph.wrap(sft_mod, "sft_train", COLD)

@@ -39,7 +39,8 @@ from .rollout.base import Rollouts, pad_id, prompt_seeds
 from .rollout.hf import Continuation
 from .tasks.base import sampled
 from .scores import TokenScores
-from .step import OldAndAnchor, OldAndAnchorScorer, Sampled, StepParts, step_seed
+from .scoring import OldAndAnchor, OldAndAnchorScorer
+from .step import Sampled, StepParts, step_seed
 from .tasks.base import checked_reward
 
 

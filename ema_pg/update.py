@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .corrections import decoupled_weight, loglinear_prox, off_policy_sequence_mask
-from .dist import World
 from .heads import head
 from .kl import KLInputs
 from .losses import LossSpec, Share, policy_loss
+from .microbatches import micro_batches
 from .rollout.base import Rollouts
+from .scoring import OldAndAnchor, OldAndAnchorScorer
 
 
 def update(it_seed: int, parts, batch: UpdateBatch, grad_ratio: bool = False) -> dict[str, float]:
@@ -156,13 +157,13 @@ class Proximal:
 @dataclass
 class UpdateBatch:
     """One iteration's batch as the update reads it: the rollouts, their no-grad scores (pi_old, the anchor, the
-    index set: :class:`ema_pg.step.OldAndAnchor`) and the scorer that made them (its packing and logits rule), the
+    index set: :class:`ema_pg.scoring.OldAndAnchor`) and the scorer that made them (its packing and logits rule), the
     advantages and the loss mask, the engine-mismatch weights, PPO's values and returns, and the KL weight in
     force."""
 
     rollouts: Rollouts
-    scores: object  # ema_pg.step.OldAndAnchor
-    scorer: object  # ema_pg.step.OldAndAnchorScorer: .pack(batch), .full
+    scores: OldAndAnchor  # pi_old's, the anchor's, the index set
+    scorer: OldAndAnchorScorer  # its .pack(batch) and .full: how the update's passes score
     adv: Tensor  # (N,) or (N, T)
     mask: Tensor  # (N, T) the loss's: policy tokens, less DAPO's filtered truncations
     tis: Tensor | None  # (N, T) the rollout correction's weights on the PG term (None: none)
@@ -204,58 +205,6 @@ class PgKlGrads:
 
         g_pg, g_kl = norm(self.pg), norm(self.kl)
         return {"grad_norm_pg": g_pg, "grad_norm_kl": g_kl, "kl_pg_grad_ratio": g_kl / g_pg.clamp(min=1e-30)}
-
-
-def micro_batches(batch: Rollouts, budget: int, world: World = World()) -> list[Tensor]:
-    """The rows (indices into ``batch``) of each micro-batch of a minibatch: rows in prompt order (a prompt's samples
-    together, so that they share their prefix), a new micro-batch whenever the next row's real tokens would take it
-    over ``budget`` (a row longer than the budget goes alone). On several processes every rank makes as many
-    micro-batches as the rank that needs the most (its heaviest ones split in two): some strategies' forwards are
-    collective. ``budget`` 0: one micro-batch, the whole minibatch."""
-    n = len(batch)
-    if budget <= 0:
-        return [torch.arange(n)]
-    order = sorted(range(n), key=lambda i: batch.prompt_index[i])
-    tokens = batch.attention_mask.sum(1).tolist()
-    groups, cur, total = [], [], 0
-    for i in order:
-        if cur and total + tokens[i] > budget:
-            groups.append(cur)
-            cur, total = [], 0
-        cur.append(i)
-        total += tokens[i]
-    groups.append(cur)
-    count = world.max(len(groups)) if world.size > 1 else len(groups)
-    while len(groups) < count:  # as many as the other ranks: split the heaviest divisible one at its middle token
-        j = max((g for g in range(len(groups)) if len(groups[g]) > 1), key=lambda g: sum(tokens[i] for i in groups[g]))
-        g = groups.pop(j)
-        half, acc, cut = sum(tokens[i] for i in g) / 2, 0, 1
-        for k, i in enumerate(g[:-1], 1):
-            acc += tokens[i]
-            cut = k
-            if acc >= half:
-                break
-        groups[j:j] = [g[:cut], g[cut:]]
-    return [torch.tensor(g, dtype=torch.long) for g in groups]
-
-
-def over_micro_batches(batch: Rollouts, budget: int, world: World, fn: Callable):
-    """``fn(rows)`` on each micro-batch of ``batch`` (:func:`micro_batches`), the outputs put back in row order; with
-    one micro-batch, ``fn(None)``: the whole batch at once. ``fn`` returns a tensor (rows first), a dataclass of
-    them (None fields allowed) or None."""
-    parts = micro_batches(batch, budget, world)
-    if len(parts) == 1:
-        return fn(None)
-    return _rows_back([fn(p) for p in parts], torch.argsort(torch.cat(parts)))
-
-
-def _rows_back(outs: list, back: Tensor):
-    first = outs[0]
-    if first is None:
-        return None
-    if isinstance(first, Tensor):
-        return torch.cat(outs)[back]
-    return type(first)(**{f.name: _rows_back([getattr(o, f.name) for o in outs], back) for f in fields(first)})
 
 
 # ---------------------------------------------------------------------- the optimizer side

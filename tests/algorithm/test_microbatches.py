@@ -16,7 +16,7 @@ from ema_pg.config import build_estimator
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.rollout import HFSampler
 from ema_pg.step import StepParts, rl_step
-from ema_pg.update import micro_batches
+from ema_pg.microbatches import micro_batches
 from ema_pg.tasks import build_task
 
 

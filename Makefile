@@ -102,11 +102,13 @@ test: setup ## Run the fast test suite (slow and scale tests excluded), the impo
 	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -m "not slow and not scale" -q $(call XDIST,worksteal)
 
-test-full: test ## Run every test but the scale path's: the fast suite (make test), then the slow ones
-	$(PY) -m pytest -m "slow and not scale" -q $(XDIST)
+test-full: test test-slow ## Run every test but the scale path's: the fast suite (make test), then the slow ones
+
+test-slow: setup ## The slow tests alone (end-to-end runs, real servers), each file on one worker; the 15 slowest named
+	$(PY) -m pytest -m "slow and not scale" -q $(XDIST) --durations=15
 
 test-scale: scale-setup ## The scale path on its real engines: vLLM rollouts, DDP, DeepSpeed ZeRO-2/3 over 2 CPU processes
-	DS_ACCELERATOR=cpu $(PY) -m pytest -m scale -q $(XDIST)
+	DS_ACCELERATOR=cpu $(PY) -m pytest -m scale -q $(XDIST) --durations=15
 
 bench-rollout: scale-setup ## Rollout throughput, HF sampler vs vLLM engine, two model sizes (JSON in benchmarks/results)
 	$(PY) benchmarks/rollout.py --out benchmarks/results/rollout_cpu.json
@@ -120,4 +122,4 @@ lint: setup ## Ruff over the code
 clean: ## Remove caches (keeps .venv and runs/)
 	rm -rf .pytest_cache **/__pycache__
 
-.PHONY: help setup scale-setup test-scale bench-rollout bench-zero3 demo train sweep figures reproduce reproduce-table2 reproduce-table3 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-step-curve bench-head bench-tables test test-full lint clean
+.PHONY: help setup scale-setup test-slow test-scale bench-rollout bench-zero3 demo train sweep figures reproduce reproduce-table2 reproduce-table3 optuna dashboard search-table reproduce-fig4 reproduce-stability bench-step bench-step-curve bench-head bench-tables test test-full lint clean

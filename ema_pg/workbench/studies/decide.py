@@ -129,29 +129,36 @@ PLAN_KEYS = ("sweep", "scale", "seed0", "looks", "alpha", "spending", "runs", "b
 CLAIM_KEYS = ("better", "worse", "text", "score")
 
 
-def load_plan(path: Path) -> Plan:
-    """The plan file, checked before anything runs, each problem in one line: its keys (a misspelt one with the
-    nearest), every method a Hydra option of ``conf/method``, a claim's two arms different, claims distinct and at
-    least one, seeds from 0 up, looks increasing, the deviations each complete."""
+def read_plan_file(path: Path, keys: tuple[str, ...], required: tuple[str, ...], what: str, source: str) -> dict:
+    """A plan file's YAML mapping (a decide plan's, a pilot's: ``what``), each problem in one line: YAML's own report
+    (a key given twice, a bad indent), not a mapping, an unknown key (with the nearest), a required key missing
+    (``source``: the module whose docstring describes the file)."""
     import difflib
 
     from omegaconf import OmegaConf
 
     try:
         raw = OmegaConf.to_container(OmegaConf.load(path))
-    except Exception as e:  # noqa: BLE001 - YAML's own report (a claim id given twice, a bad indent) as one line
-        raise SystemExit(f"{path}: not a plan's YAML: {' '.join(str(e).split())[:300]}") from None
+    except Exception as e:  # noqa: BLE001 - YAML's own report, as one line
+        raise SystemExit(f"{path}: not a {what}'s YAML: {' '.join(str(e).split())[:300]}") from None
     if not isinstance(raw, dict):
-        raise SystemExit(f"{path}: a plan is a YAML mapping of {', '.join(PLAN_KEYS)}")
+        raise SystemExit(f"{path}: a {what} is a YAML mapping of {', '.join(keys)}")
     for k in raw:
-        if k not in PLAN_KEYS:
-            near = difflib.get_close_matches(str(k), PLAN_KEYS, n=1)
+        if k not in keys:
+            near = difflib.get_close_matches(str(k), keys, n=1)
             raise SystemExit(f"{path}: unknown key {k!r}: {f'did you mean {near[0]}? ' if near else ''}remove it "
-                             f"(a plan's keys: {', '.join(PLAN_KEYS)})")
-    need = ("sweep", "scale", "seed0", "looks", "claims")
-    missing = [k for k in need if k not in raw]
-    if missing:
-        raise SystemExit(f"{path}: the plan needs {', '.join(missing)} (see ema_pg/workbench/studies/decide.py)")
+                             f"(a {what}'s keys: {', '.join(keys)})")
+    if missing := [k for k in required if k not in raw]:
+        rel = Path(source).resolve().relative_to(ROOT)
+        raise SystemExit(f"{path}: the {what} needs {', '.join(missing)} (see {rel})")
+    return raw
+
+
+def load_plan(path: Path) -> Plan:
+    """The plan file, checked before anything runs, each problem in one line: its keys (a misspelt one with the
+    nearest), every method a Hydra option of ``conf/method``, a claim's two arms different, claims distinct and at
+    least one, seeds from 0 up, looks increasing, the deviations each complete."""
+    raw = read_plan_file(path, PLAN_KEYS, ("sweep", "scale", "seed0", "looks", "claims"), "plan", __file__)
     if not isinstance(raw["seed0"], int) or isinstance(raw["seed0"], bool) or raw["seed0"] < 0:
         raise SystemExit(f"{path}: seed0={raw['seed0']!r}; the first seed is a whole number >= 0")
     try:

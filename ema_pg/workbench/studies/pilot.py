@@ -89,23 +89,9 @@ class PilotPlan:
 
 def load_pilot(path: Path) -> PilotPlan:
     """The pilot's plan, checked before anything runs, each problem in one line."""
-    import difflib
+    from .decide import read_plan_file
 
-    from omegaconf import OmegaConf
-
-    try:
-        raw = OmegaConf.to_container(OmegaConf.load(path))
-    except Exception as e:  # noqa: BLE001 - YAML's own report, as one line
-        raise SystemExit(f"{path}: not a pilot plan's YAML: {' '.join(str(e).split())[:300]}") from None
-    if not isinstance(raw, dict):
-        raise SystemExit(f"{path}: a pilot plan is a YAML mapping of {', '.join(PILOT_KEYS)}")
-    for k in raw:
-        if k not in PILOT_KEYS:
-            near = difflib.get_close_matches(str(k), PILOT_KEYS, n=1)
-            raise SystemExit(f"{path}: unknown key {k!r}: {f'did you mean {near[0]}? ' if near else ''}remove it "
-                             f"(a pilot plan's keys: {', '.join(PILOT_KEYS)})")
-    if missing := [k for k in ("sweep", "scale", "methods", "seeds", "rule") if k not in raw]:
-        raise SystemExit(f"{path}: the pilot plan needs {', '.join(missing)} (see ema_pg/workbench/studies/pilot.py)")
+    raw = read_plan_file(path, PILOT_KEYS, ("sweep", "scale", "methods", "seeds", "rule"), "pilot plan", __file__)
     seeds, methods = raw["seeds"], raw["methods"]
     if not isinstance(seeds, list) or not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
                                                         for s in seeds) or len(set(seeds)) != len(seeds):

@@ -344,9 +344,9 @@ class StepResult:
 
     metrics: dict[str, float]
     rollouts: Rollouts
-    beta: float = 0.0
-    kl_weight: float = 0.0
-    ctrl_kl: float | None = None
+    beta: float
+    kl_weight: float
+    ctrl_kl: float | None
 
 
 def step_seed(seed: int, iteration: int) -> int:

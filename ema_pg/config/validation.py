@@ -182,10 +182,10 @@ class Binding:
 
     estimator: object
     scheme: object | None
-    staleness: int = 0  #: rollout.max_staleness: how many iterations ahead a rollout worker samples (0: synchronous)
+    staleness: int  #: rollout.max_staleness: how many iterations ahead a rollout worker samples (0: synchronous)
     #: the algo and rollout groups as plain typed records (:func:`step_records`): what the algorithm floor is handed
-    algo: AlgoConfig | None = None
-    rollout: RolloutConfig | None = None
+    algo: AlgoConfig
+    rollout: RolloutConfig
 
 
 def step_records(cfg) -> tuple[AlgoConfig, RolloutConfig]:

@@ -36,7 +36,7 @@ import traceback
 import torch
 
 from ..chunked import HeadChunk
-from ..config import build_estimator, step_records
+from ..config import build_estimator
 from ..dist import Share
 from ..partial import PartialStream
 from ..rollout import build_sampler
@@ -182,7 +182,7 @@ class RolloutsAhead:
     (restored from a checkpoint, or received whole: a pool's blocks are joined as the last arrives); ``asked``
     holds the iterations asked for and not yet received whole."""
 
-    def __init__(self, cfg, policy, anchor_model, tokenizer, task, encode, chunk: HeadChunk, *, k: int, records=None):
+    def __init__(self, cfg, policy, anchor_model, tokenizer, task, encode, chunk: HeadChunk, *, k: int, records: tuple):
         self.cfg, self.k = cfg, int(k)  # k: rollout.max_staleness as the run's Binding bound it
         self.n = int(cfg.rollout.workers)  #: the pool's worker processes
         self.aligned = anchor_model is not None and cfg.anchor.align == "behaviour"
@@ -193,7 +193,7 @@ class RolloutsAhead:
         anchor = (ANCHOR if self.lora else _blank(anchor_model)) if self.aligned else None
         self._spec = {"cfg": cfg, "policy": _blank(policy, cfg.model if self.lora else None), "anchor": anchor,
                       "tokenizer": tokenizer, "task": task, "encode": encode, "chunk": chunk,
-                      "records": records or step_records(cfg)}  # the algo and rollout groups, plain, for the step
+                      "records": records}  # the algo and rollout groups as the run bound them (step_records)
         self._pad = pad_id(tokenizer)
         self._whole_sent = False  # the worker processes now running have the LoRA base
         self.last_push_mb = 0.0

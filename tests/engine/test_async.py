@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import compose_cfg, frozen, moved
 
-from ema_pg.config import ConfigError, validate
+from ema_pg.config import ConfigError, step_records, validate
 from ema_pg.chunked import HeadChunk
 from ema_pg.engine.rollout_workers import RolloutsAhead, RolloutWorkerError
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
@@ -224,7 +224,7 @@ def _ahead(world, k, policy, anchor, align, cfg=None):
     cfg = copy.deepcopy(cfg if cfg is not None else base)
     cfg.rollout.max_staleness, cfg.anchor.align = k, align
     return RolloutsAhead(cfg, policy, anchor, tok, task, PromptEncoder(tok, "off"), HeadChunk(7, 300, 256.0),
-                         k=cfg.rollout.max_staleness)
+                         k=cfg.rollout.max_staleness, records=step_records(cfg))
 
 
 def test_the_worker_samples_batch_t_with_version_t_minus_k_and_a_restored_one_continues_alike(world):

@@ -12,7 +12,7 @@ import torch
 from helpers import compose_cfg, frozen, moved
 
 from ema_pg.chunked import HeadChunk
-from ema_pg.config import ConfigError, validate
+from ema_pg.config import ConfigError, step_records, validate
 from ema_pg.engine.rollout_workers import RolloutsAhead, RolloutWorkerError
 from ema_pg.engine.models import build_tiny_model, train_bpe_tokenizer
 from ema_pg.heads import head
@@ -159,7 +159,7 @@ def _ahead(world, n, policy):
     cfg = copy.deepcopy(base)
     cfg.rollout.workers = n
     return RolloutsAhead(cfg, policy, None, tok, task, PromptEncoder(tok, "off"), HeadChunk(7, 300, 256.0),
-                         k=cfg.rollout.max_staleness)
+                         k=cfg.rollout.max_staleness, records=step_records(cfg))
 
 
 def _continued(world, n, its=5, cut=3):

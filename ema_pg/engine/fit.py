@@ -399,6 +399,16 @@ class _PeriodCheckpoint(ModelCheckpoint):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         self.filename = f"iter{pl_module.iteration}"  # an epoch is a period: named by its iteration instead
         super().on_train_epoch_end(trainer, pl_module)
+        send_covered(trainer)  # only now: until the link moves, a resume takes the previous period's checkpoint
+
+
+def send_covered(trainer) -> None:
+    """The trackers take the rows held: the checkpoint a resume would take (``last.ckpt``) now covers them. Sent
+    earlier (Lightning's ``after_save_checkpoint``, before the link moves), a kill in between left a tracker holding
+    rows its resume runs again: one run's iteration twice in wandb."""
+    for lg in trainer.loggers:
+        if isinstance(lg, TrackerHub):
+            lg.flush()
 
 
 class _CheckpointOnSigterm(L.Callback):
@@ -453,9 +463,7 @@ class _CheckpointOnSigterm(L.Callback):
                 self.last.unlink()  # link, into the period's checkpoint: that one stays whole, the fallback
             trainer.strategy.barrier()
             trainer.save_checkpoint(self.last, weights_only=False)  # the whole state (Lightning logs a line when unsaid)
-            for lg in trainer.loggers:  # the trackers now take the rows this checkpoint covers
-                if isinstance(lg, TrackerHub):
-                    lg.flush()
+            send_covered(trainer)
             log.warning("SIGTERM: checkpoint of iteration %d saved in %s", pl_module.iteration, self.last.parent)
 
 

@@ -715,8 +715,8 @@ def _lightning_logger():
 
 
 class TrackerHub(_lightning_logger()):
-    """Lightning's view of a run's trackers: rows are held until the checkpoint that covers them is written
-    (:meth:`after_save_checkpoint`), then sent; at a resume the rows the trackers lack are sent first. Rank 0 only
+    """Lightning's view of a run's trackers: rows are held until the checkpoint a resume would take covers them
+    (:meth:`flush`, called once the period's checkpoint and its link are written, or a SIGTERM's save), then sent; at a resume the rows the trackers lack are sent first. Rank 0 only
     (Lightning logs from rank 0)."""
 
     def __init__(self, cfg, run_dir: Path, record: list[tuple[int, dict]] | None):
@@ -748,9 +748,6 @@ class TrackerHub(_lightning_logger()):
 
     def log_metrics(self, metrics, step=None) -> None:
         self.pending.append((int(step or 0), {k: float(v) for k, v in metrics.items()}))
-
-    def after_save_checkpoint(self, checkpoint_callback) -> None:
-        self.flush()
 
     def flush(self) -> None:
         """Send the rows held: a checkpoint now covers them."""

@@ -48,6 +48,12 @@ def record_of(run: Path) -> Counter:
     return Counter((s, k) for s, row in run_rows(run) for k in row)
 
 
+def unlike(got: Counter, want: Counter) -> tuple[list, list]:
+    """What ``got`` holds beyond ``want`` and what it lacks, sorted: ([], []) when they are alike, and otherwise the
+    few (step, key) pairs that differ, where a whole Counter's repr would hide them among 3,000 alike."""
+    return sorted((got - want).items()), sorted((want - got).items())
+
+
 def as_mlflow(c: Counter) -> Counter:
     return Counter({(s, k.replace("@", "_at_")): n for (s, k), n in c.items()})
 
@@ -340,3 +346,25 @@ def test_an_mlflow_server_out_of_reach_at_start_is_one_line_before_any_model_is_
     assert line.startswith("logger.mlflow_uri=http://user:***@127.0.0.1:1: no MLflow server answers there")
     assert "unset logger.mlflow_uri" in line and "pw@" not in line and "\n" not in line
     assert not (tmp_path / "run" / "model").exists()  # no policy built or saved
+
+
+def test_a_tracker_takes_rows_only_once_the_checkpoint_a_resume_takes_covers_them(tmp_path, monkeypatch):
+    """Rows go to a tracker when the checkpoint a resume would take (``last.ckpt``, else the newest) holds their
+    iteration: at every send of a 6-iteration run, checkpoints every 2. Sent when Lightning's save returns, before the
+    link moves on, a kill there left wandb holding iterations the resume ran again (iteration 33 twice in CI)."""
+    from ema_pg.engine import tracking
+    from ema_pg.engine.fit import train
+    from ema_pg.engine.policy import checkpoint_iteration
+
+    cfg = compose_cfg(["logger=tensorboard", "algo.iterations=6", "algo.eval_every=2"], tmp_path)
+    sends, send = [], tracking.Trackers.send
+
+    def watched(self, rows):
+        if rows:
+            sends.append((max(s for s, _ in rows), checkpoint_iteration(cfg.run_dir)))
+        send(self, rows)
+
+    monkeypatch.setattr(tracking.Trackers, "send", watched)
+    train(cfg)
+    assert [s for s, _ in sends] == [2, 4, 6, 6]  # three periods' rows, then the summary row
+    assert all(covered is not None and step <= covered for step, covered in sends), sends

@@ -15,7 +15,8 @@ from .schema import (
     SFTConfig, TrainerConfig, eval_settings_problem, is_deepspeed, is_tiny,
 )
 from .validation import (
-    CHECKED_GROUPS, KL_PARAMS, Binding, build_estimator, build_scheme, kl_params, stated_world_size, step_records, validate,
+    CHECKED_GROUPS, KL_PARAMS, Binding, build_estimator, build_scheme, kl_params, stated_world_size, step_records, task_record,
+    validate,
     validate_model, validate_world, with_defaults,
 )
 
@@ -25,6 +26,6 @@ __all__ = [
     "KLConfig", "LoggerConfig", "ModelConfig", "MonitorConfig", "OptimConfig", "RolloutConfig", "SFTConfig",
     "TrainerConfig", "build_estimator", "build_scheme", "compose", "eval_settings_problem",
     "flatten", "is_deepspeed", "is_tiny", "kl_params", "overrides_problem", "register_configs", "stated_world_size",
-    "step_records",
+    "step_records", "task_record",
     "validate", "validate_model", "validate_world", "with_defaults",
 ]

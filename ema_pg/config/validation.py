@@ -198,6 +198,14 @@ def step_records(cfg) -> tuple[AlgoConfig, RolloutConfig]:
     return record(AlgoConfig, cfg.algo), record(RolloutConfig, cfg.rollout)
 
 
+def task_record(cfg) -> dict:
+    """The run's ``task`` group as a plain dict, interpolations resolved: what :func:`ema_pg.tasks.build_task` and
+    :meth:`ema_pg.prompts.PromptEncoder.of` are handed (a task's knobs differ by task: its own schema is its
+    class's). Made where the task is built, not at validation: an ``${oc.env:...}`` knob (a retriever's URL) is read
+    only by a run that builds its task."""
+    return OmegaConf.to_container(cfg.task, resolve=True)
+
+
 def validate(cfg, vocab_size: int | None = None) -> Binding:
     """Start-up validation; raises ConfigError naming the knob and the fix. Returns the run's :class:`Binding`.
 

@@ -111,7 +111,7 @@ def evaluate_policy(model, sampler, task, rollout_cfg, batch_size: int = 128, pr
             idx = index[i : i + per_call]
             chunk = [all_prompts[j] for j in idx]
             ro = sampler.generate(model, sampler_prompts(chunk, encode), n_samples, temperature=rollout_cfg.eval_temperature,
-                                  top_p=top_p, max_new_tokens=rollout_cfg.max_new_tokens, stop=sampler_stops(task, rollout_cfg.stop),
+                                  top_p=top_p, max_new_tokens=rollout_cfg.max_new_tokens, stop=sampler_stops(task, tuple(rollout_cfg.stop)),
                                   on_stop=env_turns(task, chunk, n_samples), seed=[_prompt_seed(name, j) for j in idx])
             rs = [[] for _ in chunk]
             ks_ = [[] for _ in chunk]

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
-from ..config import ConfigError, is_deepspeed, validate_model
+from ..config import ConfigError, is_deepspeed, task_record, validate_model
 from ..update import NonFiniteUpdates
 from ..heads import check_head
 from ..packing import pack_problem
@@ -112,18 +112,19 @@ def _train(opened, callbacks) -> tuple[dict, dict]:
     try:
         if is_rank_zero():
             check_reachable(cfg.logger)  # an online tracker out of reach: one line, before any model is built
-        task = build_task(cfg.task)  # a retrieval server is checked here, before any model is built
+        task_spec = task_record(cfg)  # the task group as a plain dict, for the algorithm floor
+        task = build_task(task_spec)  # a retrieval server is checked here, before any model is built
         check_task(task, cold_start=not cfg.model.path, sft=cfg.sft.steps > 0)  # (a class from outside, above all)
         if cfg.rollout.partial and task.turn_ends:
             raise ConfigError(f"rollout.partial=true is built for single-turn tasks; task {cfg.task.name} ends its "
                               f"turns at {', '.join(map(repr, task.turn_ends))} (its environment's turns are not "
                               "continued across versions): use rollout.partial=false")
         policy, tok = build_policy(cfg, task, check=lambda tok: check_context(  # before a cold start's SFT
-            cfg, task, PromptEncoder.of(tok, cfg.task), cfg.model.max_positions))
+            cfg, task, PromptEncoder.of(tok, task_spec), cfg.model.max_positions))
         check_head(policy)  # an architecture the log-prob head cannot score is refused now, not at the first step
         if cfg.algo.padding_free and (problem := pack_problem(policy)):
             raise ValueError(problem)
-        encode = PromptEncoder.of(tok, cfg.task)
+        encode = PromptEncoder.of(tok, task_spec)
     except (ValueError, ServiceError, NotImplementedError) as e:  # NoColdStart is a ValueError
         raise ConfigError(str(e)) from None
     mc = policy.config

@@ -18,7 +18,7 @@ import torch
 
 from ..advantages import ADVANTAGES
 from ..chunked import HeadChunk, chunk_budget_mb
-from ..config import Binding, is_deepspeed, stated_world_size, validate, validate_world
+from ..config import Binding, is_deepspeed, stated_world_size, task_record, validate, validate_world
 from ..dist import World, Zero3FullWeights, full_shape, whole, zero3_partitioned
 from ..kl_control import build_kl_controller
 from ..prompts import PromptEncoder
@@ -117,8 +117,8 @@ class RLModule(L.LightningModule):
         self.estimator = bound.estimator
         self.staleness = bound.staleness  #: rollout.max_staleness as bound (0: synchronous)
         self.records = (bound.algo, bound.rollout)  #: the algo and rollout groups as plain records, for the step
-        self.sampler = build_sampler(cfg.rollout, tokenizer, lora=bool(cfg.model.lora_rank))
-        self.encode = encode or PromptEncoder.of(tokenizer, cfg.task)  # the one prompt -> ids
+        self.sampler = build_sampler(bound.rollout, tokenizer, lora=bool(cfg.model.lora_rank))
+        self.encode = encode or PromptEncoder.of(tokenizer, task_record(cfg))  # the one prompt -> ids
         self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps,
                                         deepspeed=is_deepspeed(cfg),
                                         after_step=None if anchor is None else lambda: anchor.after_optimizer_step(policy))
@@ -130,7 +130,7 @@ class RLModule(L.LightningModule):
             self.value_model = self.critic.model  # a submodule: it moves with the module
         eta = None if anchor is None else anchor.scheme.params.get("eta")  # the bound scheme's, not the config's
         self.monitor = StabilityMonitor(cfg.monitor.every, cfg.monitor.num_sequences, eta)
-        self.kl_ctrl = build_kl_controller(cfg.algo)  # beta in force: algo.beta, or the adaptive controller's
+        self.kl_ctrl = build_kl_controller(bound.algo)  # beta in force: algo.beta, or the adaptive controller's
         self.iteration = 0  # RL iterations done (Alg 3's t), saved in checkpoints
         self.ahead = None  # rollout.max_staleness > 0: the rollout worker (ema_pg.engine.rollout_workers), started at the first step
         self._restored_in_flight: dict[int, bytes] = {}  # the batches in flight at the checkpoint resumed from

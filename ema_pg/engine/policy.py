@@ -39,7 +39,7 @@ def build_policy(cfg, task, check=None):
         return model, tok
     seed = cfg.seed if cfg.sft.seed is None else cfg.sft.seed
     model, tok, _ = cold_start(cfg.model, cfg.task, cfg.sft, task, seed, max_new_tokens=cfg.rollout.max_new_tokens,
-                               stop=tuple(sampler_stops(task, cfg.rollout.stop)), progress=cfg.trainer.progress_bar,
+                               stop=tuple(sampler_stops(task, tuple(cfg.rollout.stop))), progress=cfg.trainer.progress_bar,
                                check=check)
     return model.to(DTYPES[cfg.model.dtype]), tok
 

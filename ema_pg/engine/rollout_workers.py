@@ -110,7 +110,7 @@ def _serve(conn, threads: int) -> None:
             anchor = AdapterView(policy, ANCHOR)
         else:
             anchor = _build(spec["anchor"]) if spec["anchor"] is not None else None
-        sampler = build_sampler(cfg.rollout, spec["tokenizer"], lora=bool(cfg.model.lora_rank))
+        sampler = build_sampler(spec["records"][1], spec["tokenizer"], lora=bool(cfg.model.lora_rank))
         estimator = build_estimator(cfg.kl)
         share = Share(*spec["share"])
         stream = None

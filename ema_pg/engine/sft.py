@@ -256,7 +256,7 @@ def _cold_start(d: Path, model_cfg, task_cfg, sft_cfg, task, seed: int, generati
             shutil.rmtree(d, ignore_errors=True)
     (max_new_tokens, *stop), (demos, corpus) = generation, sources
     tok = train_bpe_tokenizer(corpus, vocab_size=model_cfg.tokenizer_vocab)
-    encode = PromptEncoder.of(tok, task_cfg)
+    encode = PromptEncoder.of(tok, OmegaConf.to_container(task_cfg, resolve=True))
     if check is not None:
         check(tok)
     if demos:

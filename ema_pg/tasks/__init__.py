@@ -1,4 +1,5 @@
-"""Environments and rewards. ``build_task(cfg.task)`` picks one by ``task.name``.
+"""Environments and rewards. ``build_task(task)`` picks one by ``task["name"]`` (a run hands it its task group as a
+plain dict: ``ema_pg.config.task_record``).
 
 A task's knobs and their defaults have one home: its option file ``conf/task/<name>.yaml``;
 the knobs every task has (``chat_template``, read by :mod:`ema_pg.prompts`, not by the task) live in

@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 
 from ..cli import command_parser
+from ..config import task_record
 
 log = logging.getLogger("ema_pg")
 
@@ -39,11 +40,11 @@ def play(model, tok, task, cfg, prompt, seed: int = 0):
     from ..rollout import HFSampler
     from ..tasks.base import env_turns, sampler_stops
 
-    encode = PromptEncoder.of(tok, cfg.task)
+    encode = PromptEncoder.of(tok, task_record(cfg))
     ro = HFSampler(tok, max_obs_tokens=cfg.rollout.max_obs_tokens).generate(
         model.eval(), sampler_prompts([prompt], encode), 1, temperature=cfg.rollout.eval_temperature,
         top_p=cfg.rollout.eval_top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-        stop=sampler_stops(task, cfg.rollout.stop), on_stop=env_turns(task, [prompt], 1), seed=seed)
+        stop=sampler_stops(task, tuple(cfg.rollout.stop)), on_stop=env_turns(task, [prompt], 1), seed=seed)
     live = ro.attention_mask[0, ro.prompt_len:].bool()
     ids = ro.input_ids[0, ro.prompt_len:][live].tolist()
     mask = ro.loss_mask[0, ro.prompt_len:][live].tolist()
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"{run} is not a run folder (no config.yaml there)")
     cfg = upgraded(OmegaConf.load(run / "config.yaml"))
     try:
-        task = build_task(cfg.task)
+        task = build_task(task_record(cfg))
         if a.train:
             prompt = task.sample(1, seed=a.seed)[0]
         else:

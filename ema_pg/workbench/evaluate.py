@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..cli import command_parser
+from ..config import step_records, task_record
 from ..engine.evaluation import evaluate_policy, result_metric, score_names
 from ..engine.install import check_config
 from ..prompts import PromptEncoder
@@ -181,14 +182,9 @@ def _beside(a, cfg, model, sampler, task, encode, bars: bool) -> dict:
         extra["train"] = evaluate_policy(model, sampler, task, cfg.rollout, splits={"train": prompts}, show=a.show,
                                           encode=encode, progress=bars and "train")["splits"]["train"]
     if a.transfer:  # the same questions' shapes, in worlds of other names and facts
-        from omegaconf import open_dict
-
         each = []
         for seed in transfer_seeds(a.transfer):
-            tc = cfg.task.copy()
-            with open_dict(tc):
-                tc.seed = seed
-            other = build_task(tc)
+            other = build_task({**task_record(cfg), "seed": seed})
             sp = None if a.baseline == "none" else {k: other.baseline_prompts(v, a.baseline)
                                                     for k, v in other.eval_splits().items()}
             each.append(evaluate_policy(model, sampler, other, cfg.rollout, splits=sp,
@@ -274,12 +270,12 @@ def main(argv: list[str] | None = None) -> None:
         if is_run:
             model, tok = load_run_model(target, a.which)
         elif a.target == "base":
-            model, tok = build_policy(cfg, build_task(cfg.task))
+            model, tok = build_policy(cfg, build_task(task_record(cfg)))
         else:
             model, tok = load_model_dir(target)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"evaluate: {e}") from None
-    task = build_task(cfg.task)
+    task = build_task(task_record(cfg))
     if a.transfer and not task.generated:
         raise SystemExit(f"--transfer scores the policy on other generated worlds; task={cfg.task.name} has none (the "
                          "synthetic search world has: task=search_qa without task.data_dir)")
@@ -289,9 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     splits = None
     if a.baseline != "none":
         splits = {k: task.baseline_prompts(v, a.baseline) for k, v in task.eval_splits().items()}
-    sampler = build_sampler(cfg.rollout, tok)
+    sampler = build_sampler(step_records(cfg)[1], tok)
     try:
-        encode = PromptEncoder.of(tok, cfg.task)
+        encode = PromptEncoder.of(tok, task_record(cfg))
     except ValueError as e:
         raise SystemExit(f"config error: {e}") from None
     bars = bool(cfg.trainer.progress_bar)  # as a run's: off for a log meant for a scheduler

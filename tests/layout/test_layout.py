@@ -153,3 +153,41 @@ def test_the_scripts_find_the_test_helpers_they_import():
                 if folder is not None and not set(folder) <= strings:
                     lost.append(f"{script.relative_to(ROOT)} imports {name} from {'/'.join(folder)}")
     assert not lost, lost
+
+
+def test_the_algorithm_floor_is_handed_no_config_node(tmp_path):
+    """A run (2 iterations, an evaluation each, the adaptive KL controller) watched call by call: no function of an
+    algorithm-floor module (the import contract's list) is handed an OmegaConf node, as an argument or as a field of a
+    record argument (StepParts). The engine hands it the run's plain records (config.Binding: algo, rollout, task);
+    before, build_sampler, build_task, PromptEncoder.of, build_kl_controller and sampler_stops each took a node."""
+    import threading
+
+    from helpers import compose_cfg
+    from omegaconf import DictConfig, ListConfig
+
+    from ema_pg.engine.fit import train
+
+    algorithm = next(c for c in contracts() if c["type"] == "forbidden")["source_modules"]
+    files = tuple(str(ROOT / "ema_pg" / m.split(".", 1)[1].replace(".", "/")) for m in algorithm)
+    handed = set()
+
+    def watch(frame, event, _arg):
+        code = frame.f_code
+        if event != "call" or not code.co_filename.startswith(files):
+            return
+        for name in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
+            v = frame.f_locals.get(name)
+            inside = [] if v is None or isinstance(v, type) else [getattr(v, f, None) for f in
+                                                                  getattr(v, "__dataclass_fields__", {})]
+            if any(isinstance(x, (DictConfig, ListConfig)) for x in [v, *inside]):
+                handed.add(f"{code.co_qualname}({name})")
+
+    cfg = compose_cfg(["algo.iterations=2", "algo.eval_every=1", "algo.kl_ctrl=adaptive"], tmp_path)
+    threading.setprofile(watch)
+    sys.setprofile(watch)
+    try:
+        train(cfg)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    assert not handed, f"the algorithm floor was handed config nodes: {sorted(handed)}"

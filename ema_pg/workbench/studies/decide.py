@@ -241,12 +241,13 @@ def power_lines(plan: Plan, looks: pd.DataFrame) -> list[str]:
 def check_cells(plan: Plan, code: Path = ROOT) -> None:
     """What the plan's cells will run, checked before the first of them starts (each in one line):
     :func:`cell_config`, and every claim's score ``avg`` or one of the task's evaluation splits."""
+    from ...config import task_record
     from ...tasks import build_task
 
     cfg = cell_config(plan, code, plan.claims[0].better)
     scores = sorted({c.score for c in plan.claims} - {"avg"})
     if scores:
-        splits = list(build_task(cfg.task).eval_splits())
+        splits = list(build_task(task_record(cfg)).eval_splits())
         if bad := [x for x in scores if x not in splits]:
             raise SystemExit(f"{plan.path}: score {bad[0]!r} is neither avg nor a split of task {cfg.task.name} "
                              f"({', '.join(splits)}); give one of those")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from ...cli import command_parser
+from ...config import step_records, task_record
 
 KINDS = ("recalled", "own_world", "trained", "control", "invented")  #: the shares written, of all responses
 
@@ -105,7 +106,7 @@ def run_sources(run: Path, which: str = "policy") -> list[dict]:
     from ...tasks import build_task
 
     cfg = upgraded(OmegaConf.load(run / "config.yaml"))
-    task = build_task(cfg.task)
+    task = build_task(task_record(cfg))
     if not task.episodic:
         raise SystemExit(f"{run}: task.world={cfg.task.get('world')}; the sources of recalled answers are measured "
                          "in the episode world (task.world=episode)")
@@ -115,8 +116,8 @@ def run_sources(run: Path, which: str = "policy") -> list[dict]:
     trained, control = names_of(task, keys), names_of(task, control_world_keys(task, len(keys)))
     model, tok = load_run_model(run, which)
     splits = task.eval_splits()
-    res = evaluate_policy(model.eval(), build_sampler(cfg.rollout, tok), task, cfg.rollout, progress=False,
-                          show=max(map(len, splits.values())), encode=PromptEncoder.of(tok, cfg.task))
+    res = evaluate_policy(model.eval(), build_sampler(step_records(cfg)[1], tok), task, cfg.rollout, progress=False,
+                          show=max(map(len, splits.values())), encode=PromptEncoder.of(tok, task_record(cfg)))
     rows = []
     for split, samples in res["samples"].items():
         each = [answer_source(task, splits[split][s["index"]], s["response"], trained, control) for s in samples]

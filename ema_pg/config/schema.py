@@ -14,7 +14,7 @@ when a group file restates a default or gives a knob a second, different one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError, dataclass, field
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
@@ -117,8 +117,24 @@ class SFTConfig:
 MIN_TEMPERATURE = 0.1  #: the lowest training temperature: below it a group's samples are all alike
 
 
+class BoundRecord:
+    """A group's dataclass whose instance a run can freeze: :meth:`frozen` makes it read-only, as a run binds its
+    ``algo`` and ``rollout`` once (:func:`ema_pg.config.step_records`) for the algorithm floor. The schema's own
+    instances (composition's defaults) stay writable."""
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_frozen"):
+            raise FrozenInstanceError(f"{type(self).__name__}.{name}: a run's bound record is read-only (its one "
+                                      "home is the config; dataclasses.replace makes a changed copy)")
+        object.__setattr__(self, name, value)
+
+    def frozen(self):
+        self.__dict__["_frozen"] = True
+        return self
+
+
 @dataclass
-class RolloutConfig:
+class RolloutConfig(BoundRecord):
     name: str = "hf"  #: hf (Hugging Face loop) | vllm (an in-process vLLM engine; scale or gpu extra)
     temperature: float = 1.0  #: sampling temperature (log-probs are of the same tempered distribution)
     top_p: float = 1.0  #: nucleus sampling mass
@@ -246,7 +262,7 @@ class AnchorConfig:
 
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(BoundRecord):
     beta: float = 0.001  #: KL coefficient (eq. 1; paper 0.001)
     group_size: int = 8  #: N samples per prompt (Appendix A)
     prompts_per_step: int = 16  #: prompts per RL iteration (B)

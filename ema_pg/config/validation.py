@@ -189,12 +189,14 @@ class Binding:
 
 
 def step_records(cfg) -> tuple[AlgoConfig, RolloutConfig]:
-    """The run's ``algo`` and ``rollout`` groups as plain dataclass records, interpolations resolved: the algorithm
-    floor (:class:`ema_pg.step.StepParts`) is handed these, never a config node. A key a saved config lacks (a run
-    made before the knob existed) takes the schema's default."""
+    """The run's ``algo`` and ``rollout`` groups as plain dataclass records, interpolations resolved and read-only
+    (a field cannot be set; a list is a tuple): the algorithm floor (:class:`ema_pg.step.StepParts`) is handed these,
+    never a config node. A key a saved config lacks (a run made before the knob existed) takes the schema's
+    default."""
     def record(cls, node):
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k in names})
+        values = OmegaConf.to_container(node, resolve=True).items()
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values if k in names}).frozen()
     return record(AlgoConfig, cfg.algo), record(RolloutConfig, cfg.rollout)
 
 

@@ -224,3 +224,22 @@ def test_static_cache_is_for_the_hf_sampler_only():
     validate(compose_cfg(["rollout.static_cache=true"]))
     with pytest.raises(ConfigError, match="rollout.static_cache is a setting of the HF sampler"):
         validate(compose_cfg(["rollout=vllm", "rollout.static_cache=true"]))
+
+
+def test_a_runs_bound_records_are_read_only_and_the_schemas_stay_writable():
+    """step_records binds algo and rollout once: a field cannot be set afterwards, nor a list appended to, so no
+    part of a run changes a value in force under another; the schema's own instances (composition) stay writable."""
+    import dataclasses
+
+    from ema_pg.config import AlgoConfig, compose, step_records
+
+    algo, rollout = step_records(compose(["algo.beta=0.02", "rollout.stop=[a,b]"]))
+    assert algo.beta == 0.02 and rollout.stop == ("a", "b")
+    with pytest.raises(dataclasses.FrozenInstanceError, match="AlgoConfig.beta: a run's bound record is read-only"):
+        algo.beta = 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rollout.temperature = 0.5
+    assert dataclasses.replace(algo, beta=0.5).beta == 0.5 and algo.beta == 0.02  # a changed copy, if one is wanted
+    fresh = AlgoConfig()
+    fresh.beta = 0.5
+    assert fresh.beta == 0.5

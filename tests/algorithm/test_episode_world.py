@@ -203,6 +203,7 @@ def test_a_run_in_episode_worlds_trains_with_a_rollout_worker_that_rebuilds_each
     from ema_pg.train import train
 
     cfg = compose_cfg(["task=search_qa", "experiment=search_reading", "task.per_split=3", "rollout.max_new_tokens=24",
+                       "model.hidden_size=64", "model.num_layers=2",
                        "model.tokenizer_vocab=400", "sft.steps=150", "sft.stop_at_reward=0", "sft.batch_size=16", "sft.num_demos=400", "algo.iterations=2",
                        "algo.eval_every=2", "algo.prompts_per_step=2", "algo.group_size=2", "algo.minibatch_size=4",
                        "rollout.max_staleness=1", "trainer.progress_bar=false"], tmp_path, tiny=False)

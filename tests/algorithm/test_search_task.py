@@ -388,7 +388,10 @@ def test_evaluate_transfer_numbers_are_each_worlds_own_evaluation_averaged(tmp_p
     from ema_pg.prompts import PromptEncoder
     from ema_pg.rollout import build_sampler
 
-    over = [*TRANSFER_OVER, "sft.steps=150", f"sft.cache_dir={tmp_path / 'cache'}"]
+    # a 64-wide, 2-layer policy searches after 150 steps of 32 (0.86 of its answers) as the default 128 x 4 one
+    # does, its cold start in a quarter of the time (18.7 s against 68 s for the command alone)
+    over = [*TRANSFER_OVER, "sft.steps=150", "sft.batch_size=32", "model.hidden_size=64", "model.num_layers=2",
+            f"sft.cache_dir={tmp_path / 'cache'}"]
     main(["base", *over, "--transfer", "2", "--out", str(tmp_path / "ev.json")])
     out = json.loads((tmp_path / "ev.json").read_text())["transfer"]
     cfg = compose(over)

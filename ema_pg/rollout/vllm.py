@@ -152,7 +152,7 @@ def _engine_folder(model, tokenizer, path: str) -> None:
 
 
 class VLLMSampler:
-    """Sampler over an in-process vLLM engine. ``cfg`` is the ``rollout`` config node."""
+    """Sampler over an in-process vLLM engine. ``cfg`` is the run's bound ``rollout`` record (``step_records``)."""
 
     lockstep = None  # the engine holds its own weights: nothing to keep in step with ZeRO-3 (Sampler.lockstep)
     full_weights = None  # (Sampler.full_weights) unused: the engine samples from its own copy of the weights

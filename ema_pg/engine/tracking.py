@@ -716,8 +716,8 @@ def _lightning_logger():
 
 class TrackerHub(_lightning_logger()):
     """Lightning's view of a run's trackers: rows are held until the checkpoint a resume would take covers them
-    (:meth:`flush`, called once the period's checkpoint and its link are written, or a SIGTERM's save), then sent; at a resume the rows the trackers lack are sent first. Rank 0 only
-    (Lightning logs from rank 0)."""
+    (:meth:`flush`, called once the period's checkpoint and its link are written, or a SIGTERM's save), then sent;
+    at a resume the rows the trackers lack are sent first. Rank 0 only (Lightning logs from rank 0)."""
 
     def __init__(self, cfg, run_dir: Path, record: list[tuple[int, dict]] | None):
         super().__init__()

@@ -15,9 +15,8 @@ from .schema import (
     SFTConfig, TrainerConfig, eval_settings_problem, is_deepspeed, is_tiny,
 )
 from .validation import (
-    CHECKED_GROUPS, KL_PARAMS, Binding, build_estimator, build_scheme, kl_params, stated_world_size, step_records, task_record,
-    validate,
-    validate_model, validate_world, with_defaults,
+    CHECKED_GROUPS, KL_PARAMS, Binding, build_estimator, build_scheme, kl_params, stated_world_size, step_records,
+    task_record, validate, validate_model, validate_world, with_defaults,
 )
 
 __all__ = [

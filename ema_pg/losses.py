@@ -19,8 +19,7 @@ Departures from the paper's text, all documented at their function:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -190,14 +189,83 @@ def dppo_surrogate(
     return J, {"ratio": ratio, "clipped_low": ~keep & (a <= 0), "clipped_high": ~keep & (a > 0)}
 
 
-#: the surrogate registry (``algo.loss``): each entry J(logp, logp_old, adv, mask, eps_low, eps_high, clip_ratio_c)
-SURROGATES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
-    "ppo": lambda logp, old, adv, mask, lo, hi, c: ppo_surrogate(logp, old, adv, lo, hi, c),  # dual clip: c > 1
-    "gspo": lambda logp, old, adv, mask, lo, hi, c: gspo_surrogate(logp, old, adv, mask, lo, hi),
-    "cispo": lambda logp, old, adv, mask, lo, hi, c: cispo_surrogate(logp, old, adv, lo, hi),
-    "dppo_tv": lambda logp, old, adv, mask, lo, hi, c: dppo_surrogate(logp, old, adv, lo, hi, c, "tv"),
-    "dppo_kl": lambda logp, old, adv, mask, lo, hi, c: dppo_surrogate(logp, old, adv, lo, hi, c, "kl"),
+@dataclass(frozen=True)
+class PPOClip:
+    """``algo.loss=ppo``: the paper's clip-higher PPO/GRPO (Appendix A; :func:`ppo_surrogate`), the ratio clipped to
+    [1 - eps_low, 1 + eps_high]; ``clip_ratio_c`` > 1 adds dual-clip PPO's bound c A under negative advantages (0 = off)."""
+
+    eps_low: float
+    eps_high: float
+    clip_ratio_c: float
+
+    def __call__(self, logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return ppo_surrogate(logp, logp_old, adv, self.eps_low, self.eps_high, self.clip_ratio_c)
+
+
+@dataclass(frozen=True)
+class GSPOClip:
+    """``algo.loss=gspo``: one ratio per sequence (:func:`gspo_surrogate`), clipped to [1 - eps_low, 1 + eps_high]."""
+
+    eps_low: float
+    eps_high: float
+
+    def __call__(self, logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return gspo_surrogate(logp, logp_old, adv, mask, self.eps_low, self.eps_high)
+
+
+@dataclass(frozen=True)
+class CISPOClip:
+    """``algo.loss=cispo``: every token keeps its gradient, weighted by the stopped IS weight clipped to
+    [1 - eps_low, 1 + eps_high] (:func:`cispo_surrogate`)."""
+
+    eps_low: float
+    eps_high: float
+
+    def __call__(self, logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return cispo_surrogate(logp, logp_old, adv, self.eps_low, self.eps_high)
+
+
+@dataclass(frozen=True)
+class DPPOTrust:
+    """``algo.loss=dppo_tv`` / ``dppo_kl``: a trust region on the sampled token's probability (:func:`dppo_surrogate`):
+    ``eps_low`` / ``eps_high`` bound its divergence (``divergence``: tv or kl, fixed by the option) below and above,
+    and ``clip_ratio_c`` > 1 truncates the kept token's IS weight (0 = off)."""
+
+    eps_low: float
+    eps_high: float
+    clip_ratio_c: float
+    divergence: str  # tv | kl: fixed by the option (SURROGATES), not a knob
+
+    def __call__(self, logp: Tensor, logp_old: Tensor, adv: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return dppo_surrogate(logp, logp_old, adv, self.eps_low, self.eps_high, self.clip_ratio_c, self.divergence)
+
+
+#: a surrogate J's record: called as J(logp, logp_old, adv, mask) -> (J (B, T), its clip masks and ratio)
+Surrogate = PPOClip | GSPOClip | CISPOClip | DPPOTrust
+
+#: the surrogate registry (``algo.loss``): each option's record type, and the option's own fixed fields; the record's
+#: other fields are the ``algo`` knobs of the same names it reads (:func:`surrogate_knobs`)
+SURROGATES: dict[str, tuple[type, dict[str, str]]] = {
+    "ppo": (PPOClip, {}),
+    "gspo": (GSPOClip, {}),
+    "cispo": (CISPOClip, {}),
+    "dppo_tv": (DPPOTrust, {"divergence": "tv"}),
+    "dppo_kl": (DPPOTrust, {"divergence": "kl"}),
 }
+
+
+def surrogate_knobs(name: str) -> tuple[str, ...]:
+    """The ``algo`` knobs surrogate ``name`` reads: its record's fields that its option does not fix."""
+    cls, fixed = SURROGATES[name]
+    return tuple(f.name for f in fields(cls) if f.name not in fixed)
+
+
+def build_surrogate(name: str, **knobs) -> Surrogate:
+    """Surrogate ``name``'s record from the ``algo`` knobs it reads (``knobs`` may hold others: they are not its)."""
+    if name not in SURROGATES:
+        raise ValueError(f"unknown surrogate {name!r}; choose one of: {', '.join(SURROGATES)}")
+    cls, fixed = SURROGATES[name]
+    return cls(**{k: knobs[k] for k in surrogate_knobs(name)}, **fixed)
 
 
 @dataclass(frozen=True)
@@ -256,23 +324,21 @@ def masked_mean(x: Tensor, mask: Tensor, share: Share | None = None) -> Tensor:
 
 @dataclass(frozen=True)
 class LossSpec:
-    """The loss's coefficients, a run's from its config (:meth:`of`): ``surrogate`` picks J (:data:`SURROGATES`),
-    ``eps_low`` / ``eps_high`` its clip range, ``clip_ratio_c`` the dual clip of ``ppo`` (0 = off), ``entropy_coef``
-    c_H the entropy bonus's weight, ``loss_agg`` the aggregation (:data:`LOSS_AGGS`) and ``norm_len`` its fixed
-    length (``seq-mean-token-sum-norm``). No defaults here: their one home is ``AlgoConfig`` (paper values there)."""
+    """The loss, compiled once from a run's ``algo`` record (:meth:`of`): ``surrogate`` the J of ``algo.loss``, its
+    option's record with the knobs it reads (:data:`SURROGATES`), ``entropy_coef`` c_H the entropy bonus's weight,
+    ``loss_agg`` the aggregation (:data:`LOSS_AGGS`) and ``norm_len`` its fixed length (``seq-mean-token-sum-norm``).
+    No defaults here: their one home is ``AlgoConfig`` (paper values there)."""
 
-    eps_low: float
-    eps_high: float
+    surrogate: Surrogate
     loss_agg: str  # one of LOSS_AGGS
-    surrogate: str  # a key of SURROGATES
-    clip_ratio_c: float
     entropy_coef: float
     norm_len: int | None = None
 
     @classmethod
     def of(cls, algo, norm_len: int | None = None) -> LossSpec:
-        """A run's: the ``algo`` config node's coefficients; ``norm_len`` its ``rollout.max_new_tokens``."""
-        return cls(algo.eps_low, algo.eps_high, algo.loss_agg, algo.loss, algo.clip_ratio_c, algo.entropy_coef, norm_len)
+        """A run's: the ``algo`` record's surrogate and coefficients; ``norm_len`` its ``rollout.max_new_tokens``."""
+        knobs = {k: getattr(algo, k) for k in surrogate_knobs(algo.loss)}
+        return cls(build_surrogate(algo.loss, **knobs), algo.loss_agg, algo.entropy_coef, norm_len)
 
 
 def policy_loss(
@@ -302,14 +368,12 @@ def policy_loss(
     ``share`` (:class:`Share`): these rows are a micro-batch; the loss and the mean metrics are its share of the
     minibatch's, so that the micro-batches' add up (``ratio_max`` / ``ratio_min`` combine by max / min).
     """
-    surrogate, loss_agg, norm_len, entropy_coef = spec.surrogate, spec.loss_agg, spec.norm_len, spec.entropy_coef
-    if surrogate not in SURROGATES:
-        raise ValueError(f"unknown surrogate {surrogate!r}; choose one of: {', '.join(SURROGATES)}")
+    loss_agg, norm_len, entropy_coef = spec.loss_agg, spec.norm_len, spec.entropy_coef
     m = mask.bool()  # masked positions first set to 0: a nan or -inf there reaches neither the loss nor its gradient
     logp, logp_old = _masked(logp, m), _masked(logp_old, m)
     kl = None if kl is None else _masked(kl, m)
     entropy = None if entropy is None else _masked(entropy, m)
-    J, info = SURROGATES[surrogate](logp, logp_old, adv, mask, spec.eps_low, spec.eps_high, spec.clip_ratio_c)
+    J, info = spec.surrogate(logp, logp_old, adv, mask)
     per_token = -J if pg_weight is None else -J * pg_weight.detach()
     if kl is not None and beta != 0.0:
         per_token = per_token + beta * kl

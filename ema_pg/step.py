@@ -114,7 +114,7 @@ def rl_step(iteration: int, parts: StepParts, *, beta: float, grad_ratio: bool =
     kl_weight = beta * est.kl_scale  # the token KL's weight in the loss: beta, or beta over the batch std (global_kl_scale)
     batch = UpdateBatch(rollouts=rollouts, scores=scores, scorer=scorer, adv=est.adv, mask=mask, tis=tis,
                         values=values, returns=est.returns, beta=kl_weight,
-                        spec=LossSpec.of(algo, rollout.max_new_tokens), prox=prox)
+                        spec=parts.loss, prox=prox)
     updates = update(it_seed, parts, batch, grad_ratio)  # each applied optimizer step also ticks the anchor's step clock
     t3 = time.perf_counter()
 
@@ -306,8 +306,8 @@ def _kl_metrics(beta: float, weight: float, scaled: bool, scores, rollouts: Roll
 # ---------------------------------------------------------------------- the records
 @dataclass
 class StepParts:
-    """What a run's RL iterations are made of, the same at every iteration. ``algo`` and ``rollout`` are the config
-    nodes of the same names; ``chunk(n_tokens)`` gives the head's chunk size. ``anchor_model`` is None only when
+    """What a run's RL iterations are made of, the same at every iteration. ``algo`` and ``rollout`` are the run's
+    groups of the same names as plain records, ``loss`` the loss compiled from them; ``chunk(n_tokens)`` gives the head's chunk size. ``anchor_model`` is None only when
     there is no KL (``anchor=none``). ``world``: on several processes, this rank's share of the batch (see
     :mod:`ema_pg.dist`). ``critic`` (:class:`ema_pg.critic.Critic`, with ``algo.advantage=gae``): token-level GAE
     advantages, and a value update after each policy update. ``encode``: the run's
@@ -328,6 +328,12 @@ class StepParts:
     critic: Critic | None = None
     encode: PromptEncoder | None = None
     anchor: Anchor | None = None  #: the rule the anchor follows (ema_pg.anchors.follow), applied at the step's end
+    #: the loss compiled once from ``algo`` (the run's Binding.loss); None: compiled here from ``algo`` and ``rollout``
+    loss: LossSpec | None = None
+
+    def __post_init__(self):
+        if self.loss is None:
+            self.loss = LossSpec.of(self.algo, self.rollout.max_new_tokens)
 
     @property
     def device(self) -> torch.device:

@@ -108,6 +108,13 @@ def registry_defaults() -> list[tuple[str, str, dict]]:
             + [("anchor", n, dict(s.defaults)) for n, s in SCHEMES.items()])
 
 
+def surrogate_knobs() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(algo.loss option, its record type's name, the algo knobs it reads) of every surrogate."""
+    from .. import losses
+
+    return [(n, cls.__name__, losses.surrogate_knobs(n)) for n, (cls, _) in losses.SURROGATES.items()]
+
+
 def task_settings() -> list[tuple[str, str, object, str]]:
     """(task option, key, value, its comment) of every setting of ``conf/task/<option>.yaml`` (``_common`` first)."""
     import yaml
@@ -155,6 +162,12 @@ def page() -> str:
               "| group | option | parameters' defaults |", "|---|---|---|"]
     for grp, name, d in registry_defaults():
         lines.append(f"| {grp} | `{name}` | {', '.join(f'`{k}={_cell(v, True)}`' for k, v in d.items()) or '(none)'} |")
+    lines += ["", "## The surrogates' knobs", "",
+              "`algo.loss=<option>` compiles, once per run, to the option's record (`ema_pg.losses.SURROGATES`), which "
+              "holds the `algo` knobs it reads; setting one it does not read is refused:", "",
+              "| `algo.loss` | record | knobs it reads |", "|---|---|---|"]
+    for name, record, read in surrogate_knobs():
+        lines.append(f"| `{name}` | `{record}` | {', '.join(f'`algo.{k}`' for k in read)} |")
     lines += ["", "## The tasks' settings", "",
               "`task=<option>` chooses a task; its settings are the option file's (`conf/task/<option>.yaml`, with "
               "`_common.yaml`'s beneath each), set as `task.<key>=value`:", "",

@@ -292,7 +292,9 @@ class AlgoConfig(BoundRecord):
     lam: float = 1.0  #: gae: lambda of GAE
     critic_lr: float = 1e-5  #: gae: the value model's AdamW learning rate
     cliprange_value: float = 0.2  #: gae: clip of the value update around the old values (0 = unclipped)
-    loss: str = "ppo"  #: the surrogate J: ppo (clip-higher, Appendix A) | gspo (sequence ratio) | cispo (clipped IS weight)
+    #: the surrogate J, compiled to its option's record (ema_pg.losses.SURROGATES): ppo (clip-higher, Appendix A) | gspo
+    #: (sequence ratio) | cispo (clipped IS weight) | dppo_tv / dppo_kl (a trust region on the token's probability)
+    loss: str = "ppo"
     clip_ratio_c: float = 0.0  #: ppo: dual-clip bound c > 1 on negative-advantage tokens; dppo_*: the ratio's truncation c > 1 (0 = off; peers use 3)
     #: DeepSeek-V3.2's off-policy sequence masking (ema_pg.corrections.off_policy_sequence_mask): a sequence with
     #: A < 0 whose mean log(mu / pi_theta) exceeds delta gets no policy gradient; None = off (TRL suggests 0.5)
@@ -327,7 +329,7 @@ class AlgoConfig(BoundRecord):
 
     def check(self) -> None:
         from ..advantages import ADVANTAGES
-        from ..losses import ADV_NORMS, LOSS_AGGS, SURROGATES
+        from ..losses import ADV_NORMS, LOSS_AGGS, SURROGATES, surrogate_knobs
 
         if self.group_size < 2:
             _bad(f"algo.group_size must be >= 2 for group-baselined advantages; got {self.group_size} (the paper uses 5-16)")
@@ -344,7 +346,7 @@ class AlgoConfig(BoundRecord):
             _bad(f"algo.loss_agg={self.loss_agg!r}; choose one of: {', '.join(LOSS_AGGS)}")
         if self.loss not in SURROGATES:
             _bad(f"algo.loss={self.loss!r}; choose one of: {', '.join(SURROGATES)}")
-        if self.clip_ratio_c != 0 and (self.clip_ratio_c <= 1 or self.loss not in ("ppo", "dppo_tv", "dppo_kl")):
+        if self.clip_ratio_c != 0 and (self.clip_ratio_c <= 1 or "clip_ratio_c" not in surrogate_knobs(self.loss)):
             _bad(f"algo.clip_ratio_c={self.clip_ratio_c} is the dual clip of algo.loss=ppo (or the ratio's truncation of "
                  "dppo_tv / dppo_kl) and must be > 1 (peers use 3.0), or 0 to switch it off")
         from ..corrections import PROX_LOGPS

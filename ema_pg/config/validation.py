@@ -1,6 +1,6 @@
 """Start-up validation: :func:`validate` checks a composed config's ranges (each group's own, ``<Group>.check``) and the
 combinations that span groups, with messages that say what to change, and binds what the run runs once: the KL
-estimator and the anchor scheme (:class:`Binding`). The check that needs the built model is :func:`validate_model`;
+estimator, the anchor scheme and the loss (:class:`Binding`). The check that needs the built model is :func:`validate_model`;
 those of the machine (installed packages, CUDA, an engine's kernels) are the engine's (:mod:`ema_pg.engine.install`).
 """
 
@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, fields, is_dataclass
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .schema import AlgoConfig, Config, ConfigError, KLConfig, RolloutConfig, _at_least, _bad, is_deepspeed, is_tiny
 
+if TYPE_CHECKING:
+    from ..losses import LossSpec
 
 #: rollout.partial_spare's ceiling in blocks: every group in flight is sampled together at each token step, so a run
 #: pays for them all (a million spare groups left the first iteration unfinished after 150 s)
@@ -186,6 +189,8 @@ class Binding:
     #: the algo and rollout groups as plain typed records (:func:`step_records`): what the algorithm floor is handed
     algo: AlgoConfig
     rollout: RolloutConfig
+    #: the loss compiled from them (ema_pg.losses.LossSpec): algo.loss's surrogate record with the knobs it reads
+    loss: LossSpec
 
 
 def step_records(cfg) -> tuple[AlgoConfig, RolloutConfig]:
@@ -287,7 +292,10 @@ def validate(cfg, vocab_size: int | None = None) -> Binding:
     world = stated_world_size(cfg.trainer)
     if world is not None:  # else the module's setup checks it, once Lightning has counted the processes
         validate_world(cfg, world)
-    bound = Binding(est, scheme, staleness, *step_records(cfg))
+    from ..losses import LossSpec
+
+    algo, rollout = step_records(cfg)
+    bound = Binding(est, scheme, staleness, algo, rollout, LossSpec.of(algo, rollout.max_new_tokens))
     validate_model(cfg, bound, vocab_size)
     return bound
 

@@ -117,6 +117,7 @@ class RLModule(L.LightningModule):
         self.estimator = bound.estimator
         self.staleness = bound.staleness  #: rollout.max_staleness as bound (0: synchronous)
         self.records = (bound.algo, bound.rollout)  #: the algo and rollout groups as plain records, for the step
+        self.loss = bound.loss  #: the loss compiled from them
         self.sampler = build_sampler(bound.rollout, tokenizer, lora=bool(cfg.model.lora_rank))
         self.encode = encode or PromptEncoder.of(tokenizer, task_record(cfg))  # the one prompt -> ids
         self.updater = _StrategyUpdater(self, cfg.algo.grad_clip, cfg.algo.max_bad_steps,
@@ -196,7 +197,7 @@ class RLModule(L.LightningModule):
                 sampled, wait = self._shared_next(iteration, anchor_model, world)
         parts = StepParts(self.policy, anchor_model, self.task, self.sampler, self.estimator, *self.records,
                           self.cfg.seed, chunk, self.updater, world, self.critic, self.encode,
-                          anchor=None if self.anchor is None else self.anchor.anchor)
+                          anchor=None if self.anchor is None else self.anchor.anchor, loss=self.loss)
         res = rl_step(iteration, parts, beta=self.kl_ctrl.value, grad_ratio=self._grad_ratio_due(iteration),
                       sampled=sampled)
         if res.ctrl_kl is not None:  # beta for the next iteration, from this one's KL and responses

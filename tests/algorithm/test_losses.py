@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from ema_pg.kl import KLInputs, get_estimator
-from ema_pg.losses import LossSpec, advantages, aggregate, policy_loss, ppo_surrogate
+from ema_pg.losses import LossSpec, PPOClip, advantages, aggregate, policy_loss, ppo_surrogate
 
 R = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
 
 
-PAPER = {"spec": LossSpec(eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean",  # Appendix A
-                          surrogate="ppo", clip_ratio_c=0.0, entropy_coef=0.0)}
+PAPER = {"spec": LossSpec(PPOClip(eps_low=0.2, eps_high=0.28, clip_ratio_c=0.0),  # Appendix A
+                          loss_agg="seq-mean-token-mean", entropy_coef=0.0)}
 
 
 def test_group_advantages_by_hand():

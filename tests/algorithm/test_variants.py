@@ -12,7 +12,7 @@ import torch
 from ema_pg.chunked import chunked_logprobs
 from ema_pg.kl import get_estimator
 from ema_pg.kl.enumeration import enumeration_inputs, expected_value_and_grad, true_kl_and_grad
-from ema_pg.losses import LossSpec, aggregate, cispo_surrogate, policy_loss, gspo_surrogate, ppo_surrogate
+from ema_pg.losses import LossSpec, PPOClip, aggregate, cispo_surrogate, policy_loss, gspo_surrogate, ppo_surrogate
 
 V = 7
 WIDE = (0.0, 1e9)
@@ -221,7 +221,7 @@ def test_the_entropy_bonus_adds_the_exact_entropy_gradient():
     t = torch.randint(0, V, (N,))
     logp, _, ent = chunked_logprobs(h, W, t, None, 1.0, 4, entropy=True)
     mask = torch.ones(2, 3)
-    spec = LossSpec(eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean", surrogate="ppo", clip_ratio_c=0.0,
+    spec = LossSpec(PPOClip(eps_low=0.2, eps_high=0.28, clip_ratio_c=0.0), loss_agg="seq-mean-token-mean",
                     entropy_coef=0.1)
     adv = torch.zeros(2, dtype=torch.float64)  # no policy gradient: only the bonus moves
     loss, m = policy_loss(logp.view(2, 3), logp.detach().view(2, 3), adv, mask, None, beta=0.0, spec=spec,

@@ -87,9 +87,9 @@ def test_task_knobs_have_their_option_file_as_home():
 
 
 def test_loss_coefficients_have_no_second_default():
-    from ema_pg.losses import LossSpec, policy_loss, ppo_surrogate
+    from ema_pg.losses import SURROGATES, LossSpec, policy_loss, ppo_surrogate
 
-    for fn in (policy_loss, ppo_surrogate, LossSpec):
+    for fn in (policy_loss, ppo_surrogate, LossSpec, *{cls for cls, _ in SURROGATES.values()}):
         sig = inspect.signature(fn)
         for knob in ("beta", "spec", "eps_low", "eps_high", "loss_agg", "surrogate", "clip_ratio_c", "entropy_coef"):
             if knob in sig.parameters:

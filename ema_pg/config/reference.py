@@ -139,6 +139,12 @@ def _cell(x, quote: bool = False) -> str:
     return text.replace("|", "\\|").replace("``", "`")
 
 
+def _section(title: str, intro: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    """A section of the page: its heading, one line of introduction and a table of ``rows`` (cells already written)."""
+    return (["", f"## {title}", "", intro, "", f"| {' | '.join(header)} |", "|" + "---|" * len(header)]
+            + [f"| {' | '.join(r)} |" for r in rows])
+
+
 def page() -> str:
     rows = knobs()
     lines = ["# Config reference", "",
@@ -156,24 +162,23 @@ def page() -> str:
             lines += [f"## {g}", "", "| knob | type | default | meaning | source |", "|---|---|---|---|---|"]
         lines.append(f"| `{r['key']}` | {_cell(r['type'])} | `{_cell(r['default'], True)}` | {_cell(r['meaning'])} | "
                      f"{r['source']} |")
-    lines += ["", "## The estimators' and anchor schemes' parameters", "",
-              "`kl.<param>` and `anchor.<param>` left unset (null) take the chosen option's default from its registry "
-              "(`ema_pg.kl.ESTIMATORS`, `ema_pg.anchors.SCHEMES`):", "",
-              "| group | option | parameters' defaults |", "|---|---|---|"]
-    for grp, name, d in registry_defaults():
-        lines.append(f"| {grp} | `{name}` | {', '.join(f'`{k}={_cell(v, True)}`' for k, v in d.items()) or '(none)'} |")
-    lines += ["", "## The surrogates' knobs", "",
-              "`algo.loss=<option>` compiles, once per run, to the option's record (`ema_pg.losses.SURROGATES`), which "
-              "holds the `algo` knobs it reads; setting one it does not read is refused:", "",
-              "| `algo.loss` | record | knobs it reads |", "|---|---|---|"]
-    for name, record, read in surrogate_knobs():
-        lines.append(f"| `{name}` | `{record}` | {', '.join(f'`algo.{k}`' for k in read)} |")
-    lines += ["", "## The tasks' settings", "",
-              "`task=<option>` chooses a task; its settings are the option file's (`conf/task/<option>.yaml`, with "
-              "`_common.yaml`'s beneath each), set as `task.<key>=value`:", "",
-              "| task | key | default | meaning |", "|---|---|---|---|"]
-    for t, k, v, note in task_settings():
-        lines.append(f"| {t} | `task.{k}` | `{_cell(v, True)}` | {_cell(note)} |")
+    lines += _section("The estimators' and anchor schemes' parameters",
+                      "`kl.<param>` and `anchor.<param>` left unset (null) take the chosen option's default from its "
+                      "registry (`ema_pg.kl.ESTIMATORS`, `ema_pg.anchors.SCHEMES`):",
+                      ["group", "option", "parameters' defaults"],
+                      [[grp, f"`{name}`", ", ".join(f"`{k}={_cell(v, True)}`" for k, v in d.items()) or "(none)"]
+                       for grp, name, d in registry_defaults()])
+    lines += _section("The surrogates' knobs",
+                      "`algo.loss=<option>` compiles, once per run, to the option's record (`ema_pg.losses.SURROGATES`), "
+                      "which holds the `algo` knobs it reads; setting one it does not read is refused:",
+                      ["`algo.loss`", "record", "knobs it reads"],
+                      [[f"`{name}`", f"`{record}`", ", ".join(f"`algo.{k}`" for k in read)]
+                       for name, record, read in surrogate_knobs()])
+    lines += _section("The tasks' settings",
+                      "`task=<option>` chooses a task; its settings are the option file's (`conf/task/<option>.yaml`, "
+                      "with `_common.yaml`'s beneath each), set as `task.<key>=value`:",
+                      ["task", "key", "default", "meaning"],
+                      [[t, f"`task.{k}`", f"`{_cell(v, True)}`", _cell(note)] for t, k, v, note in task_settings()])
     return "\n".join(lines) + "\n"
 
 

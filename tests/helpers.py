@@ -184,8 +184,8 @@ def frozen(model):
 
 def mlflow_server(root: Path, backend: str | None = None, port: int | None = None):
     """A real ``mlflow server`` (the mlflow package's own, on loopback), started for tests: a context manager yielding
-    its URL. Its job runner stays off (eight processes, 22-31 CPU-seconds to start, for features the tracking REST API
-    does not use). ``backend``: its store (default a SQLite file in ``root``; a PostgreSQL URL works the same);
+    its URL. Its job runner stays off (a process per job queue, started for features the tracking REST API does not
+    use). ``backend``: its store (default a SQLite file in ``root``; a PostgreSQL URL works the same);
     artifacts go to ``root/artifacts`` through the server; ``port``: a port of its own (default a free one). Stopped
     at the end."""
     import contextlib

@@ -42,6 +42,19 @@ def wait_while_alive(proc: subprocess.Popen, ready, timeout: float = 300, every:
         time.sleep(every)
 
 
+def training_under_way(run: Path) -> bool:
+    """True once the run's ``metrics.csv`` holds a row past iteration 0: its training loop is running (the CSV logger
+    writes every 10 steps). A fixed wait after the model is written is not enough on a slow machine: a SIGTERM that
+    comes before the loop ends the run with no checkpoint."""
+    import csv
+
+    try:
+        with open(run / "metrics.csv", newline="") as f:
+            return any(r.get("step") not in (None, "") and float(r["step"]) >= 1 for r in csv.DictReader(f))
+    except (OSError, ValueError):  # not written yet, or a row half-written
+        return False
+
+
 def resolved(cfg):
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf, open_dict
-from helpers import wait_while_alive
+from helpers import training_under_way, wait_while_alive
 from test_faults import cli_tiny
 
 from ema_pg.config import ConfigError
@@ -304,8 +304,7 @@ def test_sigterm_saves_the_iteration_exits_75_and_the_resume_repeats_the_uninter
     assert _run(args + [f"run_dir={ref}", f"hydra.run.dir={ref}"]).returncode == 0
     p = subprocess.Popen(PY + args + [f"run_dir={run}", f"hydra.run.dir={run}"], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
-    wait_while_alive(p, lambda: (run / "model" / "config.json").is_file())  # written just before training starts
-    time.sleep(2.0)
+    wait_while_alive(p, lambda: training_under_way(run))
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 75, out[-2000:]
@@ -429,8 +428,7 @@ def test_a_sigtermed_sweep_exits_75_and_the_same_command_finishes_it(tmp_path):
     args = ["-m", *cli_tiny(tmp_path), "algo.iterations=300", "algo.eval_every=150", "if_exists=resume", "seed=0,1",
             f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     p = subprocess.Popen(PY + args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_while_alive(p, lambda: list((tmp_path / "sweep").glob("0_*/model/config.json")))  # job 0 is about to train
-    time.sleep(2.0)
+    wait_while_alive(p, lambda: any(training_under_way(j) for j in (tmp_path / "sweep").glob("0_*")))  # job 0 trains
     p.send_signal(signal.SIGTERM)
     assert p.wait(300) == 75
     finished, failed, unfinished = sweep_state(tmp_path / "sweep")

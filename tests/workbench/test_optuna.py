@@ -10,7 +10,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from helpers import TINY, wait_while_alive
+from helpers import TINY, training_under_way, wait_while_alive
 from omegaconf import OmegaConf
 from optuna.trial import TrialState
 
@@ -247,7 +247,6 @@ def test_a_sigtermed_worker_saves_its_trials_iteration_exits_75_and_the_same_com
     trial at iteration 12 resumed from 10). Now the trial's run saves the iteration it reached, the worker exits 75,
     and the same command resumes that trial from that checkpoint and finishes the study."""
     import signal
-    import time
 
     from ema_pg.engine.policy import checkpoint_iteration
 
@@ -257,8 +256,7 @@ def test_a_sigtermed_worker_saves_its_trials_iteration_exits_75_and_the_same_com
     cmd = [sys.executable, "-m", "ema_pg.hpo", str(f)]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = load_study_spec(f).trials_dir / "trial_0000"
-    wait_while_alive(p, lambda: (run / "model" / "config.json").is_file(), every=0.2)  # just before training starts
-    time.sleep(2.0)
+    wait_while_alive(p, lambda: training_under_way(run), every=0.2)
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 75, out[-3000:]

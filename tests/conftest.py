@@ -25,6 +25,33 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `make test`'s worker process
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+#: The slow and scale suites' longest files, longest first: their test-seconds on a 2-core CI-class machine
+#: (``pytest -m "slow and not scale" -n 2 --dist loadfile --durations=0`` at d37aaa6, and the scale suite's run of
+#: the session before). pytest-xdist's loadfile hands each worker whole files in collection order; alphabetical order
+#: started the longest ones (the workbench's) last, and one worker idled while the other finished them.
+LONGEST_FIRST = (
+    "tests/scale/test_scale_vllm.py",  # ~1550 s
+    "tests/scale/test_scale_multiproc.py",  # ~1430 s
+    "tests/engine/test_sweeps.py",  # ~715 s, its every-sweep fixture ~390-600 s of it
+    "tests/workbench/test_launchers.py",  # ~640 s
+    "tests/workbench/test_optuna.py",  # ~520 s
+    "tests/faults/test_faults.py",  # ~510 s
+    "tests/workbench/test_byo_page.py",  # ~345 s
+    "tests/faults/test_faults_lifecycle.py",  # ~345 s
+    "tests/engine/test_console.py",  # ~130 s slow, ~230 s scale
+    "tests/engine/test_tracking_e2e.py",  # ~200 s
+    "tests/engine/test_async.py",  # ~170 s
+    "tests/workbench/test_decide.py",  # ~135 s
+)
+
+
+def pytest_collection_modifyitems(items):
+    """The longest files first (:data:`LONGEST_FIRST`), every other file after them in its own order; a file's tests
+    keep theirs."""
+    rank = {f: i for i, f in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -31,6 +31,13 @@ def engine():
     sampler.close()
 
 
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The cold-start cache of this module's training runs: each is the demo at ``sft.steps=50``, so the first builds
+    the base policy and the rest load it (a cold start per base, not per test)."""
+    return tmp_path_factory.mktemp("cold_start")
+
+
 def test_engine_logprobs_equal_the_trainers(engine):
     task, tok, m, sampler = engine
     prompts = [p.text for p in task.eval_splits()["nq"][:3]]
@@ -98,7 +105,7 @@ TWO_ZERO3 = ["trainer=deepspeed", "trainer.strategy=deepspeed_stage_3", "trainer
 
 
 @pytest.mark.parametrize("trainers", [[], TWO_DDP, TWO_ZERO3], ids=["one_trainer", "two_ddp_trainers", "two_zero3_trainers"])
-def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_weights(tmp_path, trainers):
+def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_weights(tmp_path, trainers, cache):
     """``rollout=vllm rollout.max_staleness=1``: the worker's engine samples batch t with the weights of version
     max(0, t - 1) (pushed to it, then its prefix cache reset), and pi_old is that version scored with the trainer's
     numerics: their gap is rounding at every iteration (an engine a version behind or ahead would differ by the
@@ -113,7 +120,7 @@ def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_
 
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm", "rollout.max_staleness=1",
-                        "algo.iterations=6", "algo.eval_every=3", "optim.lr=3e-3", f"sft.cache_dir={tmp_path / 'cache'}",
+                        "algo.iterations=6", "algo.eval_every=3", "optim.lr=3e-3", f"sft.cache_dir={cache}",
                         "sft.steps=50", "trainer.progress_bar=false", f"run_dir={run}", f"hydra.run.dir={run}", *trainers],
                        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
     console = r.stdout + r.stderr
@@ -148,23 +155,23 @@ def _train(*args):
 
 
 @pytest.fixture(scope="module")
-def one_worker(tmp_path_factory):
+def one_worker(tmp_path_factory, cache):
     """One uninterrupted asynchronous run on one vLLM worker (``ASYNC``, 4 iterations): the run a pool of two
     workers and a run continued from its checkpoint are each compared with (one run serves both tests)."""
     base = tmp_path_factory.mktemp("one_worker")
-    _train(*ASYNC, "algo.iterations=4", f"sft.cache_dir={base / 'cache'}", f"run_dir={base / 'run'}",
+    _train(*ASYNC, "algo.iterations=4", f"sft.cache_dir={cache}", f"run_dir={base / 'run'}",
            f"hydra.run.dir={base / 'run'}")
     return base
 
 
-def test_a_pool_of_two_vllm_workers_samples_what_one_vllm_worker_samples(one_worker):
+def test_a_pool_of_two_vllm_workers_samples_what_one_vllm_worker_samples(one_worker, cache):
     """``rollout=vllm rollout.workers=2``: two worker processes, each with an engine of its own, each sampling its
     block of whole prompt groups with each prompt's own seed: the same rewards at every iteration as one worker, the
     same schedule, and pi_old is still each engine's version (the gap is rounding)."""
     import pandas as pd
 
     pool = one_worker / "workers2"
-    _train(*ASYNC, "rollout.workers=2", "algo.iterations=4", f"sft.cache_dir={one_worker / 'cache'}",
+    _train(*ASYNC, "rollout.workers=2", "algo.iterations=4", f"sft.cache_dir={cache}",
            f"run_dir={pool}", f"hydra.run.dir={pool}")
     got = {n: pd.read_csv(d / "metrics.csv") for n, d in [(1, one_worker / "run"), (2, pool)]}
     for n, d in got.items():
@@ -173,7 +180,7 @@ def test_a_pool_of_two_vllm_workers_samples_what_one_vllm_worker_samples(one_wor
     assert got[2]["train/reward_mean"].dropna().tolist() == got[1]["train/reward_mean"].dropna().tolist()
 
 
-def test_a_synchronous_zero3_run_pushes_each_ranks_engine_the_gathered_weights_of_every_step(tmp_path):
+def test_a_synchronous_zero3_run_pushes_each_ranks_engine_the_gathered_weights_of_every_step(tmp_path, cache):
     """``rollout=vllm`` on two ZeRO-3 trainers, synchronous: each rank's engine is pushed the policy's gathered weights
     whenever they changed (DeepSpeed updates the partitions through ``.data``, so the change is told by their
     values): the engine's log-probs match the trainer's pi_old to rounding at every iteration, while one update
@@ -187,7 +194,7 @@ def test_a_synchronous_zero3_run_pushes_each_ranks_engine_the_gathered_weights_o
 
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm", "algo.iterations=4",
-                        "algo.eval_every=2", "optim.lr=3e-3", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=50",
+                        "algo.eval_every=2", "optim.lr=3e-3", f"sft.cache_dir={cache}", "sft.steps=50",
                         "trainer.progress_bar=false", f"run_dir={run}", f"hydra.run.dir={run}", *TWO_ZERO3],
                        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
@@ -199,7 +206,7 @@ def test_a_synchronous_zero3_run_pushes_each_ranks_engine_the_gathered_weights_o
     assert len(evals) == 3 and evals[1:] != evals[:1] * 2, evals  # the engine evaluated the moved policy
 
 
-def test_a_trainer_killed_with_sigkill_leaves_no_vllm_worker_behind_and_the_same_command_resumes(tmp_path):
+def test_a_trainer_killed_with_sigkill_leaves_no_vllm_worker_behind_and_the_same_command_resumes(tmp_path, cache):
     """SIGKILL to the trainer alone (not its process group) after its first checkpoint: the vLLM worker, which reads
     its pipe, ends by itself, and the same command continues the run to its end with the schedule intact."""
     import json
@@ -213,7 +220,7 @@ def test_a_trainer_killed_with_sigkill_leaves_no_vllm_worker_behind_and_the_same
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm", "rollout.max_staleness=1",
-           "algo.iterations=6", "algo.eval_every=2", "optim.lr=3e-3", f"sft.cache_dir={tmp_path / 'cache'}",
+           "algo.iterations=6", "algo.eval_every=2", "optim.lr=3e-3", f"sft.cache_dir={cache}",
            "sft.steps=50", "trainer.progress_bar=false", "if_exists=resume", f"run_dir={run}", f"hydra.run.dir={run}"]
     root = Path(__file__).resolve().parents[2]
     p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -232,7 +239,7 @@ def test_a_trainer_killed_with_sigkill_leaves_no_vllm_worker_behind_and_the_same
     assert staleness == [0, 1, 1, 1, 1, 1]
 
 
-def test_an_asynchronous_vllm_run_continued_repeats_what_is_exact(one_worker):
+def test_an_asynchronous_vllm_run_continued_repeats_what_is_exact(one_worker, cache):
     """A run with a vLLM worker continued from its checkpoint (the batch in flight taken as it was saved) against the
     uninterrupted run: the schedule of versions is the same, and the run is equal in law, not bit for bit. The two
     runs here (algo.iterations 4, and 2 then continued) already differed by 3e-7 relative in the anchor's lag at
@@ -241,7 +248,7 @@ def test_an_asynchronous_vllm_run_continued_repeats_what_is_exact(one_worker):
     import pandas as pd
 
     full, part = one_worker / "run", one_worker / "part"
-    _train(*ASYNC, "algo.iterations=2", f"sft.cache_dir={one_worker / 'cache'}", f"run_dir={part}",
+    _train(*ASYNC, "algo.iterations=2", f"sft.cache_dir={cache}", f"run_dir={part}",
            f"hydra.run.dir={part}")
     _train(f"resume={part}", "algo.iterations=4")  # the settings are the run's own
 
@@ -305,7 +312,7 @@ def test_training_with_vllm_rollouts_raises_the_reward(tmp_path):
     assert objs["module"].sampler.llm is None
 
 
-def test_a_bf16_engine_run_with_a_correction_has_a_quiet_console_and_its_metrics(tmp_path):
+def test_a_bf16_engine_run_with_a_correction_has_a_quiet_console_and_its_metrics(tmp_path, cache):
     """The engine's start-up output (dozens of INFO/WARNING lines, C++ warnings, a loading bar) goes to a file, its
     per-push info lines are off; a bfloat16 engine against the float32 trainer gives a real mismatch, which the
     correction weighs and the metrics report."""
@@ -318,7 +325,7 @@ def test_a_bf16_engine_run_with_a_correction_has_a_quiet_console_and_its_metrics
     run = tmp_path / "run"
     r = subprocess.run([sys.executable, "-m", "ema_pg.train", "experiment=demo", "rollout=vllm", "rollout.engine_dtype=bfloat16",
                         "rollout.correction=token_mask", "rollout.correction_cap=1.05", "algo.iterations=3",
-                        "algo.eval_every=3", f"sft.cache_dir={tmp_path / 'cache'}", "sft.steps=50",
+                        "algo.eval_every=3", f"sft.cache_dir={cache}", "sft.steps=50",
                         f"run_dir={run}", f"hydra.run.dir={run}"],
                        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]

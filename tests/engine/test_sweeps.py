@@ -8,6 +8,7 @@ import itertools
 import math
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,19 +88,60 @@ def test_sweep_runs_every_configuration(name, tiny_sweeps):
             assert r["run"] == f"{r['kl.name']}_eta{r['anchor.eta']}_s0"
 
 
+#: ``python -m ema_pg.reports NAME --runs RUNS --out OUT`` once per (NAME, RUNS, OUT) of its arguments, in one process
+#: (``runpy`` runs the module as ``-m`` does; each report's console between its marker lines, its exit code on the
+#: closing one): fourteen reports, one interpreter start instead of fourteen
+REPORTS_DRIVER = """import runpy, sys, traceback
+args = sys.argv[1:]
+for name, runs, out in zip(args[0::3], args[1::3], args[2::3]):
+    print(f"<<< {name}", flush=True); print(f"<<< {name}", file=sys.stderr, flush=True)
+    sys.argv = ["ema_pg.reports", name, "--runs", runs, "--out", out]
+    code = 0
+    try:
+        runpy.run_module("ema_pg.reports", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    print(f">>> {name} {code}", flush=True); print(f">>> {name} {code}", file=sys.stderr, flush=True)
+"""
+
+
+@pytest.fixture(scope="session")
+def sweep_reports(tiny_sweeps, tmp_path_factory):
+    """Every sweep's report from its tiny runs: name -> (its folder, its exit code, its console)."""
+    base = tmp_path_factory.mktemp("reports")
+    for name in SWEEPS:
+        (base / name).mkdir()  # each report's --out an existing folder, as the tests' own tmp_path was
+    args = [a for name in SWEEPS for a in (name, str(tiny_sweeps[name]), str(base / name))]
+    r = subprocess.run([sys.executable, "-c", REPORTS_DRIVER, *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300 * len(SWEEPS))
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    def section(text: str, name: str) -> tuple[str, int | None]:
+        m = re.search(rf"^<<< {name}\n(.*?)^>>> {name} (-?\d+)$", text, re.DOTALL | re.MULTILINE)
+        return (m.group(1), int(m.group(2))) if m else (text[-3000:], None)
+
+    out = {}
+    for name in SWEEPS:
+        (o, code), (e, _) = section(r.stdout, name), section(r.stderr, name)
+        out[name] = (base / name, code, o + e)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SWEEPS)
-def test_report_of_the_sweep(name, tiny_sweeps, tmp_path):
-    r = subprocess.run([sys.executable, "-m", "ema_pg.reports", name, "--runs", str(tiny_sweeps[name]), "--out",
-                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+def test_report_of_the_sweep(name, sweep_reports):
+    folder, code, console = sweep_reports[name]
+    assert code == 0, console[-3000:]
     from test_console import noise
 
-    assert noise(r.stdout + r.stderr) == []  # the report's console: the project's lines only
-    md = tmp_path / ("results.md" if name in TABLES else f"{name}.md")
+    assert noise(console) == []  # the report's console: the project's lines only
+    md = folder / ("results.md" if name in TABLES else f"{name}.md")
     assert md.is_file() and md.read_text().count("|") > 10
     for ext in ("png", "pdf", "csv"):
-        assert list(tmp_path.glob(f"*.{ext}")), ext
+        assert list(folder.glob(f"*.{ext}")), ext
 
 
 NOTEBOOK = ROOT / "analysis" / "notebooks" / "ablation.py"

@@ -95,8 +95,10 @@ gpu-wheels: setup ## The wheels a lent GPU's image lacks, into .whl/ for benchma
 # TEST_WORKERS=0 runs them in this process (a debugger, -x, a test that times itself)
 TEST_WORKERS ?= 2
 # $(call XDIST,mode): the fast suite's tests are short and its module fixtures cheap, so there an idle worker steals
-# tests from the busy one (worksteal; a fresh clone on a 2-core Intel Xeon: 4:59, against 5:26 one file per worker)
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist $(or $(1),loadfile))
+# tests from the busy one (worksteal; a fresh clone on a 2-core Intel Xeon: 4:59, against 5:26 one file per worker).
+# One file per worker (loadfile) hands out the files in collection order, longest first (tests/conftest.py's
+# LONGEST_FIRST), not in xdist's own order (most tests first)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist $(or $(1),loadfile --no-loadscope-reorder))
 
 test: setup ## Run the fast test suite (slow and scale tests excluded), the import contracts first
 	$(VENV)/bin/lint-imports --no-cache --no-logo

@@ -27,8 +27,10 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `make test`'s worker process
 
 #: The slow and scale suites' longest files, longest first: their test-seconds on a 2-core CI-class machine
 #: (``pytest -m "slow and not scale" -n 2 --dist loadfile --durations=0`` at d37aaa6, and the scale suite's run of
-#: the session before). pytest-xdist's loadfile hands each worker whole files in collection order; alphabetical order
-#: started the longest ones (the workbench's) last, and one worker idled while the other finished them.
+#: the session before). pytest-xdist's loadfile with ``--no-loadscope-reorder`` (as the Makefile runs it) hands out
+#: whole files in collection order, the next one to the first worker left with two tests or fewer: the longest start
+#: first and the short ones fill the end. xdist's own order (most tests first) and the alphabetical one could each
+#: start a long file last while the other worker had nothing left.
 LONGEST_FIRST = (
     "tests/scale/test_scale_vllm.py",  # ~1550 s
     "tests/scale/test_scale_multiproc.py",  # ~1430 s

@@ -55,22 +55,63 @@ def test_every_sweep_is_listed_and_documented():
         assert n >= 2 and cols, name
 
 
+#: ``python -m MODULE ARGV`` for each (label, ARGV) of a JSON list, one after another in one process: ``runpy`` runs the
+#: module as ``-m`` does, with a fresh Hydra for each (as a fresh process has one); each command's console lies between
+#: its marker lines, its exit code on the closing one. One interpreter start serves fourteen commands (~10 s each here)
+DRIVER = """import json, runpy, sys, traceback
+from hydra.core.global_hydra import GlobalHydra
+module = sys.argv[1]
+for label, argv in json.loads(sys.argv[2]):
+    for f in (sys.stdout, sys.stderr):
+        print(f"<<< {label}", file=f, flush=True)
+    sys.argv = [module, *argv]
+    GlobalHydra.instance().clear()
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for f in (sys.stdout, sys.stderr):
+        print(f">>> {label} {code}", file=f, flush=True)
+"""
+
+
+def run_in_one_process(module: str, commands: dict[str, list[str]], timeout: float, env=None) -> dict[str, tuple]:
+    """``python -m module argv`` for each label -> argv of ``commands``, in one process (:data:`DRIVER`): label ->
+    (exit code, or None where the command never ended; its console, stdout then stderr)."""
+    r = subprocess.run([sys.executable, "-c", DRIVER, module, json.dumps(list(commands.items()))], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+
+    def section(text: str, label: str) -> tuple[str, int | None]:
+        m = re.search(rf"^<<< {label}\n(.*?)^>>> {label} (-?\d+)$", text, re.DOTALL | re.MULTILINE)
+        return (m.group(1), int(m.group(2))) if m else (text[-3000:], None)
+
+    out = {}
+    for label in commands:
+        (o, code), (e, _) = section(r.stdout, label), section(r.stderr, label)
+        out[label] = (code, o + e)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_sweeps(tmp_path_factory):
-    """Run every sweep at smoke scale with one seed; returns name -> multirun folder."""
+    """Run every sweep at smoke scale with one seed (``python -m ema_pg.train -m --config-dir sweeps --config-name
+    NAME``, the fourteen in one process); returns name -> multirun folder."""
     base = tmp_path_factory.mktemp("sweeps")
-    env = {**os.environ, "EMA_PG_CACHE": str(base / "cache")}
-    out = {}
+    commands = {}
     for name in SWEEPS:
         scale = f"{name}_smoke" if name in TABLES else "smoke"
         extra = ["sft.steps=10", "task.per_split=3"] if name in TABLES else []
-        cmd = [sys.executable, "-m", "ema_pg.train", "-m", "--config-dir", "sweeps", "--config-name", name,
-               f"+scale={scale}", *TINY, *extra,
-               f"hydra.sweep.dir={base / name}"]
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, f"{name} failed:\n{r.stderr[-3000:]}"
-        out[name] = base / name
-    return out
+        commands[name] = ["-m", "--config-dir", "sweeps", "--config-name", name, f"+scale={scale}", *TINY, *extra,
+                          f"hydra.sweep.dir={base / name}"]
+    done = run_in_one_process("ema_pg.train", commands, timeout=900 * len(SWEEPS),
+                              env={**os.environ, "EMA_PG_CACHE": str(base / "cache")})
+    for name, (code, console) in done.items():
+        assert code == 0, f"{name} failed:\n{console[-3000:]}"
+    return {name: base / name for name in SWEEPS}
 
 
 @pytest.mark.slow
@@ -88,46 +129,16 @@ def test_sweep_runs_every_configuration(name, tiny_sweeps):
             assert r["run"] == f"{r['kl.name']}_eta{r['anchor.eta']}_s0"
 
 
-#: ``python -m ema_pg.reports NAME --runs RUNS --out OUT`` once per (NAME, RUNS, OUT) of its arguments, in one process
-#: (``runpy`` runs the module as ``-m`` does; each report's console between its marker lines, its exit code on the
-#: closing one): fourteen reports, one interpreter start instead of fourteen
-REPORTS_DRIVER = """import runpy, sys, traceback
-args = sys.argv[1:]
-for name, runs, out in zip(args[0::3], args[1::3], args[2::3]):
-    print(f"<<< {name}", flush=True); print(f"<<< {name}", file=sys.stderr, flush=True)
-    sys.argv = ["ema_pg.reports", name, "--runs", runs, "--out", out]
-    code = 0
-    try:
-        runpy.run_module("ema_pg.reports", run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    print(f">>> {name} {code}", flush=True); print(f">>> {name} {code}", file=sys.stderr, flush=True)
-"""
-
-
 @pytest.fixture(scope="session")
 def sweep_reports(tiny_sweeps, tmp_path_factory):
-    """Every sweep's report from its tiny runs: name -> (its folder, its exit code, its console)."""
+    """Every sweep's report from its tiny runs (``python -m ema_pg.reports``, the fourteen in one process): name ->
+    (its folder, its exit code, its console)."""
     base = tmp_path_factory.mktemp("reports")
     for name in SWEEPS:
         (base / name).mkdir()  # each report's --out an existing folder, as the tests' own tmp_path was
-    args = [a for name in SWEEPS for a in (name, str(tiny_sweeps[name]), str(base / name))]
-    r = subprocess.run([sys.executable, "-c", REPORTS_DRIVER, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300 * len(SWEEPS))
-    assert r.returncode == 0, r.stderr[-3000:]
-
-    def section(text: str, name: str) -> tuple[str, int | None]:
-        m = re.search(rf"^<<< {name}\n(.*?)^>>> {name} (-?\d+)$", text, re.DOTALL | re.MULTILINE)
-        return (m.group(1), int(m.group(2))) if m else (text[-3000:], None)
-
-    out = {}
-    for name in SWEEPS:
-        (o, code), (e, _) = section(r.stdout, name), section(r.stderr, name)
-        out[name] = (base / name, code, o + e)
-    return out
+    done = run_in_one_process("ema_pg.reports", {name: [name, "--runs", str(tiny_sweeps[name]), "--out",
+                                                        str(base / name)] for name in SWEEPS}, timeout=300 * len(SWEEPS))
+    return {name: (base / name, *done[name]) for name in SWEEPS}
 
 
 @pytest.mark.slow

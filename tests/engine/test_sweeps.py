@@ -69,8 +69,10 @@ for label, argv in json.loads(sys.argv[2]):
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as the interpreter ends on it: None is 0, a message is printed and is 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if code and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
         code = 1

@@ -63,7 +63,7 @@ from hydra.core.global_hydra import GlobalHydra
 module = sys.argv[1]
 for label, argv in json.loads(sys.argv[2]):
     for f in (sys.stdout, sys.stderr):
-        print(f"<<< {label}", file=f, flush=True)
+        print(f"\\n<<< {label}", file=f, flush=True)  # on a line of its own, whatever came before
     sys.argv = [module, *argv]
     GlobalHydra.instance().clear()
     code = 0
@@ -77,7 +77,7 @@ for label, argv in json.loads(sys.argv[2]):
         traceback.print_exc()
         code = 1
     for f in (sys.stdout, sys.stderr):
-        print(f">>> {label} {code}", file=f, flush=True)
+        print(f"\\n>>> {label} {code}", file=f, flush=True)
 """
 
 
@@ -88,7 +88,7 @@ def run_in_one_process(module: str, commands: dict[str, list[str]], timeout: flo
                        capture_output=True, text=True, timeout=timeout)
 
     def section(text: str, label: str) -> tuple[str, int | None]:
-        m = re.search(rf"^<<< {label}\n(.*?)^>>> {label} (-?\d+)$", text, re.DOTALL | re.MULTILINE)
+        m = re.search(rf"^<<< {re.escape(label)}\n(.*?)^>>> {re.escape(label)} (-?\d+)$", text, re.DOTALL | re.MULTILINE)
         return (m.group(1), int(m.group(2))) if m else (text[-3000:], None)
 
     out = {}

@@ -13,11 +13,20 @@ export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 help: ## List the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-20s\033[0m %s\n", $$1, $$2}'
 
+# pip installs without compiling (it compiles in one process, file by file: most of an install's time) and the .pyc
+# files are then written on every core at once; as pip does, a file that does not compile (a Python 2 file a package
+# ships) is left to its source. The project's own modules (an editable install: pip never compiles them) are compiled
+# before each suite: where PYTHONDONTWRITEBYTECODE is set nothing else writes them, and every process the tests start
+# would compile them afresh (~0.7 s each); a syntax error of the project's stops the suite there, said
+PYC = $(PY) -W ignore -m compileall -q -q -j 0
+OWN_PYC = $(PY) -m compileall -q -j 0 ema_pg
+SITE = $$($(PY) -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)   # the CPU build, before anything can pull a CUDA one
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-compile torch==$(TORCH_VERSION)   # the CPU build, before anything can pull a CUDA one
+	$(PY) -m pip install -q --no-compile -e ".[dev]"
+	$(PYC) $(SITE) || true
 	touch $(STAMP)
 
 setup: $(STAMP) ## Create .venv: torch 2.13.0 first, then the project with its dev extra
@@ -82,7 +91,8 @@ search-table: setup ## Search QA: the base policy's 7-split EM table, beside the
 
 SCALE_STAMP := $(VENV)/.scale-installed
 $(SCALE_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e ".[scale]"
+	$(PY) -m pip install -q --no-compile -e ".[scale]"
+	$(PYC) $(SITE) || true
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec   # CUDA builds from PyPI; they break transformers
 	touch $(SCALE_STAMP)
 
@@ -102,14 +112,17 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist $(or $(1),lo
 
 test: setup ## Run the fast test suite (slow and scale tests excluded), the import contracts first
 	$(VENV)/bin/lint-imports --no-cache --no-logo
+	$(OWN_PYC)
 	$(PY) -m pytest -m "not slow and not scale" -q $(call XDIST,worksteal)
 
 test-full: test test-slow ## Run every test but the scale path's: the fast suite (make test), then the slow ones
 
 test-slow: setup ## The slow tests alone (end-to-end runs, real servers), each file on one worker; the 15 slowest named
+	$(OWN_PYC)
 	$(PY) -m pytest -m "slow and not scale" -q $(XDIST) --durations=15
 
 test-scale: scale-setup ## The scale path on its real engines: vLLM rollouts, DDP, DeepSpeed ZeRO-2/3 over 2 CPU processes
+	$(OWN_PYC)
 	DS_ACCELERATOR=cpu $(PY) -m pytest -m scale -q $(XDIST) --durations=15
 
 bench-rollout: scale-setup ## Rollout throughput, HF sampler vs vLLM engine, two model sizes (JSON in benchmarks/results)

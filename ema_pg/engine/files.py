@@ -18,7 +18,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 
 #: the errors that mean "the disk (or a quota, or a file-size limit) has no room for this file"
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -136,6 +135,8 @@ def atomic_dir(path: str | os.PathLike, needed: int | None = None):
 
 def nbytes(obj) -> int:
     """The bytes of the tensors in a nested state (a lower bound of its size on disk)."""
+    import torch  # here, as below: the commands that only write files (decide, reports) start without torch
+
     if torch.is_tensor(obj):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
@@ -149,6 +150,8 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> Path:
     """``torch.save`` beside the destination, fsynced, renamed: a reader finds the old file or the new one. The
     state is serialized in memory first (as Lightning's own writer does): torch's zip writer turns a failed write
     into an error without its cause, Python's file write keeps the errno that says the disk is full."""
+    import torch
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()

@@ -55,7 +55,6 @@ import pandas as pd
 
 from ...cli import PACKAGE_ROOT as ROOT
 from ...cli import command_parser
-from ...engine.evaluation import result_metric
 from ...engine.files import NoRoom
 from ...engine.runs import EXIT_INTERRUPTED, machine
 from ...engine.sweeps import failed_record
@@ -295,6 +294,8 @@ def finished(run: Path) -> bool:
 
 def _scores(res: dict) -> dict[str, float]:
     """The scores a claim may name, from an eval.json: ``avg`` and each split's metric."""
+    from ...engine.evaluation import result_metric  # here: torch, which it imports, is the cells' and not the coordinator's
+
     metric = result_metric(res)
     return {"avg": float(res["avg"]), **{k: float(v[metric]) for k, v in res["splits"].items()}}
 

@@ -49,8 +49,6 @@ from ..cli import PACKAGE_ROOT as ROOT
 from ..cli import command_parser
 from ..engine.console import masked
 from ..engine.files import file_lock
-from ..engine.fit import RunInterrupted
-from ..engine.module import EvalCallback
 from ..engine.runs import EXIT_INTERRUPTED
 from .launchers import STORAGE_ENV
 
@@ -256,19 +254,25 @@ def tracker_runs(run_dir: Path) -> dict:
     return {k: v for k, v in read_record(run_dir).items() if k != "media_sent"}
 
 
-class OptunaPruning(EvalCallback):
-    """Reports each evaluation's average to the trial and stops the run when the pruner says so."""
+def optuna_pruning(trial: optuna.Trial):
+    """A callback that reports each evaluation's average to the trial and stops the run when the pruner says so. Its
+    class is built here: its base is a Lightning callback, the trial's import and not the coordinator's, which starts
+    the workers without Lightning (~10 s at every start)."""
+    from ..engine.module import EvalCallback
 
-    def __init__(self, trial: optuna.Trial):
-        self.trial, self.pruned = trial, False
+    class OptunaPruning(EvalCallback):
+        def __init__(self, trial: optuna.Trial):
+            self.trial, self.pruned = trial, False
 
-    def on_ema_pg_eval(self, trainer, module, result: dict) -> None:
-        step = int(result["iteration"])
-        self.trial.report(float(result["avg"]), step)
-        if step > 0 and self.trial.should_prune():
-            self.pruned = True
-            trainer.should_stop = True
-            log.info("trial %d pruned at iteration %d (avg %.3f)", self.trial.number, step, result["avg"])
+        def on_ema_pg_eval(self, trainer, module, result: dict) -> None:
+            step = int(result["iteration"])
+            self.trial.report(float(result["avg"]), step)
+            if step > 0 and self.trial.should_prune():
+                self.pruned = True
+                trainer.should_stop = True
+                log.info("trial %d pruned at iteration %d (avg %.3f)", self.trial.number, step, result["avg"])
+
+    return OptunaPruning(trial)
 
 
 class StorageLost(RuntimeError):
@@ -369,7 +373,7 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
     """Run trials until the study holds ``n_trials`` finished or running ones; returns their numbers."""
     from ..config import ConfigError
     from ..engine.models import ModelPathError
-    from ..engine.fit import train
+    from ..engine.fit import RunInterrupted, train
 
     n_trials = n_trials or spec.n_trials
     failures, max_failures, duplicates = 0, 3, 0
@@ -420,7 +424,7 @@ def run_worker(spec: StudySpec, extra: list[str] = (), n_trials: int | None = No
                 trial.set_user_attr("worker", f"{os.uname().nodename}:{os.getpid()}")
                 cfg = compose_trial_cfg(spec, params, run_dir, extra)
                 link_trial(cfg, spec, trial)
-                pruning = OptunaPruning(trial)
+                pruning = optuna_pruning(trial)
                 try:
                     metrics, _ = train(cfg, callbacks=[pruning])
                 finally:  # the trial names its tracker runs, whatever ended it (they name the trial back)
@@ -575,6 +579,8 @@ def main(argv=None) -> int:
         rcs = [p.wait() for p in procs]
         print(final_summary(spec))
         return EXIT_INTERRUPTED if EXIT_INTERRUPTED in rcs else max(rcs)
+    from ..engine.fit import RunInterrupted  # this process trains: Lightning is its import from here
+
     try:
         run_worker(spec, extra, n, a.worker_index)
     except StorageLost as e:

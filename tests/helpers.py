@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import time
@@ -244,3 +246,62 @@ def mlflow_server(root: Path, backend: str | None = None, port: int | None = Non
             log.close()
 
     return server()
+
+
+#: ``python -m MODULE ARGV`` for each (label, ARGV) of a JSON list, one after another in one process: ``runpy`` runs the
+#: module as ``-m`` does, with a fresh Hydra for each (as a fresh process has one); each command's console lies between
+#: its marker lines, its exit code on the closing one. One interpreter start serves many commands (an
+#: interpreter start with the trainer's libraries is ~10 s here)
+DRIVER = """import json, runpy, sys, traceback
+from hydra.core.global_hydra import GlobalHydra
+module = sys.argv[1]
+for label, argv in json.loads(sys.argv[2]):
+    for f in (sys.stdout, sys.stderr):
+        print(f"\\n<<< {label}", file=f, flush=True)  # on a line of its own, whatever came before
+    sys.argv = [module, *argv]
+    GlobalHydra.instance().clear()
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # as the interpreter ends on it: None is 0, a message is printed and is 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if code and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for f in (sys.stdout, sys.stderr):
+        print(f"\\n>>> {label} {code}", file=f, flush=True)
+"""
+
+
+def run_in_one_process(module: str, commands: dict[str, list[str]], timeout: float, env=None, cwd=ROOT) -> dict[str, tuple]:
+    """``python -m module argv`` for each label -> argv of ``commands``, in one process (:data:`DRIVER`) started in
+    ``cwd``: label -> (exit code, or None where the command never ended; its console, stdout then stderr)."""
+    r = subprocess.run([sys.executable, "-c", DRIVER, module, json.dumps(list(commands.items()))], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+
+    def section(text: str, label: str) -> tuple[str, int | None]:
+        m = re.search(rf"^<<< {re.escape(label)}\n(.*?)^>>> {re.escape(label)} (-?\d+)$", text, re.DOTALL | re.MULTILINE)
+        return (m.group(1), int(m.group(2))) if m else (text[-3000:], None)
+
+    out = {}
+    for label in commands:
+        (o, code), (e, _) = section(r.stdout, label), section(r.stderr, label)
+        out[label] = (code, o + e)
+    return out
+
+
+def spawned_children(proc, recursive: bool = False) -> list:
+    """The children of ``proc`` (a psutil.Process) that multiprocessing spawned (rollout workers). A short-lived child
+    (a git call) may end, or be a zombie, between the listing and the look at its command line: it is not one."""
+    import psutil
+
+    found = []
+    for c in proc.children(recursive=recursive):
+        try:
+            if "spawn_main" in " ".join(c.cmdline()):
+                found.append(c)
+        except psutil.NoSuchProcess:  # ZombieProcess included
+            pass
+    return found

@@ -483,6 +483,7 @@ def async_run(tmp_path, eval_every: int, **popen):
     from pathlib import Path
 
     import psutil
+    from helpers import spawned_children
     from test_faults import cli_tiny
 
     root = Path(__file__).resolve().parents[2]
@@ -499,20 +500,10 @@ def async_run(tmp_path, eval_every: int, **popen):
         signal.signal(signal.SIGINT, previous)
     trainer = psutil.Process(p.pid)
 
-    def rollout_workers() -> list:
-        found = []
-        for c in trainer.children():
-            try:
-                if "spawn_main" in " ".join(c.cmdline()):
-                    found.append(c)
-            except psutil.NoSuchProcess:  # a short-lived child (a git call) that ended meanwhile, a zombie included
-                pass
-        return found
-
     deadline = time.time() + 300
-    while time.time() < deadline and not rollout_workers():
+    while time.time() < deadline and not spawned_children(trainer):
         time.sleep(0.2)
-    found = rollout_workers()
+    found = spawned_children(trainer)
     assert found, "no rollout worker started"
     return p, run, found[0]
 

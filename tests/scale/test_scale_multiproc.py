@@ -67,13 +67,19 @@ def one_process(tmp_path_factory, cache):
     return run(tmp_path_factory.mktemp("one") / "run", cache=cache)
 
 
+#: each rank's minibatch in micro-batches (DDP all-reduces on the last backward only, DeepSpeed is told which backward
+#: ends the accumulation): the 2-process runs below take them, against one process's single pass
+MICRO = ["algo.max_tokens_per_microbatch=24"]
+
+
 @pytest.fixture(scope="module")
 def two_process(tmp_path_factory, cache, one_process):
+    """The 2-process run of a strategy (``TWO``), each rank's minibatch in micro-batches (``MICRO``), made once."""
     made = {}
 
     def get(name):
         if name not in made:
-            made[name] = run(tmp_path_factory.mktemp(name) / "run", TWO[name], cache=cache)
+            made[name] = run(tmp_path_factory.mktemp(name) / "run", TWO[name] + MICRO, cache=cache)
         return made[name]
 
     return get
@@ -81,8 +87,10 @@ def two_process(tmp_path_factory, cache, one_process):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_two_processes_train_like_one(strategy, one_process, two_process):
-    """ZeRO-2 is checked against the same one-process reference by the micro-batch test below (CI's time: every case
-    here is two runs of two processes)."""
+    """Two processes, each rank's minibatch in micro-batches, against one process's single pass: the same batches,
+    first update and weights. ZeRO-2 is checked against the same reference by the test below (CI's time: every case
+    here is two runs of two processes). Two processes without micro-batches train like one in the asynchronous cases
+    further down; the micro-batches were a test of their own for DDP and ZeRO-3 before, on runs of their own."""
     assert_trains_alike(one_process, two_process(strategy))
 
 
@@ -106,12 +114,10 @@ def assert_trains_alike(one: Path, two: Path):
         assert step > 0.1 and diff / step < 1e-2, (which, float(diff / step))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3"])
-def test_micro_batches_on_two_processes_train_like_one_process_in_one_pass(strategy, tmp_path, cache, one_process):
-    """algo.max_tokens_per_microbatch on two processes (each rank's minibatch in micro-batches: DDP all-reduces on
-    the last backward only, DeepSpeed is told which backward ends the accumulation) against one process's single
-    pass: the same first update, the same weights after 6 within the tolerance of the test above."""
-    got = run(tmp_path / "run", TWO[strategy] + ["algo.max_tokens_per_microbatch=24"], cache=cache)
+def test_zero2_micro_batches_on_two_processes_train_like_one_process_in_one_pass(tmp_path, cache, one_process):
+    """ZeRO-2's case of the test above (DDP's and ZeRO-3's are its runs): the same first update, the same weights
+    after 6 within the tolerance of the test above."""
+    got = run(tmp_path / "run", TWO["zero2"] + MICRO, cache=cache)
     ref, new = curves(one_process), curves(got)
     assert new["train/reward_mean"].tolist() == ref["train/reward_mean"].tolist()
     for key in ("train/grad_norm", "anchor/lag_norm"):
@@ -126,7 +132,7 @@ def test_micro_batches_on_two_processes_train_like_one_process_in_one_pass(strat
 def test_zero3_packed_passes_equal_its_padded_ones(tmp_path, cache, two_process):
     """Under ZeRO-3 (partitioned weights gathered module by module) the padding-free passes give the padded
     passes' first update: gradient norm and anchor lag to 1e-5."""
-    padded = run(tmp_path / "padded", TWO["zero3"] + ["algo.padding_free=false"], cache=cache)
+    padded = run(tmp_path / "padded", TWO["zero3"] + MICRO + ["algo.padding_free=false"], cache=cache)
     ref, new = curves(padded), curves(two_process("zero3"))
     assert new["train/reward_mean"].tolist() == ref["train/reward_mean"].tolist()
     for key in ("train/grad_norm", "anchor/lag_norm"):
@@ -144,10 +150,6 @@ def test_ranks_take_disjoint_blocks_of_whole_groups():
     assert [seeds[World(r, 2).block(8)] for r in range(2)] == [seeds[:4], seeds[4:]] and len(set(seeds)) == 8
     with pytest.raises(ValueError, match="do not split evenly"):
         World(0, 3).block(8)
-
-
-def test_zero3_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(tmp_path, cache, two_process):
-    assert_kill_resume_repeats(two_process("zero3"), tmp_path / "run", TWO["zero3"], cache)
 
 
 def assert_kill_resume_repeats(full: Path, killed: Path, extra, cache):
@@ -216,7 +218,9 @@ def test_a_pool_of_two_rollout_workers_trains_like_one_worker(strategy, async_ru
 def test_zero3_with_a_rollout_worker_killed_after_a_checkpoint_resumes_to_the_uninterrupted_run(
         tmp_path, cache, async_runs):
     """The batches in flight are rank 0's, saved in the checkpoint DeepSpeed writes from rank 0; both ranks resume
-    and repeat the uninterrupted run bit for bit."""
+    and repeat the uninterrupted run bit for bit. A synchronous 2-process ZeRO-3 run killed alike was a test of its
+    own: this one restores the same partitioned weights, anchor and optimizer from both ranks, and the batches in
+    flight besides; the synchronous resume of a ZeRO-3 checkpoint is repeated bit for bit by the SIGTERM test below."""
     assert_kill_resume_repeats(async_runs("zero3"), tmp_path / "run", TWO["zero3"] + ASYNC, cache)
 
 
@@ -225,12 +229,14 @@ def test_a_killed_worker_stops_every_trainer_process_with_one_line(tmp_path, cac
     collective's timeout), the run exits non-zero naming the worker, and no process is left."""
     import psutil
 
+    from helpers import spawned_children
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "ema_pg.train", *ARGS, *TWO["ddp"], *ASYNC, "algo.iterations=400", "algo.eval_every=100",
          f"run_dir={tmp_path / 'run'}", f"sft.cache_dir={cache}"], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     rank0, t0 = psutil.Process(proc.pid), time.time()
-    spawned = lambda: [c for c in rank0.children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+    spawned = lambda: spawned_children(rank0, recursive=True)
     while not spawned() and time.time() - t0 < 300:
         time.sleep(0.2)
     assert spawned(), "no rollout worker started"

@@ -8,7 +8,6 @@ import itertools
 import math
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from omegaconf import OmegaConf
 from ema_pg.workbench.reports import REPORTS
 from ema_pg.workbench.sweepfiles import TABLES
 from ema_pg.workbench.results import load_runs
+from helpers import run_in_one_process
 
 ROOT = Path(__file__).resolve().parents[2]
 SWEEPS = sorted(p.stem for p in (ROOT / "sweeps").glob("*.yaml"))
@@ -53,49 +53,6 @@ def test_every_sweep_is_listed_and_documented():
         assert len(seeds) >= 3, f"{name}: the paper-shaped sweep has >= 3 seeds"
         n, cols = shape(name)
         assert n >= 2 and cols, name
-
-
-#: ``python -m MODULE ARGV`` for each (label, ARGV) of a JSON list, one after another in one process: ``runpy`` runs the
-#: module as ``-m`` does, with a fresh Hydra for each (as a fresh process has one); each command's console lies between
-#: its marker lines, its exit code on the closing one. One interpreter start serves fourteen commands (~10 s each here)
-DRIVER = """import json, runpy, sys, traceback
-from hydra.core.global_hydra import GlobalHydra
-module = sys.argv[1]
-for label, argv in json.loads(sys.argv[2]):
-    for f in (sys.stdout, sys.stderr):
-        print(f"\\n<<< {label}", file=f, flush=True)  # on a line of its own, whatever came before
-    sys.argv = [module, *argv]
-    GlobalHydra.instance().clear()
-    code = 0
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit as e:  # as the interpreter ends on it: None is 0, a message is printed and is 1
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if code and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    for f in (sys.stdout, sys.stderr):
-        print(f"\\n>>> {label} {code}", file=f, flush=True)
-"""
-
-
-def run_in_one_process(module: str, commands: dict[str, list[str]], timeout: float, env=None) -> dict[str, tuple]:
-    """``python -m module argv`` for each label -> argv of ``commands``, in one process (:data:`DRIVER`): label ->
-    (exit code, or None where the command never ended; its console, stdout then stderr)."""
-    r = subprocess.run([sys.executable, "-c", DRIVER, module, json.dumps(list(commands.items()))], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
-
-    def section(text: str, label: str) -> tuple[str, int | None]:
-        m = re.search(rf"^<<< {re.escape(label)}\n(.*?)^>>> {re.escape(label)} (-?\d+)$", text, re.DOTALL | re.MULTILINE)
-        return (m.group(1), int(m.group(2))) if m else (text[-3000:], None)
-
-    out = {}
-    for label in commands:
-        (o, code), (e, _) = section(r.stdout, label), section(r.stderr, label)
-        out[label] = (code, o + e)
-    return out
 
 
 @pytest.fixture(scope="session")

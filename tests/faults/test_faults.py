@@ -345,8 +345,8 @@ def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrup
     runs' to cover). With ``model.compile=true``: the resumed process compiles afresh and must still repeat the
     uninterrupted run bit for bit. Asynchronous (a rollout worker two versions behind, the anchor aligned): the batches
     in flight travel with the checkpoint, and the worker dies with its trainer; with a pool of two workers, the joined
-    batches in flight do. The cases share one cold-start cache, so that the reference run of every case after the
-    first is timed as the killed runs go (cold start cached) and no second uninterrupted run is made to time them."""
+    batches in flight do. The cases share one cold-start cache, built before the first (:func:`kill_cache`), so that
+    each case's reference run is timed as its killed runs go (cold start cached)."""
     import random
     import signal
     import subprocess
@@ -367,11 +367,8 @@ def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrup
         assert subprocess.run(cmd(run), cwd=root, capture_output=True, timeout=600).returncode == 0
         return time.time() - t0
 
-    cached = any(kill_cache.iterdir())
     ref = tmp_path / "ref"
     whole = timed(ref)
-    if not cached:  # the reference built the cold start: one run with it cached gives the time a killed run takes
-        whole = timed(tmp_path / "timing")
     rng = random.Random(0)
     for trial in range(1 if extra else 3):  # the moments are the eager runs' to cover
         run = tmp_path / f"killed{trial}"
@@ -389,8 +386,18 @@ def test_kill_9_at_random_moments_then_the_same_command_ends_where_an_uninterrup
 
 @pytest.fixture(scope="module")
 def kill_cache(tmp_path_factory):
-    """The kill -9 cases' one cold-start cache (their cold starts are one: the cases differ in RL settings alone)."""
-    return tmp_path_factory.mktemp("kill_cache")
+    """The kill -9 cases' one cold-start cache (their cold starts are one: the cases differ in RL settings alone),
+    built here by a one-iteration run in this process, so that every case's reference run meets it cached."""
+    from helpers import compose_cfg
+
+    from ema_pg.engine.fit import train
+
+    cache = tmp_path_factory.mktemp("kill_cache")
+    cfg = compose_cfg([*[o for o in cli_tiny(cache) if not o.startswith("sft.cache_dir=")], "algo.iterations=1",
+                       f"sft.cache_dir={cache}"], tmp_path_factory.mktemp("kill_cache_build"), tiny=False)
+    train(cfg)
+    assert any(cache.iterdir())
+    return cache
 
 
 def test_a_collapsed_policy_is_warned_once(caplog):

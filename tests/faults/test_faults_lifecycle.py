@@ -299,7 +299,7 @@ def test_sigterm_saves_the_iteration_exits_75_and_the_resume_repeats_the_uninter
     does: weights bit for bit, the same metrics rows (no evaluation at the interruption)."""
     from ema_pg.engine.policy import checkpoint_iteration, load_run_model
 
-    args = cli_tiny(tmp_path) + ["algo.iterations=600", "algo.eval_every=300", "if_exists=resume"]
+    args = cli_tiny(tmp_path) + ["algo.iterations=200", "algo.eval_every=100", "if_exists=resume"]
     ref, run = tmp_path / "ref", tmp_path / "run"
     assert _run(args + [f"run_dir={ref}", f"hydra.run.dir={ref}"]).returncode == 0
     p = subprocess.Popen(PY + args + [f"run_dir={run}", f"hydra.run.dir={run}"], cwd=ROOT, stdout=subprocess.PIPE,
@@ -309,8 +309,8 @@ def test_sigterm_saves_the_iteration_exits_75_and_the_resume_repeats_the_uninter
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 75, out[-2000:]
     it = checkpoint_iteration(run)
-    assert 0 < it < 600 and it % 300 and not (run / "eval.json").exists()  # inside an evaluation period
-    assert f"stopped by SIGTERM after iteration {it} of 600; it resumes from its checkpoint of iteration {it}" in out
+    assert 0 < it < 200 and it % 100 and not (run / "eval.json").exists()  # inside an evaluation period
+    assert f"stopped by SIGTERM after iteration {it} of 200; it resumes from its checkpoint of iteration {it}" in out
     again = _run(args + [f"run_dir={run}", f"hydra.run.dir={run}"])
     assert again.returncode == 0, again.stderr[-2000:]
     for which in ("policy", "anchor"):
@@ -425,7 +425,7 @@ def test_a_sigtermed_sweep_exits_75_and_the_same_command_finishes_it(tmp_path):
     the runs that were there)."""
     from ema_pg.engine.sweeps import sweep_state
 
-    args = ["-m", *cli_tiny(tmp_path), "algo.iterations=300", "algo.eval_every=150", "if_exists=resume", "seed=0,1",
+    args = ["-m", *cli_tiny(tmp_path), "algo.iterations=150", "algo.eval_every=75", "if_exists=resume", "seed=0,1",
             f"hydra.sweep.dir={tmp_path / 'sweep'}"]
     p = subprocess.Popen(PY + args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_while_alive(p, lambda: any(training_under_way(j) for j in (tmp_path / "sweep").glob("0_*")))  # job 0 trains

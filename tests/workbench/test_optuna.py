@@ -250,8 +250,8 @@ def test_a_sigtermed_worker_saves_its_trials_iteration_exits_75_and_the_same_com
 
     from ema_pg.engine.policy import checkpoint_iteration
 
-    f = study_file(tmp_path, n_trials=1, overrides=["experiment=demo", *TINY_RUN, "algo.iterations=600",
-                                                     "algo.eval_every=300", f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
+    f = study_file(tmp_path, n_trials=1, overrides=["experiment=demo", *TINY_RUN, "algo.iterations=200",
+                                                     "algo.eval_every=100", f"sft.cache_dir={tmp_path.parent}/optuna_cache"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "ema_pg.hpo", str(f)]
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -261,8 +261,8 @@ def test_a_sigtermed_worker_saves_its_trials_iteration_exits_75_and_the_same_com
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 75, out[-3000:]
     it = checkpoint_iteration(run)
-    assert 0 < it < 600 and it % 300, it  # the iteration it reached, inside an evaluation period
-    assert f"stopped by SIGTERM after iteration {it} of 600" in out and "run the same command again" in out
+    assert 0 < it < 200 and it % 100, it  # the iteration it reached, inside an evaluation period
+    assert f"stopped by SIGTERM after iteration {it} of 200" in out and "run the same command again" in out
     study = optuna.load_study(study_name="t", storage=f"sqlite:///{tmp_path}/t.db")
     assert [t.state for t in study.get_trials()] == [TrialState.FAIL, TrialState.WAITING]  # re-queued, same point
     again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

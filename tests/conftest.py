@@ -26,24 +26,26 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # one of `make test`'s worker process
 
 
 #: The slow and scale suites' longest files, longest first: their test-seconds on a 2-core CI-class machine
-#: (``pytest -m "slow and not scale" -n 2 --dist loadfile --durations=0`` at d37aaa6, and the scale suite's run of
-#: the session before). pytest-xdist's loadfile with ``--no-loadscope-reorder`` (as the Makefile runs it) hands out
-#: whole files in collection order, the next one to the first worker left with two tests or fewer: the longest start
-#: first and the short ones fill the end. xdist's own order (most tests first) and the alphabetical one could each
-#: start a long file last while the other worker had nothing left.
+#: (``pytest -m "slow and not scale" -n 2 --dist loadfile --durations=0`` and the same of ``-m scale``, at 1e53dfb,
+#: before that session's cuts to the scale files, the byo page and the SIGTERM tests). pytest-xdist's loadfile with
+#: ``--no-loadscope-reorder`` (as the Makefile runs it) hands out whole files in collection order, the next one to the
+#: first worker left with two tests or fewer: the longest start first and the short ones fill the end. xdist's own
+#: order (most tests first) and the alphabetical one could each start a long file last while the other worker had
+#: nothing left.
 LONGEST_FIRST = (
-    "tests/scale/test_scale_vllm.py",  # ~1550 s
-    "tests/scale/test_scale_multiproc.py",  # ~1430 s
-    "tests/engine/test_sweeps.py",  # ~715 s, its every-sweep fixture ~390-600 s of it
-    "tests/workbench/test_launchers.py",  # ~640 s
-    "tests/workbench/test_optuna.py",  # ~520 s
-    "tests/faults/test_faults.py",  # ~510 s
-    "tests/workbench/test_byo_page.py",  # ~345 s
-    "tests/faults/test_faults_lifecycle.py",  # ~345 s
-    "tests/engine/test_console.py",  # ~130 s slow, ~230 s scale
-    "tests/engine/test_tracking_e2e.py",  # ~200 s
-    "tests/engine/test_async.py",  # ~170 s
+    "tests/scale/test_scale_multiproc.py",  # ~990 s
+    "tests/scale/test_scale_vllm.py",  # ~990 s
+    "tests/faults/test_faults.py",  # ~625 s
+    "tests/engine/test_sweeps.py",  # ~570 s, its every-sweep fixture ~320 s of it
+    "tests/workbench/test_launchers.py",  # ~510 s
+    "tests/workbench/test_optuna.py",  # ~460 s
+    "tests/faults/test_faults_lifecycle.py",  # ~370 s
+    "tests/workbench/test_byo_page.py",  # ~355 s
+    "tests/engine/test_async.py",  # ~200 s
+    "tests/engine/test_tracking_e2e.py",  # ~170 s
+    "tests/engine/test_train.py",  # ~150 s
     "tests/workbench/test_decide.py",  # ~135 s
+    "tests/engine/test_console.py",  # ~130 s slow, ~75 s scale
 )
 
 

@@ -148,7 +148,8 @@ def test_an_asynchronous_run_samples_each_batch_on_the_engine_with_its_versions_
         run, console = one_worker
     else:
         run = tmp_path / "run"
-        evals = [o if not o.startswith("algo.eval_every=") else "algo.eval_every=3" for o in ASYNC]  # an engine each
+        # each rank evaluates on an engine of its own: at 0, 3 and 6, as this case did before
+        evals = [o if not o.startswith("algo.eval_every=") else "algo.eval_every=3" for o in ASYNC]
         console = _train(*evals, f"sft.cache_dir={cache}", f"run_dir={run}", f"hydra.run.dir={run}", *trainers)
     assert "rollouts by staleness (iterations): 0: 1, 1: 5" in console
     assert noise(console) == [], noise(console)[:5]  # the worker's engine start is as quiet as the trainer's

@@ -277,7 +277,8 @@ for label, argv in json.loads(sys.argv[2]):
 
 def run_in_one_process(module: str, commands: dict[str, list[str]], timeout: float, env=None, cwd=ROOT) -> dict[str, tuple]:
     """``python -m module argv`` for each label -> argv of ``commands``, in one process (:data:`DRIVER`) started in
-    ``cwd``: label -> (exit code, or None where the command never ended; its console, stdout then stderr)."""
+    ``cwd``: label -> (exit code, or None where the command never ended; its console, stdout then stderr; its
+    stderr alone)."""
     r = subprocess.run([sys.executable, "-c", DRIVER, module, json.dumps(list(commands.items()))], cwd=cwd, env=env,
                        capture_output=True, text=True, timeout=timeout)
 
@@ -288,7 +289,7 @@ def run_in_one_process(module: str, commands: dict[str, list[str]], timeout: flo
     out = {}
     for label in commands:
         (o, code), (e, _) = section(r.stdout, label), section(r.stderr, label)
-        out[label] = (code, o + e)
+        out[label] = (code, o + e, e)
     return out
 
 

@@ -68,7 +68,7 @@ def tiny_sweeps(tmp_path_factory):
                           f"hydra.sweep.dir={base / name}"]
     done = run_in_one_process("ema_pg.train", commands, timeout=900 * len(SWEEPS),
                               env={**os.environ, "EMA_PG_CACHE": str(base / "cache")})
-    for name, (code, console) in done.items():
+    for name, (code, console, _) in done.items():
         assert code == 0, f"{name} failed:\n{console[-3000:]}"
     return {name: base / name for name in SWEEPS}
 
@@ -97,7 +97,7 @@ def sweep_reports(tiny_sweeps, tmp_path_factory):
         (base / name).mkdir()  # each report's --out an existing folder, as the tests' own tmp_path was
     done = run_in_one_process("ema_pg.reports", {name: [name, "--runs", str(tiny_sweeps[name]), "--out",
                                                         str(base / name)] for name in SWEEPS}, timeout=300 * len(SWEEPS))
-    return {name: (base / name, *done[name]) for name in SWEEPS}
+    return {name: (base / name, *done[name][:2]) for name in SWEEPS}
 
 
 @pytest.mark.slow

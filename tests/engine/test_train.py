@@ -382,8 +382,8 @@ def test_command_line_errors_are_one_clear_line(tmp_path):
              "anchor.eta must be in [0, 1]": ["anchor.eta=1.5"]}
     done = run_in_one_process("ema_pg.train", {w: [*a, f"hydra.run.dir={tmp_path}"] for w, a in wants.items()},
                               timeout=300)
-    for want, (code, console) in done.items():
-        assert code not in (0, None) and want in console.strip().splitlines()[-1] and "Traceback" not in console, console
+    for want, (code, console, stderr) in done.items():
+        assert code not in (0, None) and want in stderr.strip().splitlines()[-1] and "Traceback" not in stderr, console
 
 
 def test_evaluate_base_policy_of_a_config(tmp_path, capsys):

@@ -54,8 +54,9 @@ def test_every_command_on_the_page_runs(tmp_path):
     """The page's commands in its order, each in a process of its own, but for its training commands: those run one
     after another in one process (:func:`helpers.run_in_one_process`, a fresh Hydra for each), started after every
     other command, with the page's ``PYTHONPATH=tests/fixtures/byo_task`` on its path. No training command reads what
-    another writes, and every other command comes before them on the page but the search server's start, which they
-    need running. One interpreter start instead of thirteen (each ~10 s of imports here); what is tested of each is
+    another writes. The page's other commands come before its training commands but two: the ``pip install`` after
+    the first (which imports the task by its path and needs no entry point) and the search server's start, which the
+    search command needs running. One interpreter start instead of thirteen (each ~10 s of imports here); what is tested of each is
     its task, data, model and environment, built in full, and its exit code and final evaluation line."""
     from helpers import run_in_one_process
 
@@ -87,7 +88,7 @@ def test_every_command_on_the_page_runs(tmp_path):
         commands = {f"{i}: {c[:120]}": train_argv(c.replace("8000", port)) + SHORT.split() for i, c in enumerate(trains)}
         both = {**env, "PYTHONPATH": f"{env['PYTHONPATH']}:{tmp_path / 'tests' / 'fixtures' / 'byo_task'}"}
         done = run_in_one_process("ema_pg.train", commands, timeout=600 * len(trains), env=both, cwd=tmp_path)
-        for label, (code, console) in done.items():
+        for label, (code, console, _) in done.items():
             assert code == 0 and "final eval/avg/" in console, (label, console[-3000:])
     finally:
         if server is not None:
